@@ -1,0 +1,1 @@
+"""The ``kvferry`` command."""

@@ -1,0 +1,1 @@
+"""Pieces every kvferry component shares: the digest chain, logging, ids, gRPC helpers."""

