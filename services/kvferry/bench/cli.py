@@ -1,0 +1,33 @@
+"""``kvferry bench <name>``: each benchmark lives in its own module exposing ``configure(parser)`` and
+``run(args) -> int``. Modules are imported to register their flags, so they keep heavy imports
+(vLLM, torch, plotting) inside ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS: list[tuple[str, str, str]] = [
+    ("registry", "kvferry.bench.registry", "registry throughput/latency and live-retention capacity on real etcd"),
+    ("router", "kvferry.bench.router", "latency the router adds per turn, and turns/s per router process"),
+    ("multiturn", "kvferry.bench.multiturn", "multi-turn agent TTFT with reuse on/off, and hit rate vs gap"),
+    ("idle", "kvferry.bench.idle", "CPU an idle engine burns with and without retained KV"),
+]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module_name, help_text in BENCHMARKS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as missing:
+            if missing.name != module_name:
+                raise
+            continue
+        child = sub.add_parser(name, help=help_text, description=help_text)
+        module.configure(child)
+        child.set_defaults(_bench_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench_run(args))
