@@ -2,4 +2,5 @@
 
 pytest_plugins = [
     "tests.fixtures.etcd",
+    "tests.fixtures.registry",
 ]

@@ -1,0 +1,43 @@
+"""The registry's configuration: one dataclass, filled from flags or environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TtlPolicy:
+    """Lease lengths the registry grants, in seconds: a request's 0 takes the default."""
+
+    default_engine_ttl_seconds: int = 10
+    max_engine_ttl_seconds: int = 300
+    default_retention_ttl_seconds: int = 300
+    max_retention_ttl_seconds: int = 3600
+
+    def __post_init__(self) -> None:
+        for name in ("default_engine_ttl_seconds", "default_retention_ttl_seconds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 s")
+        if self.default_engine_ttl_seconds > self.max_engine_ttl_seconds:
+            raise ValueError("the default engine TTL exceeds the maximum engine TTL")
+        if self.default_retention_ttl_seconds > self.max_retention_ttl_seconds:
+            raise ValueError("the default retention TTL exceeds the maximum retention TTL")
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    listen_address: str = "127.0.0.1:50051"
+    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    # Deadline of every single etcd call; past it the RPC fails with UNAVAILABLE.
+    etcd_timeout_seconds: float = 2.0
+    key_prefix: str = "/kvferry/"
+    ttl: TtlPolicy = field(default_factory=TtlPolicy)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.etcd_endpoints:
+            raise ValueError("at least one etcd endpoint is required (--etcd-endpoints)")
+        if not self.key_prefix.endswith("/"):
+            raise ValueError(f"key prefix {self.key_prefix!r} must end with '/'")
+        if self.etcd_timeout_seconds <= 0:
+            raise ValueError("the etcd timeout must be positive")

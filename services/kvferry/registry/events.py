@@ -1,0 +1,201 @@
+"""Retention events per engine: one etcd watch, fanned out to every WatchRetentions stream.
+
+The watch covers ``retention/`` (live records and tombstones) with previous values, so each
+event explains itself:
+
+- DELETE of a live key, with a tombstone PUT in the same revision: ENDED with the tombstone's
+  reason (RELEASED, EVICTED, ENGINE_GONE);
+- DELETE of a live key without one: the lease ran out, ENDED with EXPIRED;
+- PUT over a live key held by another lease: the older turn ENDED with SUPERSEDED;
+- PUT over a live key under the same lease: RENEWED, with the new expiry.
+
+Events are routed by the engine named in the (previous) record. The watch resumes from the last
+revision it saw when etcd comes back, so no ending is lost across an outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvferry.registry.errors import EtcdFailure, EtcdUnavailable
+from kvferry.registry.etcd import EVENT_DELETE, EVENT_PUT, EtcdGateway, RevisionCompacted, prefix_end
+from kvferry.registry.keys import ConversationKey, KeyLayout
+from kvferry.registry.records import decode_record, decode_tombstone
+from kvferry.registry.store import Backoff, Clock
+from kvferry.v1 import registry_service_pb2 as registry
+from kvferry.v1 import resources_pb2 as resources
+
+log = logging.getLogger(__name__)
+
+# Events buffered per stream before it is cut off as too slow (the client re-watches).
+SUBSCRIBER_QUEUE_SIZE = 10_000
+
+
+@dataclass(frozen=True)
+class RetentionEvent:
+    type: registry.RetentionEventType.ValueType
+    retention: resources.Retention
+    reason: resources.ReleaseReason.ValueType
+    end_time: float
+    revision: int
+
+
+class SubscriberTooSlow(Exception):
+    """The stream's consumer fell more than SUBSCRIBER_QUEUE_SIZE events behind."""
+
+
+@dataclass(eq=False)
+class Subscription:
+    engine_id: str
+    queue: asyncio.Queue[RetentionEvent | None] = field(
+        default_factory=lambda: asyncio.Queue(maxsize=SUBSCRIBER_QUEUE_SIZE)
+    )
+    overflowed: bool = False
+
+    def offer(self, event: RetentionEvent) -> None:
+        if self.overflowed:
+            return
+        try:
+            self.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            # Make room for the wake-up marker so the consumer notices at once.
+            self.queue.get_nowait()
+            self.queue.put_nowait(None)
+
+    async def events(self) -> AsyncIterator[RetentionEvent]:
+        while True:
+            event = await self.queue.get()
+            if event is None or self.overflowed:
+                raise SubscriberTooSlow(
+                    f"the watch of engine {self.engine_id} fell {SUBSCRIBER_QUEUE_SIZE} events behind; "
+                    "watch again"
+                )
+            yield event
+
+
+class RetentionEventHub:
+    """Starts its etcd watch with the first subscriber and keeps it until closed."""
+
+    def __init__(self, etcd: EtcdGateway, layout: KeyLayout, clock: Clock) -> None:
+        self._etcd = etcd
+        self._layout = layout
+        self._clock = clock
+        self._subscribers: dict[str, set[Subscription]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._start_lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, engine_id: str) -> AsyncIterator[Subscription]:
+        """Events of ``engine_id`` from now on. Raises EtcdUnavailable when etcd cannot be reached."""
+        async with self._start_lock:
+            if self._task is None or self._task.done():
+                start = await self._etcd.current_revision() + 1
+                self._task = asyncio.create_task(self._follow(start), name="retention-event-hub")
+        subscription = Subscription(engine_id)
+        self._subscribers.setdefault(engine_id, set()).add(subscription)
+        try:
+            yield subscription
+        finally:
+            peers = self._subscribers.get(engine_id)
+            if peers is not None:
+                peers.discard(subscription)
+                if not peers:
+                    del self._subscribers[engine_id]
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _follow(self, start_revision: int) -> None:
+        revision = start_revision - 1
+        backoff = Backoff()
+        prefix = self._layout.retention_events
+        while True:
+            try:
+                async for response in self._etcd.watch(
+                    prefix, prefix_end(prefix), start_revision=revision + 1
+                ):
+                    backoff.reset()
+                    revision = self._dispatch(response.events, revision)
+            except (EtcdUnavailable, EtcdFailure) as error:
+                log.warning(
+                    "retention watch lost etcd; resuming", extra={"error": str(error), "revision": revision}
+                )
+                await backoff.wait()
+            except RevisionCompacted as compacted:
+                log.error(
+                    "retention watch resumed past compacted history; some endings were not reported",
+                    extra={"compact_revision": compacted.compact_revision},
+                )
+                revision = await self._current_revision_or(revision)
+
+    async def _current_revision_or(self, fallback: int) -> int:
+        try:
+            return await self._etcd.current_revision()
+        except EtcdUnavailable:
+            return fallback
+
+    def _dispatch(self, events: list[object], revision: int) -> int:
+        # A whole revision arrives in one response, the tombstone before the deletion it explains.
+        tombstones: dict[tuple[ConversationKey, int], tuple[resources.ReleaseReason.ValueType, float]] = {}
+        layout = self._layout
+        for event in events:
+            kv = event.kv  # type: ignore[attr-defined]
+            event_type = event.type  # type: ignore[attr-defined]
+            prev_kv = event.prev_kv  # type: ignore[attr-defined]
+            revision = int(kv.mod_revision)
+            key: bytes = kv.key
+            if key.startswith(layout.tombstones):
+                if event_type == EVENT_PUT:
+                    tombstones[(layout.conversation_of_tombstone(key), revision)] = decode_tombstone(kv.value)
+                continue
+            if not key.startswith(layout.live_retentions):
+                continue
+            if event_type == EVENT_DELETE:
+                if not prev_kv.key:
+                    continue
+                ended = decode_record(prev_kv.value).retention
+                reason, end_time = tombstones.get(
+                    (layout.conversation_of_live(key), revision),
+                    (resources.RELEASE_REASON_EXPIRED, self._clock()),
+                )
+                self._publish(
+                    RetentionEvent(registry.RETENTION_EVENT_TYPE_ENDED, ended, reason, end_time, revision)
+                )
+            elif prev_kv.key and prev_kv.lease == kv.lease:
+                renewed = decode_record(kv.value).retention
+                self._publish(
+                    RetentionEvent(
+                        registry.RETENTION_EVENT_TYPE_RENEWED,
+                        renewed,
+                        resources.RELEASE_REASON_UNSPECIFIED,
+                        0.0,
+                        revision,
+                    )
+                )
+            elif prev_kv.key:
+                replaced = decode_record(prev_kv.value).retention
+                successor = decode_record(kv.value).retention
+                end_time = successor.publish_time.ToNanoseconds() / 1e9
+                self._publish(
+                    RetentionEvent(
+                        registry.RETENTION_EVENT_TYPE_ENDED,
+                        replaced,
+                        resources.RELEASE_REASON_SUPERSEDED,
+                        end_time,
+                        revision,
+                    )
+                )
+        return revision
+
+    def _publish(self, event: RetentionEvent) -> None:
+        for subscription in self._subscribers.get(event.retention.engine_id, ()):
+            subscription.offer(event)

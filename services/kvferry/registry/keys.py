@@ -1,0 +1,103 @@
+"""Where the registry keeps things in etcd (all under one operator-chosen prefix).
+
+    {prefix}engines/{engine_id}                              Engine          engine lease
+    {prefix}retention/live/{tenant}/{conversation_id}        stored record   the retention's lease
+    {prefix}retention/ended/{tenant}/{conversation_id}       tombstone       the retention's lease
+    {prefix}engine-retentions/{engine_id}/{tenant}/{conversation_id}
+                                                             incarnation     the retention's lease
+
+Ids are restricted to ``[A-Za-z0-9._:-]`` (kvferry.common.ids), so ``/`` separates fields
+unambiguously. The tenant is part of every retention key: no request names another tenant's
+conversation. ``live`` and ``ended`` share the ``retention/`` prefix so one watch sees a
+deletion and its tombstone in the same revision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvferry.registry.etcd import prefix_end
+
+
+@dataclass(frozen=True)
+class ConversationKey:
+    tenant: str
+    conversation_id: str
+
+    @property
+    def name(self) -> str:
+        """The retention's resource name."""
+        return f"tenants/{self.tenant}/conversations/{self.conversation_id}/retention"
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    prefix: str = "/kvferry/"
+
+    def __post_init__(self) -> None:
+        if not self.prefix.endswith("/"):
+            raise ValueError(f"key prefix {self.prefix!r} must end with '/'")
+
+    # engines
+    @property
+    def engines(self) -> bytes:
+        return f"{self.prefix}engines/".encode()
+
+    def engine(self, engine_id: str) -> bytes:
+        return self.engines + engine_id.encode()
+
+    def engine_id_of(self, key: bytes) -> str:
+        return key[len(self.engines) :].decode()
+
+    # retentions
+    @property
+    def retention_events(self) -> bytes:
+        """Covers live records and tombstones: what one retention watch follows."""
+        return f"{self.prefix}retention/".encode()
+
+    @property
+    def live_retentions(self) -> bytes:
+        return self.retention_events + b"live/"
+
+    @property
+    def tombstones(self) -> bytes:
+        return self.retention_events + b"ended/"
+
+    def live(self, conversation: ConversationKey) -> bytes:
+        return self.live_retentions + f"{conversation.tenant}/{conversation.conversation_id}".encode()
+
+    def tombstone(self, conversation: ConversationKey) -> bytes:
+        return self.tombstones + f"{conversation.tenant}/{conversation.conversation_id}".encode()
+
+    @staticmethod
+    def _conversation(tail: bytes) -> ConversationKey:
+        tenant, _, conversation_id = tail.decode().partition("/")
+        return ConversationKey(tenant, conversation_id)
+
+    def conversation_of_live(self, key: bytes) -> ConversationKey:
+        return self._conversation(key[len(self.live_retentions) :])
+
+    def conversation_of_tombstone(self, key: bytes) -> ConversationKey:
+        return self._conversation(key[len(self.tombstones) :])
+
+    # per-engine index
+    @property
+    def engine_indexes(self) -> bytes:
+        return f"{self.prefix}engine-retentions/".encode()
+
+    def engine_index_prefix(self, engine_id: str) -> bytes:
+        return self.engine_indexes + f"{engine_id}/".encode()
+
+    def engine_index(self, engine_id: str, conversation: ConversationKey) -> bytes:
+        return (
+            self.engine_index_prefix(engine_id)
+            + f"{conversation.tenant}/{conversation.conversation_id}".encode()
+        )
+
+    def index_entry_of(self, key: bytes) -> tuple[str, ConversationKey]:
+        engine_id, _, tail = key[len(self.engine_indexes) :].partition(b"/")
+        return engine_id.decode(), self._conversation(tail)
+
+    @staticmethod
+    def end_of(prefix: bytes) -> bytes:
+        return prefix_end(prefix)

@@ -1,0 +1,55 @@
+"""How retention records and tombstones are encoded in etcd values.
+
+A live record is the ``Retention`` message behind a small header naming the engine
+incarnation (the engine's lease id when the retention was published). A lookup accepts the
+record only while that same incarnation is registered: a re-registered engine (a restart,
+whose KV blocks are gone) never serves retentions from before (design rule 3).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from kvferry.v1 import resources_pb2 as resources
+
+_RECORD_MAGIC = b"R1"
+_RECORD_HEADER = struct.Struct(">2sq")
+_TOMBSTONE = struct.Struct(">Bd")
+_INCARNATION = struct.Struct(">q")
+
+
+@dataclass(frozen=True)
+class StoredRetention:
+    retention: resources.Retention
+    engine_incarnation: int
+
+
+def encode_record(retention: resources.Retention, engine_incarnation: int) -> bytes:
+    return _RECORD_HEADER.pack(_RECORD_MAGIC, engine_incarnation) + retention.SerializeToString()
+
+
+def decode_record(value: bytes) -> StoredRetention:
+    magic, incarnation = _RECORD_HEADER.unpack_from(value)
+    if magic != _RECORD_MAGIC:
+        raise ValueError(f"not a retention record (header {magic!r})")
+    retention = resources.Retention()
+    retention.ParseFromString(value[_RECORD_HEADER.size :])
+    return StoredRetention(retention=retention, engine_incarnation=incarnation)
+
+
+def encode_tombstone(reason: resources.ReleaseReason.ValueType, end_time: float) -> bytes:
+    return _TOMBSTONE.pack(int(reason), end_time)
+
+
+def decode_tombstone(value: bytes) -> tuple[resources.ReleaseReason.ValueType, float]:
+    reason, end_time = _TOMBSTONE.unpack(value)
+    return resources.ReleaseReason.ValueType(reason), float(end_time)
+
+
+def encode_incarnation(engine_incarnation: int) -> bytes:
+    return _INCARNATION.pack(engine_incarnation)
+
+
+def decode_incarnation(value: bytes) -> int:
+    return int(_INCARNATION.unpack(value)[0]) if len(value) == _INCARNATION.size else 0

@@ -1,0 +1,126 @@
+"""The registry's composition root: builds every object, starts the gRPC server and background tasks.
+
+``create_registry`` is for in-process use (tests, ``kvferry up``, benchmarks);
+``serve`` runs one until SIGINT/SIGTERM (``kvferry registry``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+from kvferry.common.grpc_server import start_server
+from kvferry.registry.config import RegistryConfig
+from kvferry.registry.errors import EtcdUnavailable
+from kvferry.registry.etcd import EtcdGateway, EtcdSettings
+from kvferry.registry.events import RetentionEventHub
+from kvferry.registry.keys import KeyLayout
+from kvferry.registry.service import RegistryServicer
+from kvferry.registry.store import Clock, RegistryStore
+from kvferry.v1 import registry_service_pb2 as registry
+from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = registry.DESCRIPTOR.services_by_name["RegistryService"].full_name
+_HEALTH_PROBE_SECONDS = 2.0
+
+
+@dataclass
+class Registry:
+    """A running registry: its address, its store (for in-process callers), and how to stop it."""
+
+    server: grpc.aio.Server
+    port: int
+    host: str
+    store: RegistryStore
+    hub: RetentionEventHub
+    etcd: EtcdGateway
+    health: health.aio.HealthServicer
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace_seconds: float = 1.0) -> None:
+        await self.server.stop(grace_seconds)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.hub.close()
+        await self.etcd.close()
+
+
+async def _probe_etcd(etcd: EtcdGateway, health_servicer: health.aio.HealthServicer) -> None:
+    """Reports NOT_SERVING while etcd does not answer, so load balancers route elsewhere."""
+    serving: bool | None = None
+    while True:
+        try:
+            await etcd.current_revision()
+            ok = True
+        except EtcdUnavailable:
+            ok = False
+        if ok != serving:
+            status = (
+                health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await health_servicer.set("", status)
+            await health_servicer.set(SERVICE_NAME, status)
+            if serving is not None:
+                log.warning(
+                    "etcd reachable" if ok else "etcd unreachable", extra={"endpoints": etcd.endpoints_text}
+                )
+            serving = ok
+        await asyncio.sleep(_HEALTH_PROBE_SECONDS)
+
+
+async def create_registry(config: RegistryConfig, *, clock: Clock = time.time) -> Registry:
+    """Starts a registry on ``config.listen_address`` (``host:0`` picks a free port).
+
+    It does not wait for etcd: calls fail with UNAVAILABLE until etcd answers.
+    """
+    etcd = EtcdGateway(
+        EtcdSettings(endpoints=config.etcd_endpoints, timeout_seconds=config.etcd_timeout_seconds)
+    )
+    await etcd.connect()
+    layout = KeyLayout(config.key_prefix)
+    store = RegistryStore(etcd, layout, config.ttl, clock=clock)
+    hub = RetentionEventHub(etcd, layout, clock)
+    servicer = RegistryServicer(store, hub)
+    server, port, health_servicer = await start_server(
+        config.listen_address,
+        [(registry_grpc.add_RegistryServiceServicer_to_server, servicer, SERVICE_NAME)],
+    )
+    host = config.listen_address.rpartition(":")[0] or "127.0.0.1"
+    tasks = [
+        asyncio.create_task(store.run_reaper(), name="registry-reaper"),
+        asyncio.create_task(_probe_etcd(etcd, health_servicer), name="registry-etcd-probe"),
+    ]
+    log.info(
+        "registry serving",
+        extra={"address": f"{host}:{port}", "etcd": etcd.endpoints_text, "key_prefix": config.key_prefix},
+    )
+    return Registry(server, port, host, store, hub, etcd, health_servicer, tasks)
+
+
+async def serve(config: RegistryConfig) -> None:
+    """Runs a registry until SIGINT or SIGTERM, then stops gracefully."""
+    running = await create_registry(config)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        await stopping.wait()
+    finally:
+        log.info("registry stopping")
+        await running.stop(grace_seconds=2.0)

@@ -1,0 +1,183 @@
+"""The gRPC RegistryService: thin handlers over RegistryStore and RetentionEventHub.
+
+Each handler translates messages; errors become statuses through ``errors.STATUS_BY_ERROR``.
+Watch streams send their initial metadata once the watch is in place, so a client that awaits
+``call.initial_metadata()`` knows later changes will reach it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from kvferry.registry import validation
+from kvferry.registry.errors import RegistryError, status_for
+from kvferry.registry.events import RetentionEvent, RetentionEventHub, SubscriberTooSlow
+from kvferry.registry.store import RegistryStore, timestamp
+from kvferry.v1 import registry_service_pb2 as registry
+from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
+from kvferry.v1 import resources_pb2 as resources
+
+log = logging.getLogger(__name__)
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+
+
+def _header(revision: int) -> resources.ResponseHeader:
+    return resources.ResponseHeader(revision=revision)
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: RegistryError, method: str) -> None:
+    code = status_for(error)
+    level = (
+        logging.WARNING if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) else logging.DEBUG
+    )
+    log.log(level, "request refused", extra={"method": method, "code": code.name, "error": str(error)})
+    await context.abort(code, str(error))
+
+
+def unary(
+    handler: Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]],
+) -> Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]]:
+    @functools.wraps(handler)
+    async def wrapped(self: Any, request: Request, context: grpc.aio.ServicerContext) -> Response:
+        try:
+            return await handler(self, request, context)
+        except RegistryError as error:
+            await _abort(context, error, handler.__name__)
+            raise AssertionError("unreachable: abort raises") from error
+
+    return wrapped
+
+
+def streaming(
+    handler: Callable[[Any, Request, grpc.aio.ServicerContext], AsyncIterator[Response]],
+) -> Callable[[Any, Request, grpc.aio.ServicerContext], AsyncIterator[Response]]:
+    @functools.wraps(handler)
+    async def wrapped(
+        self: Any, request: Request, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Response]:
+        try:
+            async for item in handler(self, request, context):
+                yield item
+        except RegistryError as error:
+            await _abort(context, error, handler.__name__)
+        except SubscriberTooSlow as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+
+    return wrapped
+
+
+def _retention_event(event: RetentionEvent) -> registry.WatchRetentionsResponse:
+    response = registry.WatchRetentionsResponse(
+        header=_header(event.revision), type=event.type, retention=event.retention, reason=event.reason
+    )
+    if event.type == registry.RETENTION_EVENT_TYPE_ENDED:
+        response.end_time.CopyFrom(timestamp(event.end_time))
+    return response
+
+
+class RegistryServicer(registry_grpc.RegistryServiceServicer):
+    def __init__(self, store: RegistryStore, hub: RetentionEventHub) -> None:
+        self._store = store
+        self._hub = hub
+
+    @unary
+    async def RegisterEngine(
+        self, request: registry.RegisterEngineRequest, context: grpc.aio.ServicerContext
+    ) -> registry.RegisterEngineResponse:
+        result = await self._store.register_engine(request.engine, request.ttl_seconds)
+        return registry.RegisterEngineResponse(
+            header=_header(result.revision), engine=result.engine, ttl_seconds=result.ttl_seconds
+        )
+
+    @unary
+    async def HeartbeatEngine(
+        self, request: registry.HeartbeatEngineRequest, context: grpc.aio.ServicerContext
+    ) -> registry.HeartbeatEngineResponse:
+        stats = request.stats if request.HasField("stats") else None
+        ttl_left, revision = await self._store.heartbeat_engine(request.engine_id, stats)
+        return registry.HeartbeatEngineResponse(header=_header(revision), ttl_seconds=ttl_left)
+
+    @unary
+    async def DeregisterEngine(
+        self, request: registry.DeregisterEngineRequest, context: grpc.aio.ServicerContext
+    ) -> registry.DeregisterEngineResponse:
+        revision = await self._store.deregister_engine(request.engine_id)
+        return registry.DeregisterEngineResponse(header=_header(revision))
+
+    @unary
+    async def ListEngines(
+        self, request: registry.ListEnginesRequest, context: grpc.aio.ServicerContext
+    ) -> registry.ListEnginesResponse:
+        page = await self._store.list_engines(request.role, request.page_size, request.page_token)
+        return registry.ListEnginesResponse(
+            header=_header(page.revision), engines=page.engines, next_page_token=page.next_page_token
+        )
+
+    @streaming
+    async def WatchEngines(
+        self, request: registry.WatchEnginesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[registry.WatchEnginesResponse]:
+        # Whatever changes after this point reaches the stream (in the listing or as an event).
+        await context.send_initial_metadata(())
+        events = self._store.watch_engines()
+        try:
+            async for event in events:
+                yield registry.WatchEnginesResponse(
+                    header=_header(event.revision), type=event.type, engine=event.engine
+                )
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    @unary
+    async def PublishRetention(
+        self, request: registry.PublishRetentionRequest, context: grpc.aio.ServicerContext
+    ) -> registry.PublishRetentionResponse:
+        result = await self._store.publish_retention(request.retention)
+        return registry.PublishRetentionResponse(
+            header=_header(result.revision),
+            retention=result.retention,
+            superseded_turn=result.superseded_turn,
+        )
+
+    @unary
+    async def GetRetention(
+        self, request: registry.GetRetentionRequest, context: grpc.aio.ServicerContext
+    ) -> registry.GetRetentionResponse:
+        found = await self._store.get_retention(request.tenant, request.conversation_id)
+        return registry.GetRetentionResponse(header=_header(found.revision), retention=found.retention)
+
+    @unary
+    async def RenewRetention(
+        self, request: registry.RenewRetentionRequest, context: grpc.aio.ServicerContext
+    ) -> registry.RenewRetentionResponse:
+        renewed = await self._store.renew_retention(request.tenant, request.conversation_id)
+        return registry.RenewRetentionResponse(
+            header=_header(renewed.revision),
+            expire_time=renewed.retention.expire_time,
+            ttl_seconds=renewed.retention.ttl_seconds,
+        )
+
+    @unary
+    async def ReleaseRetention(
+        self, request: registry.ReleaseRetentionRequest, context: grpc.aio.ServicerContext
+    ) -> registry.ReleaseRetentionResponse:
+        revision = await self._store.release_retention(
+            request.tenant, request.conversation_id, request.reason
+        )
+        return registry.ReleaseRetentionResponse(header=_header(revision))
+
+    @streaming
+    async def WatchRetentions(
+        self, request: registry.WatchRetentionsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[registry.WatchRetentionsResponse]:
+        engine_id = validation.require_id("engine_id", request.engine_id)
+        async with self._hub.subscribe(engine_id) as subscription:
+            await context.send_initial_metadata(())
+            async for event in subscription.events():
+                yield _retention_event(event)

@@ -1,0 +1,149 @@
+"""Checks on what callers send, with messages that say how to fix the request.
+
+Pure functions: they raise ``InvalidArgument`` and never touch etcd.
+"""
+
+from __future__ import annotations
+
+from kvferry.common.digest import DIGEST_BYTES
+from kvferry.common.ids import check_id
+from kvferry.registry.config import TtlPolicy
+from kvferry.registry.errors import InvalidArgument
+from kvferry.registry.keys import ConversationKey
+from kvferry.v1 import resources_pb2 as resources
+
+# etcd refuses requests above 1.5 MiB by default; keep one record well inside that.
+MAX_RECORD_BYTES = 1024 * 1024
+MAX_PAGE_SIZE = 1000
+DEFAULT_PAGE_SIZE = 100
+
+_VALID_ROLES = (resources.ENGINE_ROLE_PREFILL, resources.ENGINE_ROLE_DECODE, resources.ENGINE_ROLE_BOTH)
+
+
+def require_id(kind: str, value: str) -> str:
+    problem = check_id(kind, value)
+    if problem is not None:
+        raise InvalidArgument(problem)
+    return value
+
+
+def conversation_key(tenant: str, conversation_id: str) -> ConversationKey:
+    return ConversationKey(require_id("tenant", tenant), require_id("conversation_id", conversation_id))
+
+
+def resolve_ttl(kind: str, requested: int, default: int, maximum: int) -> int:
+    """The TTL to grant: ``requested``, or ``default`` when 0."""
+    if requested == 0:
+        return default
+    if requested < 0:
+        raise InvalidArgument(
+            f"{kind} ttl_seconds is {requested}; use a positive number, or 0 for the default"
+        )
+    if requested > maximum:
+        raise InvalidArgument(
+            f"{kind} ttl_seconds is {requested}; the registry allows at most {maximum} s "
+            "(renew more often instead, or raise the operator's cap)"
+        )
+    return requested
+
+
+def engine_ttl(requested: int, policy: TtlPolicy) -> int:
+    return resolve_ttl("engine", requested, policy.default_engine_ttl_seconds, policy.max_engine_ttl_seconds)
+
+
+def retention_ttl(requested: int, policy: TtlPolicy) -> int:
+    return resolve_ttl(
+        "retention", requested, policy.default_retention_ttl_seconds, policy.max_retention_ttl_seconds
+    )
+
+
+def validate_engine(engine: resources.Engine) -> None:
+    require_id("engine.engine_id", engine.engine_id)
+    if engine.role not in _VALID_ROLES:
+        raise InvalidArgument(
+            "engine.role is required: ENGINE_ROLE_PREFILL, ENGINE_ROLE_DECODE or ENGINE_ROLE_BOTH"
+        )
+    if not engine.http_endpoint:
+        raise InvalidArgument("engine.http_endpoint is required, e.g. 'http://127.0.0.1:8100'")
+    if engine.block_size <= 0:
+        raise InvalidArgument(
+            f"engine.block_size is {engine.block_size}; give the engine's tokens per KV block (> 0)"
+        )
+    if not 0 <= engine.nixl_port <= 65535:
+        raise InvalidArgument(f"engine.nixl_port {engine.nixl_port} is not a TCP port (0-65535)")
+    if engine.kv_capacity_blocks < 0:
+        raise InvalidArgument(
+            f"engine.kv_capacity_blocks is {engine.kv_capacity_blocks}; it cannot be negative"
+        )
+    if engine.max_model_len < 0:
+        raise InvalidArgument(f"engine.max_model_len is {engine.max_model_len}; it cannot be negative")
+
+
+def validate_retention_shape(retention: resources.Retention) -> ConversationKey:
+    """Checks everything that does not depend on the engine; returns the conversation key."""
+    conversation = conversation_key(retention.tenant, retention.conversation_id)
+    require_id("retention.engine_id", retention.engine_id)
+    require_id("retention.engine_request_id", retention.engine_request_id)
+    if retention.turn < 1:
+        raise InvalidArgument(f"retention.turn is {retention.turn}; turns are numbered from 1")
+    if not retention.block_ids:
+        raise InvalidArgument("retention.block_ids is empty; publish the block ids the engine keeps")
+    if any(block_id < 0 for block_id in retention.block_ids):
+        raise InvalidArgument("retention.block_ids has a negative block id")
+    if retention.num_tokens <= 0:
+        raise InvalidArgument(f"retention.num_tokens is {retention.num_tokens}; it must be positive")
+    if len(retention.block_digests) > len(retention.block_ids):
+        raise InvalidArgument(
+            f"retention has {len(retention.block_digests)} block_digests for {len(retention.block_ids)} "
+            "block_ids; "
+            "there is one digest per full block, so never more digests than blocks"
+        )
+    for index, digest in enumerate(retention.block_digests):
+        if len(digest) != DIGEST_BYTES:
+            raise InvalidArgument(
+                f"retention.block_digests[{index}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes "
+                "(kvferry.common.digest.block_digests)"
+            )
+    size = retention.ByteSize()
+    if size > MAX_RECORD_BYTES:
+        raise InvalidArgument(
+            f"retention is {size} bytes; the registry stores at most {MAX_RECORD_BYTES} bytes per retention"
+        )
+    return conversation
+
+
+def validate_against_engine(retention: resources.Retention, engine: resources.Engine) -> None:
+    """Checks that need the holding engine's block size."""
+    expected = retention.num_tokens // engine.block_size
+    if len(retention.block_digests) != expected:
+        raise InvalidArgument(
+            f"retention has {len(retention.block_digests)} block_digests; {retention.num_tokens} tokens at "
+            f"engine {engine.engine_id}'s block_size {engine.block_size} make {expected} full blocks, "
+            "one digest each"
+        )
+
+
+def release_reason(requested: resources.ReleaseReason.ValueType) -> resources.ReleaseReason.ValueType:
+    if requested == resources.RELEASE_REASON_UNSPECIFIED:
+        return resources.RELEASE_REASON_RELEASED
+    if requested in (resources.RELEASE_REASON_RELEASED, resources.RELEASE_REASON_EVICTED):
+        return requested
+    name = (
+        resources.ReleaseReason.Name(requested)
+        if requested in resources.ReleaseReason.values()
+        else requested
+    )
+    raise InvalidArgument(
+        f"release reason {name} is not for callers; use RELEASE_REASON_RELEASED (default) or "
+        "RELEASE_REASON_EVICTED"
+    )
+
+
+def page_size(requested: int) -> int:
+    if requested < 0:
+        raise InvalidArgument(
+            f"page_size is {requested}; use a positive number, or 0 for {DEFAULT_PAGE_SIZE}"
+        )
+    if requested == 0:
+        return DEFAULT_PAGE_SIZE
+    return min(requested, MAX_PAGE_SIZE)
