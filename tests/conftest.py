@@ -3,4 +3,5 @@
 pytest_plugins = [
     "tests.fixtures.etcd",
     "tests.fixtures.registry",
+    "tests.fixtures.router",
 ]

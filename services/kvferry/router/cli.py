@@ -1,0 +1,196 @@
+"""``kvferry router``: the gRPC and OpenAI-compatible HTTP front door.
+
+Every flag has an environment variable (shown in --help); a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+from kvferry.common.logs import setup_logging
+from kvferry.router.server import RouterConfig, start_router
+from kvferry.router.tenants import TenantConfigError
+
+log = logging.getLogger(__name__)
+
+_DEFAULTS = RouterConfig(registry_address="127.0.0.1:50051")
+
+# (flag, env var, type, default, help)
+_FLAGS: list[tuple[str, str, type, object, str]] = [
+    ("--registry", "KVFERRY_REGISTRY", str, _DEFAULTS.registry_address, "registry gRPC address, HOST:PORT"),
+    (
+        "--grpc-listen",
+        "KVFERRY_ROUTER_GRPC_LISTEN",
+        str,
+        "127.0.0.1:50052",
+        "gRPC listen address (port 0: any)",
+    ),
+    (
+        "--http-listen",
+        "KVFERRY_ROUTER_HTTP_LISTEN",
+        str,
+        "127.0.0.1:8080",
+        "HTTP listen address (port 0: any)",
+    ),
+    (
+        "--tenants-file",
+        "KVFERRY_ROUTER_TENANTS_FILE",
+        str,
+        "",
+        "API keys -> tenants, a .toml or .json file (format: docs/router.md)",
+    ),
+    (
+        "--api-keys",
+        "KVFERRY_ROUTER_API_KEYS",
+        str,
+        "",
+        "extra API keys as KEY=TENANT[,KEY=TENANT...] (for local stacks; prefer --tenants-file)",
+    ),
+    (
+        "--registry-timeout",
+        "KVFERRY_ROUTER_REGISTRY_TIMEOUT",
+        float,
+        _DEFAULTS.registry_timeout_seconds,
+        "deadline of each registry call, seconds",
+    ),
+    (
+        "--cost-profile",
+        "KVFERRY_ROUTER_COST_PROFILE",
+        str,
+        _DEFAULTS.cost_profile,
+        "default rates for the pull-or-recompute decision until engines report their own ('cpu' or a GPU "
+        "profile of kvferry.common.calibration)",
+    ),
+    (
+        "--kv-recompute-threshold",
+        "KVFERRY_ROUTER_KV_RECOMPUTE_THRESHOLD",
+        int,
+        _DEFAULTS.kv_recompute_threshold,
+        "fewest matched tokens worth a pull; set it to the engines' kv_recompute_threshold",
+    ),
+    (
+        "--lease-margin",
+        "KVFERRY_ROUTER_LEASE_MARGIN",
+        float,
+        _DEFAULTS.lease_margin_seconds,
+        "lease time that must remain after an estimated pull, seconds (else recompute)",
+    ),
+    (
+        "--default-max-tokens",
+        "KVFERRY_ROUTER_DEFAULT_MAX_TOKENS",
+        int,
+        _DEFAULTS.default_max_tokens,
+        "max_tokens when a request sets none",
+    ),
+    (
+        "--max-attempts",
+        "KVFERRY_ROUTER_MAX_ATTEMPTS",
+        int,
+        _DEFAULTS.max_attempts,
+        "engine attempts per turn (retries happen only before the first token, by recompute)",
+    ),
+    (
+        "--publish-wait",
+        "KVFERRY_ROUTER_PUBLISH_WAIT",
+        float,
+        _DEFAULTS.publish_wait_seconds,
+        "after the last token, wait up to this long for the registry to show the turn's retention, seconds",
+    ),
+    (
+        "--engine-connect-timeout",
+        "KVFERRY_ROUTER_ENGINE_CONNECT_TIMEOUT",
+        float,
+        _DEFAULTS.engine_connect_timeout_seconds,
+        "engine HTTP connect timeout, seconds",
+    ),
+    (
+        "--engine-read-timeout",
+        "KVFERRY_ROUTER_ENGINE_READ_TIMEOUT",
+        float,
+        _DEFAULTS.engine_read_timeout_seconds,
+        "longest wait for an engine's next bytes (a prefill, a streamed token), seconds",
+    ),
+    (
+        "--engine-max-connections",
+        "KVFERRY_ROUTER_ENGINE_MAX_CONNECTIONS",
+        int,
+        _DEFAULTS.engine_max_connections,
+        "HTTP connections per engine",
+    ),
+    (
+        "--max-body-bytes",
+        "KVFERRY_ROUTER_MAX_BODY_BYTES",
+        int,
+        _DEFAULTS.max_body_bytes,
+        "largest HTTP request body accepted",
+    ),
+    ("--log-level", "KVFERRY_LOG_LEVEL", str, "info", "debug, info, warning or error"),
+]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run the router: gRPC (kvferry.v1.RouterService) and an OpenAI-compatible HTTP API in front of "
+        "the prefill/decode engines registered in the registry. API keys map to tenants (--tenants-file)."
+    )
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    for flag, env, kind, default, help_text in _FLAGS:
+        raw = os.environ.get(env)
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=kind(raw) if raw is not None else default,
+            help=f"{help_text} [env {env}]",
+        )
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        registry_address=args.registry,
+        grpc_listen=args.grpc_listen,
+        http_listen=args.http_listen,
+        tenants_file=Path(args.tenants_file) if args.tenants_file else None,
+        api_keys=args.api_keys,
+        registry_timeout_seconds=args.registry_timeout,
+        cost_profile=args.cost_profile,
+        kv_recompute_threshold=args.kv_recompute_threshold,
+        lease_margin_seconds=args.lease_margin,
+        default_max_tokens=args.default_max_tokens,
+        max_attempts=args.max_attempts,
+        publish_wait_seconds=args.publish_wait,
+        engine_connect_timeout_seconds=args.engine_connect_timeout,
+        engine_read_timeout_seconds=args.engine_read_timeout,
+        engine_max_connections=args.engine_max_connections,
+        max_body_bytes=args.max_body_bytes,
+        # The service starts even with the registry away and syncs when it comes.
+        startup_sync_seconds=3.0,
+    )
+
+
+async def _serve(config: RouterConfig) -> None:
+    router = await start_router(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"kvferry router: gRPC {router.grpc_address}, HTTP {router.http_url}", flush=True)
+    await stop.wait()
+    log.info("router stopping")
+    await router.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        config = config_from_args(args)
+        asyncio.run(_serve(config))
+    except (TenantConfigError, ValueError, OSError) as error:
+        log.error("router failed to start", extra={"error": str(error)})
+        print(f"kvferry router: {error}")
+        return 2
+    return 0

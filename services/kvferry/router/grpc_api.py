@@ -1,0 +1,189 @@
+"""The gRPC front door: ``kvferry.v1.RouterService``. Thin: authenticate, validate, translate."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from kvferry.router.cost import Reuse
+from kvferry.router.errors import GRPC_CODES, Failure, RouterError, invalid, unavailable
+from kvferry.router.registry_client import RegistryApi, RegistryUnavailable
+from kvferry.router.tenants import ApiKeys, Tenant
+from kvferry.router.turns import (
+    ChatPrompt,
+    Prompt,
+    TextOut,
+    TextPrompt,
+    TokenPrompt,
+    TurnRequest,
+    TurnRunner,
+)
+from kvferry.router.validation import chat_messages, conversation_id, model_name, sampling
+from kvferry.v1 import router_service_pb2 as router_pb2
+from kvferry.v1 import router_service_pb2_grpc as router_grpc
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+
+REUSE_TO_PROTO = {
+    Reuse.NONE: router_pb2.REUSE_DECISION_NONE,
+    Reuse.PULL: router_pb2.REUSE_DECISION_PULL,
+    Reuse.RECOMPUTE: router_pb2.REUSE_DECISION_RECOMPUTE,
+}
+
+
+def _timestamp(unix_seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(unix_seconds * 1e9))
+    return stamp
+
+
+def turn_request_from_proto(request: router_pb2.GenerateRequest, tenant: Tenant) -> TurnRequest:
+    conv = conversation_id(request.conversation_id)
+    prompt: Prompt
+    kind = request.WhichOneof("prompt")
+    if kind == "chat":
+        prompt = ChatPrompt(chat_messages([(m.role, m.content) for m in request.chat.messages]))
+    elif kind == "tokens":
+        if not request.tokens.token_ids:
+            raise invalid("tokens.token_ids is empty", param="tokens")
+        prompt = TokenPrompt(tuple(request.tokens.token_ids))
+    elif kind == "text":
+        if not request.text:
+            raise invalid("text is empty", param="text")
+        prompt = TextPrompt(request.text)
+    else:
+        raise invalid("the prompt is missing: set one of chat, tokens or text", param="prompt")
+    s = request.sampling
+    options = sampling(
+        max_tokens=s.max_tokens or None,
+        temperature=s.temperature,
+        top_p=s.top_p or None,
+        seed=s.seed or None,
+        stop=list(s.stop),
+        ignore_eos=s.ignore_eos,
+    )
+    return TurnRequest(
+        tenant=tenant,
+        conversation_id=conv,
+        model=model_name(request.model),
+        prompt=prompt,
+        sampling=options,
+        retain=request.retain if request.HasField("retain") else True,
+    )
+
+
+class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
+    def __init__(self, *, runner: TurnRunner, keys: ApiKeys, registry: RegistryApi) -> None:
+        self._runner = runner
+        self._keys = keys
+        self._registry = registry
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
+        authorization = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                authorization = value if isinstance(value, str) else value.decode()
+        return self._keys.authenticate(authorization)
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, error: RouterError) -> None:
+        await context.abort(GRPC_CODES[error.failure], error.message)
+
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        try:
+            tenant = self._tenant(context)
+            turn = await self._runner.prepare(turn_request_from_proto(request, tenant))
+            async for event in self._runner.execute(turn):
+                if isinstance(event, TextOut):
+                    yield router_pb2.GenerateResponse(
+                        delta=router_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
+                    )
+                else:
+                    yield router_pb2.GenerateResponse(
+                        summary=router_pb2.TurnSummary(
+                            prompt_tokens=event.prompt_tokens,
+                            completion_tokens=event.completion_tokens,
+                            pulled_tokens=event.pulled_tokens,
+                            recomputed_tokens=event.recomputed_tokens,
+                            ttft_ms=event.ttft_ms,
+                            prefill_ms=event.prefill_ms,
+                            reuse=REUSE_TO_PROTO[event.reuse],
+                            prefill_engine_id=event.prefill_engine_id,
+                            decode_engine_id=event.decode_engine_id,
+                            finish_reason=event.finish_reason,
+                            turn=event.turn,
+                        )
+                    )
+        except RouterError as error:
+            await self._abort(context, error)
+
+    async def RenewConversation(
+        self, request: router_pb2.RenewConversationRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RenewConversationResponse:
+        try:
+            tenant = self._tenant(context)
+            conv = conversation_id(request.conversation_id)
+            expire = await self._registry_call(self._registry.renew_retention(tenant.name, conv))
+            if expire is None:
+                raise _nothing_retained(conv)
+            return router_pb2.RenewConversationResponse(expire_time=_timestamp(expire))
+        except RouterError as error:
+            await self._abort(context, error)
+            raise AssertionError("unreachable") from None
+
+    async def CloseConversation(
+        self, request: router_pb2.CloseConversationRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.CloseConversationResponse:
+        try:
+            tenant = self._tenant(context)
+            conv = conversation_id(request.conversation_id)
+            # Idempotent: closing what is already gone (expired, closed) succeeds.
+            await self._registry_call(self._registry.release_retention(tenant.name, conv))
+            return router_pb2.CloseConversationResponse()
+        except RouterError as error:
+            await self._abort(context, error)
+            raise AssertionError("unreachable") from None
+
+    async def GetConversation(
+        self, request: router_pb2.GetConversationRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.GetConversationResponse:
+        try:
+            tenant = self._tenant(context)
+            conv = conversation_id(request.conversation_id)
+            record = await self._registry_call(self._registry.get_retention(tenant.name, conv))
+            if record is None:
+                raise _nothing_retained(conv)
+            return router_pb2.GetConversationResponse(
+                conversation_id=conv,
+                turn=record.turn,
+                num_tokens=record.num_tokens,
+                engine_id=record.engine_id,
+                expire_time=_timestamp(record.expire_time),
+            )
+        except RouterError as error:
+            await self._abort(context, error)
+            raise AssertionError("unreachable") from None
+
+    @staticmethod
+    async def _registry_call(call: Awaitable[_T]) -> _T:
+        try:
+            return await call
+        except RegistryUnavailable as error:
+            raise unavailable(f"the registry is unavailable, retry shortly ({error})") from None
+
+
+def _nothing_retained(conv: str) -> RouterError:
+    return RouterError(
+        Failure.NOT_FOUND,
+        f"conversation {conv!r} has nothing retained (it expired, was closed, or has not finished a turn); "
+        "its next turn recomputes the prompt",
+    )

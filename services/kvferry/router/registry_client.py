@@ -1,0 +1,277 @@
+"""The router's view of the registry: retention lookups and renewals, and the engine table kept from
+the registry's engine watch.
+
+Every call carries a deadline. A registry that does not answer raises :class:`RegistryUnavailable`;
+the turn logic then serves by recompute (rule 7 of the design) instead of failing the turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
+from kvferry.router.errors import Failure, RouterError
+from kvferry.v1 import registry_service_pb2 as registry_pb2
+from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
+from kvferry.v1 import resources_pb2
+
+log = logging.getLogger(__name__)
+
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class RegistryUnavailable(Exception):
+    """The registry (or its etcd) did not answer in time."""
+
+
+@dataclass(frozen=True)
+class RetentionRecord:
+    """A conversation's live retention, as the registry holds it."""
+
+    tenant: str
+    conversation_id: str
+    engine_id: str
+    engine_request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    block_digests: tuple[bytes, ...]
+    turn: int
+    # Lease end, Unix seconds.
+    expire_time: float
+
+    @classmethod
+    def from_proto(cls, r: resources_pb2.Retention) -> RetentionRecord:
+        return cls(
+            tenant=r.tenant,
+            conversation_id=r.conversation_id,
+            engine_id=r.engine_id,
+            engine_request_id=r.engine_request_id,
+            block_ids=tuple(r.block_ids),
+            num_tokens=r.num_tokens,
+            block_digests=tuple(r.block_digests),
+            turn=r.turn,
+            expire_time=r.expire_time.seconds + r.expire_time.nanos / 1e9,
+        )
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    # "joined", "updated" or "left"
+    kind: str
+    engine: EngineInfo | None
+    engine_id: str
+
+
+class RegistryApi(Protocol):
+    """What the router asks of the registry."""
+
+    async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None: ...
+
+    async def renew_retention(self, tenant: str, conversation_id: str) -> float | None:
+        """New lease end (Unix seconds), or None when no retention is live."""
+        ...
+
+    async def release_retention(self, tenant: str, conversation_id: str) -> bool:
+        """True when a live retention was released."""
+        ...
+
+    async def list_engines(self) -> list[EngineInfo]: ...
+
+    def watch_engines(self) -> AsyncIterator[EngineEvent]: ...
+
+
+class GrpcRegistry:
+    """:class:`RegistryApi` over the registry's gRPC API."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, timeout_seconds: float) -> None:
+        self._stub = registry_grpc.RegistryServiceStub(channel)
+        self._timeout = timeout_seconds
+
+    @staticmethod
+    def _fail(error: grpc.aio.AioRpcError, what: str) -> Exception:
+        if error.code() in _UNREACHABLE:
+            return RegistryUnavailable(
+                f"registry did not answer {what}: {error.code().name} {error.details()}"
+            )
+        if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            return RouterError(Failure.INVALID_ARGUMENT, error.details() or what)
+        return RouterError(Failure.INTERNAL, f"registry failed {what}: {error.code().name} {error.details()}")
+
+    async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None:
+        try:
+            response = await self._stub.GetRetention(
+                registry_pb2.GetRetentionRequest(tenant=tenant, conversation_id=conversation_id),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise self._fail(error, "GetRetention") from None
+        return RetentionRecord.from_proto(response.retention)
+
+    async def renew_retention(self, tenant: str, conversation_id: str) -> float | None:
+        try:
+            response = await self._stub.RenewRetention(
+                registry_pb2.RenewRetentionRequest(tenant=tenant, conversation_id=conversation_id),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise self._fail(error, "RenewRetention") from None
+        return float(response.expire_time.seconds + response.expire_time.nanos / 1e9)
+
+    async def release_retention(self, tenant: str, conversation_id: str) -> bool:
+        try:
+            await self._stub.ReleaseRetention(
+                registry_pb2.ReleaseRetentionRequest(
+                    tenant=tenant,
+                    conversation_id=conversation_id,
+                    reason=resources_pb2.RELEASE_REASON_RELEASED,
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise self._fail(error, "ReleaseRetention") from None
+        return True
+
+    async def list_engines(self) -> list[EngineInfo]:
+        engines: list[EngineInfo] = []
+        page_token = ""
+        while True:
+            try:
+                response = await self._stub.ListEngines(
+                    registry_pb2.ListEnginesRequest(page_size=1000, page_token=page_token),
+                    timeout=self._timeout,
+                )
+            except grpc.aio.AioRpcError as error:
+                raise self._fail(error, "ListEngines") from None
+            engines.extend(EngineInfo.from_proto(e) for e in response.engines)
+            page_token = response.next_page_token
+            if not page_token:
+                return engines
+
+    async def watch_engines(self) -> AsyncIterator[EngineEvent]:
+        call = self._stub.WatchEngines(registry_pb2.WatchEnginesRequest())
+        try:
+            async for event in call:
+                if event.type == registry_pb2.ENGINE_EVENT_TYPE_LEFT:
+                    yield EngineEvent("left", None, event.engine.engine_id)
+                elif event.type in (
+                    registry_pb2.ENGINE_EVENT_TYPE_JOINED,
+                    registry_pb2.ENGINE_EVENT_TYPE_UPDATED,
+                ):
+                    kind = "joined" if event.type == registry_pb2.ENGINE_EVENT_TYPE_JOINED else "updated"
+                    yield EngineEvent(kind, EngineInfo.from_proto(event.engine), event.engine.engine_id)
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "WatchEngines") from None
+        finally:
+            call.cancel()
+
+
+class EngineWatcher:
+    """Keeps an :class:`EngineTable` equal to the registry's live engines.
+
+    On every (re)connect it lists the engines (a snapshot that also drops engines that left while
+    the watch was down), then applies the watch's events; an engine that leaves is dropped at once.
+    While the registry is away the last known table stays in use, and it reconnects with backoff.
+    """
+
+    def __init__(
+        self,
+        registry: RegistryApi,
+        table: EngineTable,
+        load: LoadTracker,
+        *,
+        resync_seconds: float = 30.0,
+        max_backoff_seconds: float = 5.0,
+        on_left: Callable[[str], None] | None = None,
+    ) -> None:
+        self._on_left = on_left
+        self._registry = registry
+        self._table = table
+        self._load = load
+        self._resync_seconds = resync_seconds
+        self._max_backoff = max_backoff_seconds
+        self.synced = asyncio.Event()
+        self.connected = False
+        self._left_during_snapshot: set[str] | None = None
+
+    async def run(self) -> None:
+        resync = asyncio.create_task(self._resync_forever(), name="engine-table-resync")
+        try:
+            backoff = 0.1
+            while True:
+                try:
+                    await self._watch_once()
+                    backoff = 0.1
+                except (RegistryUnavailable, RouterError) as error:
+                    if self.connected:
+                        log.warning(
+                            "lost the registry's engine watch; keeping the last known engines",
+                            extra={"error": str(error)},
+                        )
+                    self.connected = False
+                await asyncio.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, self._max_backoff)
+        finally:
+            resync.cancel()
+
+    async def _watch_once(self) -> None:
+        """One connected period: a snapshot, then the watch's events until the stream breaks."""
+        await self._snapshot()
+        self.connected = True
+        self.synced.set()
+        log.info("engine table synced", extra={"engines": sorted(e.engine_id for e in self._table.all())})
+        events = self._registry.watch_engines()
+        async for event in events:
+            self._apply(event)
+        raise RegistryUnavailable("the registry ended the engine watch")
+
+    async def _resync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._resync_seconds)
+            if self.connected:
+                try:
+                    await self._snapshot()
+                except (RegistryUnavailable, RouterError) as error:
+                    log.warning("engine table resync failed", extra={"error": str(error)})
+
+    async def _snapshot(self) -> None:
+        self._left_during_snapshot = set()
+        engines = await self._registry.list_engines()
+        # An engine whose LEFT event arrived while the list was in flight stays gone.
+        engines = [e for e in engines if e.engine_id not in self._left_during_snapshot]
+        self._left_during_snapshot = None
+        gone = {e.engine_id for e in self._table.all()} - {e.engine_id for e in engines}
+        self._table.replace_all(engines)
+        for engine_id in gone:
+            self._forget(engine_id)
+
+    def _forget(self, engine_id: str) -> None:
+        log.info("engine left", extra={"engine_id": engine_id})
+        self._load.forget(engine_id)
+        if self._on_left is not None:
+            self._on_left(engine_id)
+
+    def _apply(self, event: EngineEvent) -> None:
+        if event.kind == "left":
+            if self._table.remove(event.engine_id) is not None:
+                self._forget(event.engine_id)
+            if self._left_during_snapshot is not None:
+                self._left_during_snapshot.add(event.engine_id)
+        elif event.engine is not None:
+            if self._table.get(event.engine_id) is None:
+                log.info(
+                    "engine joined",
+                    extra={"engine_id": event.engine_id, "endpoint": event.engine.http_endpoint},
+                )
+            self._table.upsert(event.engine)

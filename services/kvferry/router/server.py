@@ -1,0 +1,248 @@
+"""The router's composition root: builds every part from a :class:`RouterConfig` and serves gRPC and
+HTTP in one event loop. ``start_router`` is also how tests, the SDK's tests and the local stack run a
+router in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import uvicorn
+from kvferry.common import vllm_http
+from kvferry.common.calibration import CPU_DEFAULT, GPU_PROFILES, CostProfile
+from kvferry.common.grpc_server import start_server
+from kvferry.router.cost import CostSettings
+from kvferry.router.engine_clients import EngineClients
+from kvferry.router.engines import EngineTable, LoadTracker
+from kvferry.router.grpc_api import SERVICE_NAME, RouterServicer
+from kvferry.router.http_api import HttpApi
+from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
+from kvferry.router.tenants import ApiKeys, load_tenants, parse_key_pairs
+from kvferry.router.turns import TurnRunner, TurnSettings
+from kvferry.v1 import router_service_pb2_grpc as router_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterConfig:
+    """Everything a router needs; the CLI fills it from flags and environment variables."""
+
+    # Registry gRPC address, host:port.
+    registry_address: str
+    # gRPC and HTTP listen addresses; port 0 picks a free port.
+    grpc_listen: str = "127.0.0.1:0"
+    http_listen: str = "127.0.0.1:0"
+    # API keys: a tenants file (JSON or TOML) and/or KEY=TENANT pairs.
+    tenants_file: Path | None = None
+    api_keys: str = ""
+    # Registry calls' deadline, seconds.
+    registry_timeout_seconds: float = 2.0
+    # Cost model: profile name ("cpu" or a GPU_PROFILES key), the engines' kv_recompute_threshold,
+    # and the lease time that must remain after a pull.
+    cost_profile: str = "cpu"
+    kv_recompute_threshold: int = 64
+    lease_margin_seconds: float = 2.0
+    default_max_tokens: int = 256
+    max_attempts: int = 2
+    publish_wait_seconds: float = 2.0
+    # Engine HTTP: connect timeout, per-read timeout (a stalled stream fails after it), pool size.
+    engine_connect_timeout_seconds: float = 3.0
+    engine_read_timeout_seconds: float = 120.0
+    engine_max_connections: int = 512
+    max_body_bytes: int = 32 * 1024 * 1024
+    engine_resync_seconds: float = 30.0
+    # start_router waits this long for the first engine table (0: don't wait).
+    startup_sync_seconds: float = 10.0
+
+
+def cost_profile(name: str) -> CostProfile:
+    if name == "cpu":
+        return CPU_DEFAULT
+    if name in GPU_PROFILES:
+        return GPU_PROFILES[name]
+    raise ValueError(f"unknown cost profile {name!r}; known: {['cpu', *sorted(GPU_PROFILES)]}")
+
+
+def api_keys_from_config(config: RouterConfig) -> ApiKeys:
+    keys = ApiKeys({})
+    if config.tenants_file is not None:
+        keys = keys.merged(load_tenants(config.tenants_file))
+    if config.api_keys:
+        keys = keys.merged(parse_key_pairs(config.api_keys))
+    if not len(keys):
+        raise ValueError("no API keys configured: pass --tenants-file (or --api-keys KEY=TENANT,...)")
+    return keys
+
+
+def _split_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside an event loop it does not own: the process owner handles signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class RunningRouter:
+    """A started router. ``stop()`` stops it."""
+
+    grpc_host: str
+    grpc_port: int
+    http_host: str
+    http_port: int
+    engines: EngineTable
+    watcher: EngineWatcher
+    _grpc_server: grpc.aio.Server
+    _http_server: _EmbeddedUvicorn
+    _tasks: list[asyncio.Task[None]]
+    _runner: TurnRunner
+    _clients: EngineClients
+    _channel: grpc.aio.Channel
+    _stopped: bool = field(default=False)
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.grpc_host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.http_host}:{self.http_port}"
+
+    async def wait_closed(self) -> None:
+        await self._grpc_server.wait_for_termination()
+
+    async def stop(self, grace_seconds: float = 2.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._http_server.should_exit = True
+        await self._grpc_server.stop(grace_seconds)
+        for task in self._tasks:
+            if task.get_name() != "router-http":
+                task.cancel()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), grace_seconds + 3)
+        await self._runner.aclose()
+        await self._clients.aclose()
+        await self._channel.close()
+
+
+async def start_router(config: RouterConfig, *, api_keys: ApiKeys | None = None) -> RunningRouter:
+    """Starts a router in the running event loop and returns once both servers listen.
+
+    ``api_keys`` overrides the keys named in ``config`` (tests pass a table directly).
+    """
+    keys = api_keys if api_keys is not None else api_keys_from_config(config)
+    channel = grpc.aio.insecure_channel(config.registry_address)
+    registry = GrpcRegistry(channel, timeout_seconds=config.registry_timeout_seconds)
+    engines = EngineTable()
+    load = LoadTracker()
+    clients = EngineClients(
+        timeouts=vllm_http.HttpTimeouts(
+            connect=config.engine_connect_timeout_seconds, read=config.engine_read_timeout_seconds
+        ),
+        max_connections=config.engine_max_connections,
+    )
+    watcher = EngineWatcher(
+        registry, engines, load, resync_seconds=config.engine_resync_seconds, on_left=clients.forget
+    )
+    runner = TurnRunner(
+        engines=engines,
+        load=load,
+        clients=clients,
+        registry=registry,
+        settings=TurnSettings(
+            cost=CostSettings(
+                profile=cost_profile(config.cost_profile),
+                kv_recompute_threshold=config.kv_recompute_threshold,
+                lease_margin_seconds=config.lease_margin_seconds,
+            ),
+            default_max_tokens=config.default_max_tokens,
+            max_attempts=config.max_attempts,
+            publish_wait_seconds=config.publish_wait_seconds,
+        ),
+    )
+    tasks: list[asyncio.Task[None]] = [asyncio.create_task(watcher.run(), name="router-engine-watch")]
+    if config.startup_sync_seconds > 0:
+        try:
+            await asyncio.wait_for(watcher.synced.wait(), config.startup_sync_seconds)
+        except TimeoutError:
+            log.warning(
+                "no engine table from the registry yet; serving anyway and retrying in the background",
+                extra={"registry": config.registry_address},
+            )
+
+    servicer = RouterServicer(runner=runner, keys=keys, registry=registry)
+    grpc_server, grpc_port, _health = await start_server(
+        config.grpc_listen, [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)]
+    )
+
+    http_host, http_port = _split_host_port(config.http_listen)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((http_host, http_port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    app = HttpApi(
+        runner=runner,
+        keys=keys,
+        engines=engines,
+        registry_connected=lambda: watcher.connected,
+        max_body_bytes=config.max_body_bytes,
+    ).app()
+    http_server = _EmbeddedUvicorn(
+        uvicorn.Config(
+            app,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            date_header=False,
+            timeout_graceful_shutdown=2,
+        )
+    )
+    tasks.append(asyncio.create_task(http_server.serve(sockets=[sock]), name="router-http"))
+    while not http_server.started:
+        if tasks[-1].done():
+            tasks[-1].result()
+            raise RuntimeError("the HTTP server stopped during start")
+        await asyncio.sleep(0.005)
+    grpc_host, _ = _split_host_port(config.grpc_listen)
+    log.info(
+        "router serving",
+        extra={
+            "grpc": f"{grpc_host}:{grpc_port}",
+            "http": f"http://{http_host}:{sock.getsockname()[1]}",
+            "registry": config.registry_address,
+            "engines": len(engines),
+        },
+    )
+    return RunningRouter(
+        grpc_host=grpc_host,
+        grpc_port=grpc_port,
+        http_host=http_host,
+        http_port=int(sock.getsockname()[1]),
+        engines=engines,
+        watcher=watcher,
+        _grpc_server=grpc_server,
+        _http_server=http_server,
+        _tasks=tasks,
+        _runner=runner,
+        _clients=clients,
+        _channel=channel,
+    )

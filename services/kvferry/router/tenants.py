@@ -1,0 +1,160 @@
+"""API keys mapped to tenants, loaded from a JSON or TOML file (format in docs/router.md).
+
+TOML::
+
+    [[tenants]]
+    name = "acme"
+    api_keys = ["sk-acme-1"]                 # plain keys, or
+    api_key_sha256 = ["9f86d081884c7d65..."]  # hex SHA-256 of keys, so the file holds no secret
+    models = ["qwen3-tiny"]                  # optional: models the tenant may use (default: all)
+
+JSON: the same structure, ``{"tenants": [{"name": ..., "api_keys": [...], ...}]}``.
+
+Keys are looked up by their SHA-256, so a lookup never compares secrets byte by byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvferry.common.ids import check_id
+from kvferry.router.errors import Failure, RouterError
+
+_BEARER = "bearer "
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    # Models this tenant may use; None means every served model.
+    models: frozenset[str] | None = None
+
+    def check_model(self, model: str) -> None:
+        if self.models is not None and model not in self.models:
+            raise RouterError(
+                Failure.PERMISSION_DENIED,
+                f"tenant {self.name!r} may not use model {model!r}; allowed: {sorted(self.models)}",
+                param="model",
+            )
+
+
+def key_digest(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+class TenantConfigError(ValueError):
+    """The tenants file is malformed; the message names the file and the entry."""
+
+
+class ApiKeys:
+    """Resolves ``authorization`` header values to tenants."""
+
+    def __init__(self, tenants_by_key_digest: Mapping[str, Tenant]) -> None:
+        self._by_digest = dict(tenants_by_key_digest)
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    @classmethod
+    def from_pairs(cls, pairs: Iterable[tuple[str, str]]) -> ApiKeys:
+        """From (api key, tenant name) pairs; every tenant may use every model."""
+        return cls({key_digest(key): Tenant(name=tenant) for key, tenant in pairs})
+
+    def merged(self, other: ApiKeys) -> ApiKeys:
+        return ApiKeys({**self._by_digest, **other._by_digest})
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant of an ``authorization`` value (``Bearer <key>``), or UNAUTHENTICATED."""
+        if not authorization:
+            raise RouterError(
+                Failure.UNAUTHENTICATED,
+                "missing API key: send `authorization: Bearer <key>` (HTTP header or gRPC metadata)",
+            )
+        if not authorization[: len(_BEARER)].lower() == _BEARER:
+            raise RouterError(
+                Failure.UNAUTHENTICATED, "the authorization value must have the form `Bearer <key>`"
+            )
+        tenant = self._by_digest.get(key_digest(authorization[len(_BEARER) :].strip()))
+        if tenant is None:
+            raise RouterError(Failure.UNAUTHENTICATED, "unknown API key: check the key the router was given")
+        return tenant
+
+
+def parse_tenants(document: Mapping[str, Any], source: str) -> ApiKeys:
+    """Builds the key table from a parsed tenants document; ``source`` names it in errors."""
+    entries = document.get("tenants")
+    if not isinstance(entries, list) or not entries:
+        raise TenantConfigError(f"{source}: expected a non-empty `tenants` list")
+    table: dict[str, Tenant] = {}
+    for index, entry in enumerate(entries):
+        where = f"{source}: tenants[{index}]"
+        if not isinstance(entry, Mapping):
+            raise TenantConfigError(f"{where} must be a table/object")
+        unknown = set(entry) - {"name", "api_keys", "api_key_sha256", "models"}
+        if unknown:
+            raise TenantConfigError(f"{where} has unknown fields {sorted(unknown)}")
+        name = entry.get("name")
+        if not isinstance(name, str) or (problem := check_id("tenant name", name)) is not None:
+            raise TenantConfigError(
+                f"{where}: {problem if isinstance(name, str) else 'name must be a string'}"
+            )
+        models = entry.get("models")
+        if models is not None and (
+            not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)
+        ):
+            raise TenantConfigError(f"{where}: models must be a list of model names")
+        tenant = Tenant(name=name, models=frozenset(models) if models is not None else None)
+        digests = [key_digest(k) for k in _strings(entry.get("api_keys", []), f"{where}.api_keys")]
+        for digest in _strings(entry.get("api_key_sha256", []), f"{where}.api_key_sha256"):
+            if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+                raise TenantConfigError(f"{where}.api_key_sha256: {digest[:12]!r}... is not a hex SHA-256")
+            digests.append(digest.lower())
+        if not digests:
+            raise TenantConfigError(f"{where}: tenant {name!r} has no api_keys or api_key_sha256")
+        for digest in digests:
+            if digest in table and table[digest].name != name:
+                raise TenantConfigError(f"{where}: an API key of {name!r} is also {table[digest].name!r}'s")
+            table[digest] = tenant
+    return ApiKeys(table)
+
+
+def load_tenants(path: Path) -> ApiKeys:
+    """Loads a tenants file; ``.toml`` is read as TOML, anything else as JSON."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise TenantConfigError(f"cannot read tenants file {path}: {error.strerror}") from None
+    try:
+        document = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+        kind = "TOML" if path.suffix == ".toml" else "JSON"
+        raise TenantConfigError(f"{path}: not valid {kind}: {error}") from None
+    if not isinstance(document, Mapping):
+        raise TenantConfigError(f"{path}: expected an object at the top level")
+    return parse_tenants(document, str(path))
+
+
+def parse_key_pairs(spec: str) -> ApiKeys:
+    """From ``key=tenant,key2=tenant2`` (the ``--api-key`` flag / env form, handy for local stacks)."""
+    pairs: list[tuple[str, str]] = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, tenant = item.partition("=")
+        if not sep or not key or (problem := check_id("tenant name", tenant)) is not None:
+            raise TenantConfigError(
+                f"API key entry {item[:8]!r}...: expected KEY=TENANT"
+                + (f" ({problem})" if sep and key else "")
+            )
+        pairs.append((key, tenant))
+    return ApiKeys.from_pairs(pairs)
+
+
+def _strings(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise TenantConfigError(f"{where} must be a list of non-empty strings")
+    return list(value)

@@ -1,0 +1,603 @@
+"""One turn of a conversation, end to end: the router's core, free of any wire protocol.
+
+``prepare`` (may raise :class:`RouterError` before anything is sent to the client):
+  1. resolve the model; 2. turn the prompt into token ids (the engines' own tokenizer / chat
+  template) while looking the conversation's retention up in the registry; 3. check the length
+  against the model's limit.
+``execute`` (an async stream of :class:`TextOut`, then one :class:`TurnResult`):
+  4. prove the longest block-aligned prefix the retention holds (digest chain); 5. choose pull or
+  recompute (cost model); 6. pick prefill (by load) and decode (affinity, else load) engines;
+  7. prefill with ``max_tokens=1`` (pulling the prefix if chosen), then stream the decode, marked
+  so its connector retains the conversation for the next turn; 8. wait (bounded) until the
+  registry shows the new retention, so the next turn - on any router replica - finds it.
+An engine failing before the first token reaches the client is retried once on other engines by
+recompute; after the first token the client gets a clear error. The retention is renewed every turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.common import vllm_http
+from kvferry.common.marks import ConversationMark
+from kvferry.router.cost import CostSettings, RateInputs, Reuse, ReuseChoice, choose_reuse
+from kvferry.router.engine_clients import EngineClients
+from kvferry.router.engines import (
+    EngineInfo,
+    EngineTable,
+    LoadTracker,
+    pick_decode_engine,
+    pick_prefill_engine,
+)
+from kvferry.router.errors import Failure, RouterError, invalid, unavailable
+from kvferry.router.prefix import NO_MATCH, PrefixMatch, match_retained_prefix
+from kvferry.router.registry_client import RegistryApi, RegistryUnavailable, RetentionRecord
+from kvferry.router.tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+ChatMessage = vllm_http.ChatMessage
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    messages: tuple[ChatMessage, ...]
+
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    text: str
+
+
+Prompt = ChatPrompt | TokenPrompt | TextPrompt
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    # None: the router's default, capped by what the model's context has left.
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    tenant: Tenant
+    # None: a one-off turn, nothing looked up or retained.
+    conversation_id: str | None
+    # "" takes the only served model.
+    model: str
+    prompt: Prompt
+    sampling: SamplingOptions = dataclasses.field(default_factory=SamplingOptions)
+    retain: bool = True
+
+
+@dataclass(frozen=True)
+class TextOut:
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """What happened in a finished turn (the gRPC TurnSummary; the HTTP usage extras)."""
+
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    pulled_tokens: int
+    recomputed_tokens: int
+    ttft_ms: float
+    prefill_ms: float
+    reuse: Reuse
+    prefill_engine_id: str
+    decode_engine_id: str
+    finish_reason: str
+    # The conversation's turn now retained (0: none).
+    turn: int
+    request_id: str
+
+
+@dataclass(frozen=True)
+class PreparedTurn:
+    request: TurnRequest
+    request_id: str
+    model: str
+    token_ids: tuple[int, ...]
+    sampling: vllm_http.Sampling
+    retention: RetentionRecord | None
+    # False when the registry did not answer: this turn neither reuses nor retains.
+    registry_ok: bool
+    started: float
+
+
+@dataclass(frozen=True)
+class TurnSettings:
+    cost: CostSettings
+    # max_tokens when the request sets none (capped by the context left).
+    default_max_tokens: int = 256
+    # Attempts per turn: the first, plus retries by recompute on other engines.
+    max_attempts: int = 2
+    # How long to wait after the last token for the registry to show the new retention.
+    publish_wait_seconds: float = 2.0
+
+
+class _EngineFailed(Exception):
+    def __init__(self, engine_id: str, role: str, cause: BaseException) -> None:
+        super().__init__(f"{role} engine {engine_id} failed: {cause}")
+        self.engine_id = engine_id
+        self.role = role
+        self.cause = cause
+
+
+class TurnRunner:
+    """Runs turns against the engines and the registry it is given (one per router process)."""
+
+    def __init__(
+        self,
+        *,
+        engines: EngineTable,
+        load: LoadTracker,
+        clients: EngineClients,
+        registry: RegistryApi,
+        settings: TurnSettings,
+    ) -> None:
+        self._engines = engines
+        self._load = load
+        self._clients = clients
+        self._registry = registry
+        self._settings = settings
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- prepare ------------------------------------------------------------------------------
+
+    def resolve_model(self, requested: str, tenant: Tenant) -> str:
+        served = self._engines.models()
+        if not requested:
+            if len(served) == 1:
+                model = served[0]
+            elif not served:
+                raise unavailable("no engine is registered yet: start engines (and their sidecars) first")
+            else:
+                raise invalid(f"model is required: this router serves {served}", param="model")
+        elif requested not in served:
+            raise RouterError(
+                Failure.NOT_FOUND,
+                f"model {requested!r} is not served here; served models: {served}",
+                param="model",
+            )
+        else:
+            model = requested
+        tenant.check_model(model)
+        return model
+
+    async def prepare(self, request: TurnRequest) -> PreparedTurn:
+        started = time.perf_counter()
+        model = self.resolve_model(request.model, request.tenant)
+        request_id = f"kvf-{uuid.uuid4().hex[:20]}"
+        lookup = (
+            asyncio.ensure_future(self._lookup(request.tenant.name, request.conversation_id))
+            if request.conversation_id
+            else None
+        )
+        try:
+            token_ids = await self._tokenize(model, request.prompt)
+        except BaseException:
+            if lookup is not None:
+                lookup.cancel()
+            raise
+        retention, registry_ok = await lookup if lookup is not None else (None, True)
+        max_model_len = min(
+            (e.max_model_len for e in self._model_engines(model) if e.max_model_len), default=0
+        )
+        max_tokens = self._check_length(len(token_ids), request.sampling.max_tokens, max_model_len, model)
+        if retention is not None and request.retain:
+            # Renew every turn, off the critical path: the lease this turn's pull relies on was
+            # read above, and the new turn's retention supersedes this one when it is published.
+            self._spawn(self._renew(request.tenant.name, retention.conversation_id))
+        return PreparedTurn(
+            request=request,
+            request_id=request_id,
+            model=model,
+            token_ids=token_ids,
+            sampling=vllm_http.Sampling(**_sampling_fields(request.sampling, max_tokens)),
+            retention=retention,
+            registry_ok=registry_ok,
+            started=started,
+        )
+
+    def _model_engines(self, model: str) -> list[EngineInfo]:
+        return [e for e in self._engines.all() if e.model == model]
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None, max_model_len: int, model: str) -> int:
+        if prompt_len == 0:
+            raise invalid("the prompt is empty", param="prompt")
+        if max_tokens is not None and max_tokens < 1:
+            raise invalid(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if not max_model_len:
+            return max_tokens or self._settings.default_max_tokens
+        if prompt_len >= max_model_len:
+            raise invalid(
+                f"the prompt has {prompt_len} tokens; model {model!r} takes at most {max_model_len} "
+                "tokens of prompt plus output: shorten the conversation",
+                param="messages",
+            )
+        room = max_model_len - prompt_len
+        if max_tokens is None:
+            return min(self._settings.default_max_tokens, room)
+        if max_tokens > room:
+            raise invalid(
+                f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: together more than "
+                f"model {model!r}'s limit of {max_model_len}; lower max_tokens to at most {room}",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    async def _tokenize(self, model: str, prompt: Prompt) -> tuple[int, ...]:
+        if isinstance(prompt, TokenPrompt):
+            if any(t < 0 for t in prompt.token_ids):
+                raise invalid("token ids must be non-negative", param="prompt")
+            return prompt.token_ids
+        # The least-loaded prefill engines first: they are idle-most, and all share the tokenizer.
+        candidates = sorted(
+            self._model_engines(model),
+            key=lambda e: (not e.can_prefill, self._load.prefill_tokens(e.engine_id), e.engine_id),
+        )
+        last_error: BaseException | None = None
+        for engine in candidates[:2]:
+            client = self._clients.get(engine)
+            try:
+                if isinstance(prompt, ChatPrompt):
+                    return tuple(await client.render_chat(prompt.messages))
+                return tuple(await client.tokenize(prompt.text))
+            except vllm_http.EngineHttpError as error:
+                if 400 <= error.status_code < 500:
+                    raise invalid(
+                        f"the engine rejected the prompt: {error.message}", param="messages"
+                    ) from None
+                last_error = error
+            except vllm_http.EngineUnavailableError as error:
+                last_error = error
+        raise unavailable(f"no engine of model {model!r} could tokenize the prompt: {last_error}")
+
+    async def _lookup(self, tenant: str, conversation_id: str | None) -> tuple[RetentionRecord | None, bool]:
+        if conversation_id is None:
+            return None, True
+        try:
+            return await self._registry.get_retention(tenant, conversation_id), True
+        except RegistryUnavailable as error:
+            log.warning(
+                "registry unavailable: serving the turn by recompute",
+                extra={"conversation_id": conversation_id, "error": str(error)},
+            )
+            return None, False
+
+    async def _renew(self, tenant: str, conversation_id: str) -> None:
+        try:
+            await self._registry.renew_retention(tenant, conversation_id)
+        except (RegistryUnavailable, RouterError) as error:
+            log.warning(
+                "retention renewal failed", extra={"conversation_id": conversation_id, "error": str(error)}
+            )
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- execute ------------------------------------------------------------------------------
+
+    async def execute(self, turn: PreparedTurn) -> AsyncGenerator[TextOut | TurnResult, None]:
+        """Streams the turn's text and ends with its :class:`TurnResult`."""
+        request = turn.request
+        mark = self._mark(turn)
+        failed: set[str] = set()
+        allow_reuse = True
+        for attempt in range(1, self._settings.max_attempts + 1):
+            plan = self._plan(turn, exclude=frozenset(failed), allow_reuse=allow_reuse)
+            emitted = False
+            try:
+                async with aclosing(self._attempt(turn, plan, mark, attempt)) as events:
+                    async for event in events:
+                        if isinstance(event, TextOut):
+                            emitted = True
+                        yield event
+                return
+            except _EngineFailed as failure:
+                if emitted or attempt == self._settings.max_attempts:
+                    raise RouterError(
+                        Failure.UNAVAILABLE,
+                        f"{failure}"
+                        + (
+                            "; output was already streamed, so the turn is incomplete: resend it"
+                            if emitted
+                            else f"; gave up after {attempt} attempts"
+                        ),
+                    ) from None
+                log.warning(
+                    "engine failed before the first token; retrying by recompute",
+                    extra={
+                        "request_id": turn.request_id,
+                        "conversation_id": request.conversation_id,
+                        "engine_id": failure.engine_id,
+                        "role": failure.role,
+                        "error": str(failure.cause),
+                    },
+                )
+                failed.add(failure.engine_id)
+                allow_reuse = False
+
+    def _mark(self, turn: PreparedTurn) -> ConversationMark | None:
+        request = turn.request
+        if not request.conversation_id or not request.retain or not turn.registry_ok:
+            return None
+        retained_turn = turn.retention.turn if turn.retention is not None else 0
+        return ConversationMark(
+            tenant=request.tenant.name, conversation_id=request.conversation_id, turn=retained_turn + 1
+        )
+
+    def _plan(self, turn: PreparedTurn, *, exclude: frozenset[str], allow_reuse: bool) -> _Plan:
+        model = turn.model
+        prefill_candidates = self._engines.prefill_engines(model)
+        decode_candidates = self._engines.decode_engines(model)
+        retention = turn.retention if allow_reuse else None
+        holder = self._engines.get(retention.engine_id) if retention is not None else None
+        if holder is not None and holder.model != model:
+            holder = None
+        match = NO_MATCH
+        prefill: EngineInfo | None = None
+        choice: ReuseChoice
+        if retention is None:
+            choice = ReuseChoice(Reuse.NONE, 0, "nothing retained for this conversation")
+        elif holder is None:
+            choice = ReuseChoice(Reuse.NONE, 0, f"engine {retention.engine_id} holding the retention is gone")
+        else:
+            match = match_retained_prefix(
+                turn.token_ids,
+                retained_digests=retention.block_digests,
+                retained_num_tokens=retention.num_tokens,
+                retained_num_blocks=len(retention.block_ids),
+                block_size=holder.block_size,
+                salt=holder.kv_compatibility_hash,
+            )
+            if not match.tokens:
+                choice = ReuseChoice(Reuse.NONE, 0, "no retained block matches the prompt")
+            else:
+                prefill = pick_prefill_engine(
+                    prefill_candidates,
+                    self._load,
+                    exclude=exclude,
+                    kv_compatibility_hash=holder.kv_compatibility_hash,
+                )
+                if prefill is None:
+                    choice = ReuseChoice(
+                        Reuse.RECOMPUTE, 0, "no prefill engine can read the holder's KV layout"
+                    )
+                else:
+                    stats = prefill.stats
+                    choice = choose_reuse(
+                        match.tokens,
+                        lease_seconds_left=retention.expire_time - time.time(),
+                        rates=RateInputs(
+                            prefill_tokens_per_second=stats.prefill_tokens_per_second,
+                            transfer_bytes_per_second=stats.transfer_bytes_per_second,
+                            kv_bytes_per_token=stats.kv_bytes_per_token or holder.stats.kv_bytes_per_token,
+                        ),
+                        settings=self._settings.cost,
+                    )
+        if prefill is None:
+            # A failed engine is used again only when no other can take the turn.
+            prefill = pick_prefill_engine(
+                prefill_candidates, self._load, exclude=exclude
+            ) or pick_prefill_engine(prefill_candidates, self._load)
+        if prefill is None:
+            raise unavailable(f"no prefill engine serves model {model!r} right now; retry shortly")
+        decode = pick_decode_engine(
+            decode_candidates,
+            self._load,
+            holder_id=holder.engine_id if holder is not None else None,
+            exclude=exclude,
+        ) or pick_decode_engine(decode_candidates, self._load)
+        if decode is None:
+            raise unavailable(f"no decode engine serves model {model!r} right now; retry shortly")
+        return _Plan(prefill=prefill, decode=decode, holder=holder, match=match, choice=choice)
+
+    async def _attempt(
+        self, turn: PreparedTurn, plan: _Plan, mark: ConversationMark | None, attempt: int
+    ) -> AsyncGenerator[TextOut | TurnResult, None]:
+        request = turn.request
+        prompt_len = len(turn.token_ids)
+        pull_tokens = plan.choice.pull_tokens
+        reuse_blocks = None
+        if pull_tokens and plan.holder is not None and turn.retention is not None:
+            reuse_blocks = vllm_http.RetainedKv(
+                engine_id=plan.holder.engine_id,
+                engine_request_id=turn.retention.engine_request_id,
+                block_ids=turn.retention.block_ids,
+                num_tokens=turn.retention.num_tokens,
+                nixl_host=plan.holder.nixl_host,
+                nixl_port=plan.holder.nixl_port,
+                block_size=plan.holder.block_size,
+                lease_expire_time=turn.retention.expire_time,
+            ).prefix(pull_tokens)
+        prefill_client = self._clients.get(plan.prefill)
+        decode_client = self._clients.get(plan.decode)
+        prefill_started = time.perf_counter()
+        computed = prompt_len - pull_tokens
+        self._load.add_prefill(plan.prefill.engine_id, computed)
+        try:
+            prefilled = await prefill_client.prefill(
+                vllm_http.PrefillRequest(
+                    token_ids=turn.token_ids,
+                    mark=mark if reuse_blocks is not None else None,
+                    reuse=reuse_blocks,
+                    lease_expire_time=turn.retention.expire_time if reuse_blocks and turn.retention else None,
+                    request_id=f"{turn.request_id}-p{attempt}",
+                )
+            )
+        except (vllm_http.EngineUnavailableError, vllm_http.EngineHttpError) as error:
+            self._raise_engine_error(plan.prefill.engine_id, "prefill", error)
+        finally:
+            self._load.add_prefill(plan.prefill.engine_id, -computed)
+        prefill_ms = (time.perf_counter() - prefill_started) * 1000
+        if prefilled.usage is not None and prefilled.usage.cached_tokens is not None:
+            # The prefill engine's own count: it may decline a pull (lease too short, threshold).
+            pulled = min(pull_tokens, prefilled.usage.cached_tokens)
+        else:
+            pulled = pull_tokens
+        counted_tokens = 0
+        usage: vllm_http.Usage | None = None
+        finish_reason = ""
+        ttft_ms = 0.0
+        self._load.add_decode(plan.decode.engine_id, 1)
+        try:
+            stream = decode_client.decode_stream(
+                vllm_http.DecodeRequest(
+                    token_ids=turn.token_ids,
+                    handoff=prefilled.handoff,
+                    mark=mark,
+                    sampling=turn.sampling,
+                    request_id=f"{turn.request_id}-d{attempt}",
+                )
+            )
+            try:
+                async for chunk in stream:
+                    if chunk.finish_reason:
+                        finish_reason = chunk.finish_reason
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    if chunk.token_ids or chunk.text:
+                        if not ttft_ms:
+                            ttft_ms = (time.perf_counter() - turn.started) * 1000
+                        counted_tokens += len(chunk.token_ids)
+                        yield TextOut(text=chunk.text, token_ids=chunk.token_ids)
+            finally:
+                # Closing the stream closes the HTTP request: vLLM aborts the decode.
+                await _aclose(stream)
+            if not finish_reason:
+                raise vllm_http.EngineUnavailableError(
+                    plan.decode.http_endpoint, EOFError("the stream ended without a finish reason")
+                )
+        except (vllm_http.EngineUnavailableError, vllm_http.EngineHttpError) as error:
+            self._raise_engine_error(plan.decode.engine_id, "decode", error)
+        finally:
+            self._load.add_decode(plan.decode.engine_id, -1)
+        retained_turn = 0
+        if mark is not None and finish_reason in ("stop", "length"):
+            retained_turn = await self._await_publication(mark, plan.decode.engine_id)
+        result = TurnResult(
+            model=turn.model,
+            prompt_tokens=prompt_len,
+            completion_tokens=usage.completion_tokens if usage is not None else counted_tokens,
+            pulled_tokens=pulled,
+            recomputed_tokens=prompt_len - pulled,
+            ttft_ms=ttft_ms,
+            prefill_ms=prefill_ms,
+            reuse=Reuse.RECOMPUTE if plan.choice.reuse is Reuse.PULL and not pulled else plan.choice.reuse,
+            prefill_engine_id=plan.prefill.engine_id,
+            decode_engine_id=plan.decode.engine_id,
+            finish_reason=finish_reason,
+            turn=retained_turn,
+            request_id=turn.request_id,
+        )
+        log.info(
+            "turn done",
+            extra={
+                "request_id": turn.request_id,
+                "tenant": request.tenant.name,
+                "conversation_id": request.conversation_id,
+                "turn": retained_turn,
+                "prompt_tokens": prompt_len,
+                "matched_tokens": plan.match.tokens,
+                "pulled_tokens": pulled,
+                "reuse": result.reuse.value,
+                "reuse_reason": plan.choice.reason,
+                "prefill_engine": plan.prefill.engine_id,
+                "decode_engine": plan.decode.engine_id,
+                "ttft_ms": round(ttft_ms, 2),
+                "prefill_ms": round(prefill_ms, 2),
+            },
+        )
+        yield result
+
+    @staticmethod
+    def _raise_engine_error(engine_id: str, role: str, error: Exception) -> None:
+        if isinstance(error, vllm_http.EngineHttpError) and 400 <= error.status_code < 500:
+            raise invalid(f"the {role} engine rejected the request: {error.message}") from None
+        raise _EngineFailed(engine_id, role, error) from None
+
+    async def _await_publication(self, mark: ConversationMark, engine_id: str) -> int:
+        """The turn the registry holds once this turn's retention is published (0: not in time)."""
+        deadline = time.monotonic() + self._settings.publish_wait_seconds
+        delay = 0.002
+        while True:
+            try:
+                record = await self._registry.get_retention(mark.tenant, mark.conversation_id)
+            except (RegistryUnavailable, RouterError):
+                record = None
+            if record is not None and record.turn >= mark.turn:
+                return record.turn
+            if time.monotonic() + delay > deadline:
+                log.warning(
+                    "the new retention did not appear in the registry in time; the next turn may recompute",
+                    extra={
+                        "conversation_id": mark.conversation_id,
+                        "turn": mark.turn,
+                        "engine_id": engine_id,
+                        "waited_s": self._settings.publish_wait_seconds,
+                    },
+                )
+                return 0
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    async def aclose(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    prefill: EngineInfo
+    decode: EngineInfo
+    holder: EngineInfo | None
+    match: PrefixMatch
+    choice: ReuseChoice
+
+
+def _sampling_fields(options: SamplingOptions, max_tokens: int) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": options.temperature,
+        "top_p": options.top_p or 1.0,
+        "seed": options.seed,
+        "ignore_eos": options.ignore_eos,
+    }
+    if options.stop:
+        if "stop" not in {f.name for f in dataclasses.fields(vllm_http.Sampling)}:
+            raise invalid("stop strings are not supported by this router version yet", param="stop")
+        fields["stop"] = tuple(options.stop)
+    return fields
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()

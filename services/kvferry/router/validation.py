@@ -1,0 +1,67 @@
+"""Checks of client input shared by the gRPC and HTTP front ends, with messages a caller can act on."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvferry.common.ids import check_id
+from kvferry.router.errors import invalid
+from kvferry.router.turns import ChatMessage, SamplingOptions
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+MAX_MODEL_NAME = 256
+MAX_STOP_STRINGS = 16
+
+
+def conversation_id(value: str, *, param: str = "conversation_id") -> str:
+    problem = check_id("conversation_id", value)
+    if problem is not None:
+        raise invalid(problem, param=param)
+    return value
+
+
+def model_name(value: str) -> str:
+    if len(value) > MAX_MODEL_NAME:
+        raise invalid(f"model name is {len(value)} characters long; at most {MAX_MODEL_NAME}", param="model")
+    return value
+
+
+def chat_messages(messages: Sequence[tuple[str, str]]) -> tuple[ChatMessage, ...]:
+    if not messages:
+        raise invalid("messages is empty: send at least one message", param="messages")
+    checked = []
+    for index, (role, content) in enumerate(messages):
+        if role not in CHAT_ROLES:
+            raise invalid(
+                f"messages[{index}].role is {role[:40]!r}; use one of {sorted(CHAT_ROLES)}",
+                param=f"messages[{index}].role",
+            )
+        checked.append(ChatMessage(role=role, content=content))
+    return tuple(checked)
+
+
+def sampling(
+    *,
+    max_tokens: int | None,
+    temperature: float,
+    top_p: float | None,
+    seed: int | None,
+    stop: Sequence[str],
+    ignore_eos: bool,
+) -> SamplingOptions:
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if not 0.0 <= temperature <= 10.0:
+        raise invalid(f"temperature must be within [0, 10], got {temperature}", param="temperature")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise invalid(f"top_p must be within (0, 1], got {top_p}", param="top_p")
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise invalid(f"stop takes 1 to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p if top_p is not None else 1.0,
+        seed=seed,
+        stop=tuple(stop),
+        ignore_eos=ignore_eos,
+    )

@@ -1,0 +1,600 @@
+"""The router against the real registry (real etcd) with FAST STAND-IN engines
+(kvferry.bench.router.StandInEngine): the router's own logic - turns, reuse bookkeeping, retries,
+auth, tenants, bad input - over its real gRPC and HTTP servers. The same paths with real vLLM engines
+are in test_router_engines.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import openai
+import pytest
+from kvferry.bench.router import (
+    StandInEngine,
+    standin_detokenize,
+    standin_generate,
+    standin_render_chat,
+    standin_tokenize,
+)
+from kvferry.router.server import RunningRouter
+from kvferry.v1 import router_service_pb2 as router_pb2
+from kvferry.v1 import router_service_pb2_grpc as router_grpc
+
+from tests.fixtures.router import LIMITED_API_KEY, LIMITED_MODEL, RouterFactory, StandInFactory
+
+pytestmark = pytest.mark.timeout(60)
+
+ACME = "key-acme"
+GLOBEX = "key-globex"
+
+
+@dataclass
+class Stack:
+    model: str
+    prefill: StandInEngine
+    decode: StandInEngine
+    router: RunningRouter
+
+    def grpc_stub(self) -> router_grpc.RouterServiceStub:
+        channel = grpc.aio.insecure_channel(self.router.grpc_address)
+        return router_grpc.RouterServiceStub(channel)
+
+    def openai(self, key: str = ACME) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=self.router.http_url + "/v1", api_key=key, max_retries=0, timeout=20
+        )
+
+
+@pytest.fixture
+async def stack(router_factory: RouterFactory, standin_factory: StandInFactory) -> AsyncIterator[Stack]:
+    model = f"standin-{uuid.uuid4().hex[:6]}"
+    prefill = await standin_factory("prefill", model=model)
+    decode = await standin_factory("decode", model=model)
+    router = await router_factory()
+    await wait_for_engines(router, {prefill.engine_id, decode.engine_id})
+    yield Stack(model, prefill, decode, router)
+
+
+async def wait_for_engines(router: RunningRouter, engine_ids: set[str], within: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not engine_ids <= {e.engine_id for e in router.engines.all()}:
+        assert asyncio.get_running_loop().time() < deadline, f"router never saw engines {engine_ids}"
+        await asyncio.sleep(0.02)
+
+
+def metadata(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+async def generate(
+    stub: router_grpc.RouterServiceStub, request: router_pb2.GenerateRequest, key: str = ACME
+) -> tuple[str, list[int], router_pb2.TurnSummary]:
+    text, tokens = [], []
+    summary = None
+    async for event in stub.Generate(request, metadata=metadata(key), timeout=20):
+        if event.HasField("delta"):
+            text.append(event.delta.text)
+            tokens.extend(event.delta.token_ids)
+        else:
+            summary = event.summary
+    assert summary is not None
+    return "".join(text), tokens, summary
+
+
+def chat_request(
+    conv: str, model: str, messages: list[tuple[str, str]], max_tokens: int = 8
+) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        conversation_id=conv,
+        model=model,
+        chat=router_pb2.ChatPrompt(messages=[router_pb2.ChatMessage(role=r, content=c) for r, c in messages]),
+        sampling=router_pb2.SamplingParams(max_tokens=max_tokens),
+    )
+
+
+# -- multi-turn and reuse -------------------------------------------------------------------------
+
+
+async def test_grpc_multi_turn_pulls_the_retained_prefix(stack: Stack) -> None:
+    stub = stack.grpc_stub()
+    conv = f"c-{uuid.uuid4().hex[:8]}"
+    history: list[tuple[str, str]] = [
+        ("system", "You are terse. " * 10),
+        ("user", "Tell me about KV caches. " * 8),
+    ]
+    summaries = []
+    for turn in range(1, 4):
+        text, tokens, summary = await generate(stub, chat_request(conv, stack.model, history))
+        prompt_ids = standin_tokenize(standin_render_chat([{"role": r, "content": c} for r, c in history]))
+        assert tokens == standin_generate(prompt_ids, 8)
+        assert text == standin_detokenize(tokens)
+        assert summary.prompt_tokens == len(prompt_ids)
+        assert summary.turn == turn
+        assert summary.decode_engine_id == stack.decode.engine_id
+        summaries.append(summary)
+        history += [("assistant", text), ("user", f"And what about turn {turn}? " * 4)]
+    assert summaries[0].reuse == router_pb2.REUSE_DECISION_NONE
+    assert summaries[0].pulled_tokens == 0
+    for summary in summaries[1:]:
+        assert summary.reuse == router_pb2.REUSE_DECISION_PULL
+        assert summary.pulled_tokens > 0
+        assert summary.pulled_tokens % stack.decode.block_size == 0
+        assert summary.pulled_tokens + summary.recomputed_tokens == summary.prompt_tokens
+    # The engine saw the pulls the summaries report.
+    assert stack.prefill.counters.pulled_tokens == sum(s.pulled_tokens for s in summaries)
+    # The prefill that pulled named the decode engine's retained blocks and the mark with the lease.
+    params = stack.prefill.counters.prefill_params[-1]
+    assert params["remote_engine_id"] == stack.decode.engine_id
+    assert params["kvferry"]["conversation_id"] == conv
+    assert params["kvferry"]["lease_expire_time"] > 0
+    # Every decode carried the mark for the next turn.
+    marks = [p["kvferry"]["turn"] for p in stack.decode.counters.decode_params]
+    assert marks == [1, 2, 3]
+    got = await stack.grpc_stub().GetConversation(
+        router_pb2.GetConversationRequest(conversation_id=conv), metadata=metadata(ACME)
+    )
+    assert got.turn == 3 and got.engine_id == stack.decode.engine_id and got.num_tokens > 0
+
+
+async def test_openai_client_multi_turn_streaming_and_not(stack: Stack) -> None:
+    client = stack.openai()
+    conv = f"oa-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "user", "content": "Explain prefill and decode disaggregation. " * 6}]
+    first = await client.chat.completions.create(
+        model=stack.model,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_headers={"X-Conversation-Id": conv},
+    )
+    text = first.choices[0].message.content
+    assert text and first.usage is not None
+    assert first.usage.model_extra and first.usage.model_extra["pulled_tokens"] == 0
+    assert first.usage.model_extra["kvferry"]["turn"] == 1
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on. " * 10}]
+    stream = await client.chat.completions.create(
+        model=stack.model,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"conversation_id": conv},
+    )
+    pieces, usage = [], None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert len(pieces) == 6
+    assert usage is not None and usage.model_extra is not None
+    assert usage.model_extra["pulled_tokens"] > 0
+    assert (
+        usage.prompt_tokens_details is not None
+        and usage.prompt_tokens_details.cached_tokens == usage.model_extra["pulled_tokens"]
+    )
+    assert usage.model_extra["kvferry"]["turn"] == 2
+    # /v1/completions with token ids, both modes.
+    completion = await client.completions.create(model=stack.model, prompt=[11, 12, 13, 14], max_tokens=3)
+    assert completion.choices[0].text == standin_detokenize(standin_generate([11, 12, 13, 14], 3))
+    streamed = await client.completions.create(
+        model=stack.model, prompt="hello there", max_tokens=3, stream=True
+    )
+    texts = [c.choices[0].text async for c in streamed if c.choices]
+    assert "".join(texts) == standin_detokenize(standin_generate(standin_tokenize("hello there"), 3))
+    models = await client.models.list()
+    assert stack.model in [m.id for m in models.data]
+
+
+async def test_two_router_replicas_alternate_turns_with_reuse(
+    stack: Stack, router_factory: RouterFactory
+) -> None:
+    other = await router_factory()
+    await wait_for_engines(other, {stack.prefill.engine_id, stack.decode.engine_id})
+    stubs = [stack.grpc_stub(), router_grpc.RouterServiceStub(grpc.aio.insecure_channel(other.grpc_address))]
+    conv = f"rep-{uuid.uuid4().hex[:8]}"
+    history = [("user", "A long opening question about routers. " * 6)]
+    for turn in range(1, 5):
+        text, _, summary = await generate(stubs[turn % 2], chat_request(conv, stack.model, history))
+        assert summary.turn == turn
+        if turn > 1:
+            assert summary.reuse == router_pb2.REUSE_DECISION_PULL and summary.pulled_tokens > 0
+        history += [("assistant", text), ("user", "next " * 5)]
+
+
+async def test_router_restart_loses_nothing(stack: Stack, router_factory: RouterFactory) -> None:
+    conv = f"rs-{uuid.uuid4().hex[:8]}"
+    history = [("user", "Before the restart. " * 8)]
+    text, _, _ = await generate(stack.grpc_stub(), chat_request(conv, stack.model, history))
+    await stack.router.stop()
+    fresh = await router_factory()
+    await wait_for_engines(fresh, {stack.prefill.engine_id, stack.decode.engine_id})
+    history += [("assistant", text), ("user", "After it. " * 4)]
+    stub = router_grpc.RouterServiceStub(grpc.aio.insecure_channel(fresh.grpc_address))
+    _, _, summary = await generate(stub, chat_request(conv, stack.model, history))
+    assert summary.turn == 2 and summary.reuse == router_pb2.REUSE_DECISION_PULL
+
+
+async def test_edited_history_reuses_only_what_still_matches(stack: Stack) -> None:
+    stub = stack.grpc_stub()
+    conv = f"ed-{uuid.uuid4().hex[:8]}"
+    system = ("system", "S" * 100)
+    history = [system, ("user", "first question " * 10)]
+    text, _, _ = await generate(stub, chat_request(conv, stack.model, history))
+    edited = [system, ("user", "FIRST question " * 10), ("assistant", text), ("user", "second")]
+    _out, tokens, summary = await generate(stub, chat_request(conv, stack.model, edited))
+    # Only the blocks before the edit (inside the system message) match.
+    prompt_ids = standin_tokenize(standin_render_chat([{"role": r, "content": c} for r, c in edited]))
+    edit_at = standin_render_chat([{"role": r, "content": c} for r, c in edited]).index("FIRST")
+    assert 0 < summary.pulled_tokens <= edit_at
+    assert summary.pulled_tokens == edit_at // stack.decode.block_size * stack.decode.block_size
+    # Output equals a from-scratch computation of the edited prompt.
+    assert tokens == standin_generate(prompt_ids, 8)
+    assert summary.turn == 2
+
+
+async def test_small_match_below_threshold_recomputes(stack: Stack) -> None:
+    stub = stack.grpc_stub()
+    conv = f"th-{uuid.uuid4().hex[:8]}"
+    request = router_pb2.GenerateRequest(
+        conversation_id=conv, model=stack.model, tokens=router_pb2.TokenPrompt(token_ids=list(range(20, 60)))
+    )
+    request.sampling.max_tokens = 2
+    await generate(stub, request)
+    request.tokens.token_ids.extend(range(60, 70))
+    _, _, summary = await generate(stub, request)
+    assert summary.reuse == router_pb2.REUSE_DECISION_RECOMPUTE and summary.pulled_tokens == 0
+
+
+async def test_retain_false_and_no_conversation_id_retain_nothing(stack: Stack) -> None:
+    stub = stack.grpc_stub()
+    conv = f"nr-{uuid.uuid4().hex[:8]}"
+    request = chat_request(conv, stack.model, [("user", "x" * 50)])
+    request.retain = False
+    _, _, summary = await generate(stub, request)
+    assert summary.turn == 0
+    assert "kvferry" not in stack.decode.counters.decode_params[-1]
+    with pytest.raises(grpc.aio.AioRpcError) as missing:
+        await stub.GetConversation(
+            router_pb2.GetConversationRequest(conversation_id=conv), metadata=metadata(ACME)
+        )
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    # HTTP without a conversation id: a one-off turn.
+    answer = await stack.openai().chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert answer.usage is not None and answer.usage.model_extra is not None
+    assert answer.usage.model_extra["kvferry"]["turn"] == 0
+
+
+# -- renew, close, tenants ------------------------------------------------------------------------
+
+
+async def test_renew_close_and_tenant_isolation(stack: Stack) -> None:
+    stub = stack.grpc_stub()
+    conv = f"ten-{uuid.uuid4().hex[:8]}"
+    history = [("user", "secret of acme " * 10)]
+    text, _, _ = await generate(stub, chat_request(conv, stack.model, history), key=ACME)
+    renewed = await stub.RenewConversation(
+        router_pb2.RenewConversationRequest(conversation_id=conv), metadata=metadata(ACME)
+    )
+    assert renewed.expire_time.seconds > 0
+    # Another tenant sees nothing under the same conversation id, and cannot renew or close it.
+    for call, request in (
+        (stub.GetConversation, router_pb2.GetConversationRequest(conversation_id=conv)),
+        (stub.RenewConversation, router_pb2.RenewConversationRequest(conversation_id=conv)),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await call(request, metadata=metadata(GLOBEX))
+        assert denied.value.code() == grpc.StatusCode.NOT_FOUND
+    await stub.CloseConversation(
+        router_pb2.CloseConversationRequest(conversation_id=conv), metadata=metadata(GLOBEX)
+    )
+    still = await stub.GetConversation(
+        router_pb2.GetConversationRequest(conversation_id=conv), metadata=metadata(ACME)
+    )
+    assert still.turn == 1
+    # Globex's turn under the same id does not reuse acme's KV.
+    history += [("assistant", text), ("user", "more")]
+    _, _, summary = await generate(stub, chat_request(conv, stack.model, history), key=GLOBEX)
+    assert summary.reuse == router_pb2.REUSE_DECISION_NONE and summary.turn == 1
+    # Close releases at once; closing again is fine.
+    for _ in range(2):
+        await stub.CloseConversation(
+            router_pb2.CloseConversationRequest(conversation_id=conv), metadata=metadata(ACME)
+        )
+    with pytest.raises(grpc.aio.AioRpcError) as gone:
+        await stub.GetConversation(
+            router_pb2.GetConversationRequest(conversation_id=conv), metadata=metadata(ACME)
+        )
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "nothing retained" in (gone.value.details() or "")
+
+
+async def test_grpc_auth_errors(stack: Stack) -> None:
+    stub = stack.grpc_stub()
+    request = chat_request("c-auth", stack.model, [("user", "hi")])
+    cases = [
+        ((), "missing API key"),
+        (metadata("nope"), "unknown API key"),
+        ((("authorization", "Basic x"),), "Bearer"),
+    ]
+    for md, message in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await generate_raw(stub, request, md)
+        assert failed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert message in (failed.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as denied:
+        await generate_raw(stub, request, metadata(LIMITED_API_KEY))
+    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert LIMITED_MODEL in (denied.value.details() or "")
+
+
+async def generate_raw(
+    stub: router_grpc.RouterServiceStub, request: router_pb2.GenerateRequest, md: tuple[tuple[str, str], ...]
+) -> None:
+    async for _ in stub.Generate(request, metadata=md, timeout=10):
+        pass
+
+
+async def test_http_auth_errors(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.router.http_url) as http:
+        body = {"model": stack.model, "messages": [{"role": "user", "content": "hi"}]}
+        missing = await http.post("/v1/chat/completions", json=body)
+        assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+        wrong = await http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        denied = await http.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {LIMITED_API_KEY}"}
+        )
+        assert denied.status_code == 403 and denied.json()["error"]["param"] == "model"
+        assert (await http.get("/v1/models")).status_code == 401
+        health = await http.get("/health")
+        assert health.status_code == 200 and health.json()["engines"]["decode"] >= 1
+    with pytest.raises(openai.AuthenticationError):
+        await stack.openai("nope").chat.completions.create(
+            model=stack.model, messages=[{"role": "user", "content": "x"}]
+        )
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "fragment"),
+    [
+        (b"{not json", 400, "malformed request body"),
+        (b"", 400, "body is empty"),
+        (b"[]", 400, "malformed"),
+        (b'{"model": "M", "messages": "hi"}', 400, "messages"),
+        (b'{"model": "M", "messages": []}', 400, "messages is empty"),
+        (b'{"model": "M", "messages": [{"role": "wizard", "content": "x"}]}', 400, "role"),
+        (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', 404, "not served"),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+            400,
+            "max_tokens",
+        ),
+        (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}', 400, "n must be 1"),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": -1}',
+            400,
+            "temperature",
+        ),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "conversation_id": "bad id!"}',
+            400,
+            "outside",
+        ),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "conversation_id": "'
+            + b"a" * 200
+            + b'"}',
+            400,
+            "at most 128",
+        ),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}',
+            400,
+            "lower max_tokens",
+        ),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+            400,
+            "only text",
+        ),
+    ],
+)
+async def test_http_bad_input(stack: Stack, body: bytes, status: int, fragment: str) -> None:
+    async with httpx.AsyncClient(base_url=stack.router.http_url) as http:
+        answer = await http.post(
+            "/v1/chat/completions",
+            content=body.replace(b'"M"', f'"{stack.model}"'.encode()),
+            headers={"Authorization": f"Bearer {ACME}", "Content-Type": "application/json"},
+        )
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert fragment in error["message"], error
+    if status == 404:
+        assert error["code"] == "model_not_found"
+
+
+async def test_http_prompt_over_max_model_len_and_oversized_body(
+    stack: Stack, router_factory: RouterFactory
+) -> None:
+    async with httpx.AsyncClient(base_url=stack.router.http_url, timeout=20) as http:
+        headers = {"Authorization": f"Bearer {ACME}"}
+        too_long = await http.post(
+            "/v1/completions",
+            json={"model": stack.model, "prompt": list(range(20, 20 + stack.decode.max_model_len + 5))},
+            headers=headers,
+        )
+        assert (
+            too_long.status_code == 400 and "shorten the conversation" in too_long.json()["error"]["message"]
+        )
+        batch = await http.post(
+            "/v1/completions", json={"model": stack.model, "prompt": ["a", "b"]}, headers=headers
+        )
+        assert batch.status_code == 400 and "batched" in batch.json()["error"]["message"]
+        differ = await http.post(
+            "/v1/completions",
+            json={"model": stack.model, "prompt": "x", "conversation_id": "a"},
+            headers={**headers, "X-Conversation-Id": "b"},
+        )
+        assert differ.status_code == 400
+    small = await router_factory(max_body_bytes=1000)
+    async with httpx.AsyncClient(base_url=small.http_url) as http:
+        big = await http.post(
+            "/v1/completions",
+            json={"model": stack.model, "prompt": "x" * 5000},
+            headers={"Authorization": f"Bearer {ACME}"},
+        )
+    assert big.status_code == 400 and "at most 1000" in big.json()["error"]["message"]
+
+
+async def test_grpc_bad_input(stack: Stack) -> None:
+    stub = stack.grpc_stub()
+    good = chat_request("c-ok", stack.model, [("user", "hi")])
+    cases: list[tuple[router_pb2.GenerateRequest, grpc.StatusCode, str]] = []
+    no_prompt = router_pb2.GenerateRequest(conversation_id="c", model=stack.model)
+    cases.append((no_prompt, grpc.StatusCode.INVALID_ARGUMENT, "prompt is missing"))
+    bad_id = router_pb2.GenerateRequest()
+    bad_id.CopyFrom(good)
+    bad_id.conversation_id = "x" * 129
+    cases.append((bad_id, grpc.StatusCode.INVALID_ARGUMENT, "at most 128"))
+    empty_id = router_pb2.GenerateRequest()
+    empty_id.CopyFrom(good)
+    empty_id.conversation_id = ""
+    cases.append((empty_id, grpc.StatusCode.INVALID_ARGUMENT, "conversation_id is required"))
+    unknown_model = router_pb2.GenerateRequest()
+    unknown_model.CopyFrom(good)
+    unknown_model.model = "nope"
+    cases.append((unknown_model, grpc.StatusCode.NOT_FOUND, "not served"))
+    negative = router_pb2.GenerateRequest(
+        conversation_id="c", model=stack.model, tokens=router_pb2.TokenPrompt(token_ids=[1, -5])
+    )
+    cases.append((negative, grpc.StatusCode.INVALID_ARGUMENT, "non-negative"))
+    too_long = router_pb2.GenerateRequest(
+        conversation_id="c",
+        model=stack.model,
+        tokens=router_pb2.TokenPrompt(token_ids=[20] * (stack.decode.max_model_len + 1)),
+    )
+    cases.append((too_long, grpc.StatusCode.INVALID_ARGUMENT, "shorten the conversation"))
+    bad_role = chat_request("c", stack.model, [("robot", "x")])
+    cases.append((bad_role, grpc.StatusCode.INVALID_ARGUMENT, "role"))
+    bad_top_p = chat_request("c", stack.model, [("user", "x")])
+    bad_top_p.sampling.top_p = 1.5
+    cases.append((bad_top_p, grpc.StatusCode.INVALID_ARGUMENT, "top_p"))
+    for request, code, fragment in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await generate_raw(stub, request, metadata(ACME))
+        assert failed.value.code() == code, (request, failed.value.details())
+        assert fragment in (failed.value.details() or ""), failed.value.details()
+    for call, renew_request in (
+        (stub.RenewConversation, router_pb2.RenewConversationRequest(conversation_id="bad id")),
+        (stub.CloseConversation, router_pb2.CloseConversationRequest(conversation_id="")),
+        (stub.GetConversation, router_pb2.GetConversationRequest(conversation_id="y" * 200)),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await call(renew_request, metadata=metadata(ACME))
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+
+async def test_engine_failure_before_first_token_retries_by_recompute(
+    stack: Stack, standin_factory: StandInFactory
+) -> None:
+    prefill2 = await standin_factory("prefill", model=stack.model)
+    decode2 = await standin_factory("decode", model=stack.model)
+    await wait_for_engines(stack.router, {prefill2.engine_id, decode2.engine_id})
+    stub = stack.grpc_stub()
+    conv = f"rt-{uuid.uuid4().hex[:8]}"
+    history = [("user", "retry me " * 20)]
+    text, _, first = await generate(stub, chat_request(conv, stack.model, history))
+    holder = first.decode_engine_id
+    holder_engine = stack.decode if holder == stack.decode.engine_id else decode2
+    holder_engine.fail_decodes = 1
+    history += [("assistant", text), ("user", "again " * 5)]
+    _, _tokens, summary = await generate(stub, chat_request(conv, stack.model, history))
+    assert summary.decode_engine_id != holder
+    assert summary.reuse == router_pb2.REUSE_DECISION_NONE and summary.pulled_tokens == 0
+    assert summary.turn == 2
+    # Prefill failing: retried on the other prefill engine.
+    for engine in (stack.prefill, prefill2):
+        engine.fail_prefills = 1
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await generate(stub, chat_request(conv, stack.model, history))
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "gave up after 2 attempts" in (failed.value.details() or "")
+
+
+async def test_engine_failure_after_first_token_is_a_clear_error(stack: Stack) -> None:
+    stack.decode.fail_decode_after_tokens = 2
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await generate(stack.grpc_stub(), chat_request("c-mid", stack.model, [("user", "x" * 40)]))
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "already streamed" in (failed.value.details() or "")
+    stack.decode.fail_decode_after_tokens = None
+
+
+async def test_engine_that_leaves_is_dropped_at_once(stack: Stack, standin_factory: StandInFactory) -> None:
+    extra = await standin_factory("decode", model=stack.model)
+    await wait_for_engines(stack.router, {extra.engine_id})
+    await extra.deregister()
+    deadline = asyncio.get_running_loop().time() + 2
+    while stack.router.engines.get(extra.engine_id) is not None:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+
+
+async def test_client_disconnect_aborts_the_decode(stack: Stack) -> None:
+    stack.decode.decode_token_delay_seconds = 0.05
+    try:
+        request = chat_request(
+            f"dc-{uuid.uuid4().hex[:6]}", stack.model, [("user", "slow " * 20)], max_tokens=200
+        )
+        call = stack.grpc_stub().Generate(request, metadata=metadata(ACME))
+        received = 0
+        async for _event in call:
+            received += 1
+            if received == 3:
+                call.cancel()
+                break
+        deadline = asyncio.get_running_loop().time() + 3
+        while stack.decode.counters.aborted_requests == 0:
+            assert asyncio.get_running_loop().time() < deadline, "decode was not aborted"
+            await asyncio.sleep(0.02)
+        # HTTP streaming: the same through SSE.
+        before = stack.decode.counters.aborted_requests
+        async with httpx.AsyncClient(base_url=stack.router.http_url, timeout=10) as http:
+            async with http.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "model": stack.model,
+                    "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 200,
+                    "stream": True,
+                },
+                headers={"Authorization": f"Bearer {ACME}"},
+            ) as response:
+                lines = 0
+                async for _ in response.aiter_lines():
+                    lines += 1
+                    if lines >= 4:
+                        break
+        deadline = asyncio.get_running_loop().time() + 3
+        while stack.decode.counters.aborted_requests == before:
+            assert asyncio.get_running_loop().time() < deadline, "SSE disconnect did not abort the decode"
+            await asyncio.sleep(0.02)
+    finally:
+        stack.decode.decode_token_delay_seconds = 0.0
