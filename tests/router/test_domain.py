@@ -1,0 +1,260 @@
+"""The router's domain logic as plain Python: prefix matching, the cost model, engine selection,
+API keys. No servers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kvferry.common.calibration import CostProfile
+from kvferry.common.digest import block_digests
+from kvferry.router.cost import CostSettings, RateInputs, Reuse, choose_reuse
+from kvferry.router.engines import (
+    EngineInfo,
+    EngineStats,
+    EngineTable,
+    LoadTracker,
+    pick_decode_engine,
+    pick_prefill_engine,
+)
+from kvferry.router.errors import Failure, RouterError
+from kvferry.router.prefix import PrefixMatch, match_retained_prefix
+from kvferry.router.tenants import ApiKeys, TenantConfigError, key_digest, load_tenants, parse_key_pairs
+from kvferry.v1 import resources_pb2
+
+BS = 16
+SALT = "kv-hash-a"
+
+
+def matched(
+    prompt: list[int],
+    history: list[int],
+    *,
+    salt: str = SALT,
+    num_tokens: int | None = None,
+    num_blocks: int | None = None,
+) -> PrefixMatch:
+    """Matches ``prompt`` against a retention of ``history`` published with salt SALT."""
+    return match_retained_prefix(
+        prompt,
+        retained_digests=block_digests(history, BS, salt=SALT),
+        retained_num_tokens=len(history) if num_tokens is None else num_tokens,
+        retained_num_blocks=-(-len(history) // BS) if num_blocks is None else num_blocks,
+        block_size=BS,
+        salt=salt,
+    )
+
+
+# -- prefix ---------------------------------------------------------------------------------------
+
+
+def test_prefix_extending_history_matches_every_full_retained_block() -> None:
+    history = list(range(100))
+    match = matched([*history, 7, 8, 9], history)
+    assert match.blocks == 6 and match.tokens == 96
+
+
+def test_prefix_edit_keeps_only_blocks_before_it() -> None:
+    history = list(range(100))
+    edited = history.copy()
+    edited[40] = 9999  # inside block 2 (tokens 32..47)
+    assert matched([*edited, 1, 2], history).tokens == 32
+
+
+def test_prefix_edit_in_first_block_or_other_salt_matches_nothing() -> None:
+    history = list(range(100))
+    assert matched([5, *history[1:]], history).tokens == 0
+    assert matched([*history, 1], history, salt="kv-hash-b").tokens == 0
+
+
+def test_prefix_leaves_at_least_one_token_to_compute() -> None:
+    history = list(range(64))
+    # Same prompt as retained: the last block is given up so prefill has a token to compute.
+    assert matched(history, history).tokens == 48
+    assert matched([*history, 1], history).tokens == 64
+
+
+def test_prefix_never_exceeds_retained_tokens_or_blocks() -> None:
+    history = list(range(100))
+    # The engine says fewer tokens (or blocks) than the digests cover.
+    assert matched([*history, 1], history, num_tokens=40).tokens == 32
+    assert matched([*history, 1], history, num_blocks=2).tokens == 32
+
+
+# -- cost model -----------------------------------------------------------------------------------
+
+PROFILE = CostProfile(
+    prefill_tokens_per_second=1000.0, transfer_bytes_per_second=1e8, transfer_setup_seconds=0.02
+)
+SETTINGS = CostSettings(profile=PROFILE, kv_recompute_threshold=64, lease_margin_seconds=2.0)
+NO_RATES = RateInputs(0.0, 0.0, 0)
+
+
+def test_cost_no_match_is_none_and_below_threshold_recomputes() -> None:
+    assert choose_reuse(0, lease_seconds_left=100, rates=NO_RATES, settings=SETTINGS).reuse is Reuse.NONE
+    small = choose_reuse(48, lease_seconds_left=100, rates=NO_RATES, settings=SETTINGS)
+    assert small.reuse is Reuse.RECOMPUTE and "threshold" in small.reason
+
+
+def test_cost_pull_when_cheaper_than_recompute() -> None:
+    # 1000 tokens: recompute 1 s; pull 0.02 + 1000 * 10 kB / 100 MB/s = 0.12 s.
+    choice = choose_reuse(1000, lease_seconds_left=100, rates=RateInputs(0.0, 0.0, 10_000), settings=SETTINGS)
+    assert choice.reuse is Reuse.PULL and choice.pull_tokens == 1000
+    assert choice.estimated_pull_seconds == pytest.approx(0.12)
+    assert choice.estimated_recompute_seconds == pytest.approx(1.0)
+
+
+def test_cost_engine_rates_override_the_profile() -> None:
+    # The engine reports a slow link: 1000 tokens * 10 kB at 1 MB/s = 10 s > 1 s recompute.
+    slow_link = RateInputs(
+        prefill_tokens_per_second=0.0, transfer_bytes_per_second=1e6, kv_bytes_per_token=10_000
+    )
+    choice = choose_reuse(1000, lease_seconds_left=100, rates=slow_link, settings=SETTINGS)
+    assert choice.reuse is Reuse.RECOMPUTE and "cheaper" in choice.reason
+    # A fast prefill engine makes recompute win too.
+    fast_prefill = RateInputs(
+        prefill_tokens_per_second=1e6, transfer_bytes_per_second=0.0, kv_bytes_per_token=10_000
+    )
+    assert (
+        choose_reuse(1000, lease_seconds_left=100, rates=fast_prefill, settings=SETTINGS).reuse
+        is Reuse.RECOMPUTE
+    )
+
+
+def test_cost_lease_too_short_recomputes() -> None:
+    choice = choose_reuse(1000, lease_seconds_left=1.5, rates=RateInputs(0, 0, 10_000), settings=SETTINGS)
+    assert choice.reuse is Reuse.RECOMPUTE and "lease" in choice.reason
+    assert (
+        choose_reuse(1000, lease_seconds_left=2.5, rates=RateInputs(0, 0, 10_000), settings=SETTINGS).reuse
+        is Reuse.PULL
+    )
+
+
+# -- engines --------------------------------------------------------------------------------------
+
+
+def engine(engine_id: str, role: int, *, model: str = "m", kv_hash: str = SALT, **stats: int) -> EngineInfo:
+    return EngineInfo(
+        engine_id=engine_id,
+        role=role,
+        http_endpoint=f"http://{engine_id}",
+        nixl_host="127.0.0.1",
+        nixl_port=1,
+        model=model,
+        kv_compatibility_hash=kv_hash,
+        block_size=BS,
+        max_model_len=4096,
+        stats=EngineStats(**stats),  # type: ignore[arg-type]
+    )
+
+
+P, D, BOTH = (
+    resources_pb2.ENGINE_ROLE_PREFILL,
+    resources_pb2.ENGINE_ROLE_DECODE,
+    resources_pb2.ENGINE_ROLE_BOTH,
+)
+
+
+def test_engine_table_roles_and_models() -> None:
+    table = EngineTable(
+        [engine("p1", P), engine("d1", D), engine("b1", BOTH), engine("p2", P, model="other")]
+    )
+    assert {e.engine_id for e in table.prefill_engines("m")} == {"p1", "b1"}
+    assert {e.engine_id for e in table.decode_engines("m")} == {"d1", "b1"}
+    assert table.models() == ["m", "other"]
+    table.remove("b1")
+    assert {e.engine_id for e in table.decode_engines("m")} == {"d1"}
+
+
+def test_prefill_choice_balances_inflight_tokens_and_respects_kv_layout() -> None:
+    load = LoadTracker()
+    engines = [
+        engine("p1", P, inflight_prefill_tokens=100),
+        engine("p2", P),
+        engine("p3", P, kv_hash="other"),
+    ]
+    load.add_prefill("p2", 500)
+    assert pick_prefill_engine(engines, load).engine_id == "p3"  # type: ignore[union-attr]
+    assert pick_prefill_engine(engines, load, kv_compatibility_hash=SALT).engine_id == "p1"  # type: ignore[union-attr]
+    assert pick_prefill_engine(engines, load, exclude=frozenset({"p1", "p3"})).engine_id == "p2"  # type: ignore[union-attr]
+    load.add_prefill("p2", -500)
+    assert pick_prefill_engine(engines, load, kv_compatibility_hash=SALT).engine_id == "p2"  # type: ignore[union-attr]
+    assert pick_prefill_engine(engines, load, exclude=frozenset({"p1", "p2", "p3"})) is None
+
+
+def test_decode_choice_prefers_the_holder_else_least_loaded() -> None:
+    load = LoadTracker()
+    engines = [engine("d1", D, running_requests=5), engine("d2", D, running_requests=1)]
+    assert pick_decode_engine(engines, load, holder_id="d1").engine_id == "d1"  # type: ignore[union-attr]
+    assert pick_decode_engine(engines, load).engine_id == "d2"  # type: ignore[union-attr]
+    load.add_decode("d2", 10)
+    assert pick_decode_engine(engines, load, holder_id="gone").engine_id == "d1"  # type: ignore[union-attr]
+    assert pick_decode_engine(engines, load, holder_id="d1", exclude=frozenset({"d1"})).engine_id == "d2"  # type: ignore[union-attr]
+
+
+# -- API keys -------------------------------------------------------------------------------------
+
+
+def test_api_keys_from_toml_and_json(tmp_path: Path) -> None:
+    toml = tmp_path / "tenants.toml"
+    toml.write_text(
+        '[[tenants]]\nname = "acme"\napi_keys = ["k1", "k2"]\n\n'
+        f'[[tenants]]\nname = "globex"\napi_key_sha256 = ["{key_digest("k3")}"]\nmodels = ["m"]\n'
+    )
+    keys = load_tenants(toml)
+    assert keys.authenticate("Bearer k1").name == "acme"
+    assert keys.authenticate("bearer k2").name == "acme"
+    globex = keys.authenticate("Bearer k3")
+    assert globex.name == "globex" and globex.models == frozenset({"m"})
+    globex.check_model("m")
+    with pytest.raises(RouterError) as denied:
+        globex.check_model("other")
+    assert denied.value.failure is Failure.PERMISSION_DENIED
+    as_json = tmp_path / "tenants.json"
+    as_json.write_text(json.dumps({"tenants": [{"name": "acme", "api_keys": ["k1"]}]}))
+    assert load_tenants(as_json).authenticate("Bearer k1").name == "acme"
+
+
+@pytest.mark.parametrize(
+    ("header", "fragment"),
+    [
+        (None, "missing API key"),
+        ("", "missing API key"),
+        ("Token k1", "Bearer"),
+        ("Bearer nope", "unknown API key"),
+    ],
+)
+def test_api_key_failures_are_unauthenticated(header: str | None, fragment: str) -> None:
+    keys = ApiKeys.from_pairs([("k1", "acme")])
+    with pytest.raises(RouterError) as failed:
+        keys.authenticate(header)
+    assert failed.value.failure is Failure.UNAUTHENTICATED and fragment in failed.value.message
+
+
+@pytest.mark.parametrize(
+    ("document", "fragment"),
+    [
+        ("{}", "non-empty `tenants`"),
+        ('{"tenants": [{"name": "a b", "api_keys": ["k"]}]}', "outside"),
+        ('{"tenants": [{"name": "a"}]}', "has no api_keys"),
+        ('{"tenants": [{"name": "a", "api_keys": "k"}]}', "list of non-empty strings"),
+        ('{"tenants": [{"name": "a", "api_key_sha256": ["abc"]}]}', "not a hex SHA-256"),
+        ('{"tenants": [{"name": "a", "api_keys": ["k"], "colour": 1}]}', "unknown fields"),
+        ('{"tenants": [{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}]}', "also 'a'"),
+        ("not json", "not valid JSON"),
+    ],
+)
+def test_bad_tenant_files_say_what_is_wrong(tmp_path: Path, document: str, fragment: str) -> None:
+    path = tmp_path / "tenants.json"
+    path.write_text(document)
+    with pytest.raises(TenantConfigError) as bad:
+        load_tenants(path)
+    assert fragment in str(bad.value) and str(path) in str(bad.value)
+
+
+def test_key_pairs_flag_form() -> None:
+    keys = parse_key_pairs("k1=acme, k2=globex")
+    assert keys.authenticate("Bearer k2").name == "globex"
+    with pytest.raises(TenantConfigError):
+        parse_key_pairs("k1")
