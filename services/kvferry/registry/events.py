@@ -96,6 +96,12 @@ class RetentionEventHub:
             if self._task is None or self._task.done():
                 start = await self._etcd.current_revision() + 1
                 self._task = asyncio.create_task(self._follow(start), name="retention-event-hub")
+        async with self.attach(engine_id) as subscription:
+            yield subscription
+
+    @contextlib.asynccontextmanager
+    async def attach(self, engine_id: str) -> AsyncIterator[Subscription]:
+        """Receives what the hub dispatches for ``engine_id``, without starting its etcd watch."""
         subscription = Subscription(engine_id)
         self._subscribers.setdefault(engine_id, set()).add(subscription)
         try:
