@@ -3,5 +3,6 @@
 pytest_plugins = [
     "tests.fixtures.etcd",
     "tests.fixtures.registry",
+    "tests.fixtures.sidecar",
     "tests.fixtures.router",
 ]

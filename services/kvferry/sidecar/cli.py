@@ -1,0 +1,273 @@
+"""``kvferry sidecar``: runs beside one vLLM engine.
+
+Waits for the engine's /health, registers it in the registry under a heartbeat lease, serves the
+connector inside the engine over a local gRPC endpoint (SidecarService), publishes the retentions
+it reports and streams back their renewals and ends. Every flag can also be set by the
+environment variable named in its help; flags win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from typing import Any
+
+from kvferry.common import telemetry
+from kvferry.common.logs import setup_logging
+from kvferry.sidecar.config import SidecarConfig
+from kvferry.sidecar.engine import EngineMonitorSettings
+from kvferry.sidecar.registration import EngineIdentity, RegistrationRejected, RegistrationSettings
+from kvferry.sidecar.releases import FanoutSettings
+from kvferry.sidecar.timing import BackoffPolicy
+from kvferry.v1 import resources_pb2
+
+log = logging.getLogger("kvferry.sidecar")
+
+ROLES = {
+    "prefill": resources_pb2.ENGINE_ROLE_PREFILL,
+    "decode": resources_pb2.ENGINE_ROLE_DECODE,
+    "both": resources_pb2.ENGINE_ROLE_BOTH,
+}
+DEFAULT_LISTEN = "unix:/tmp/kvferry/sidecar-{engine_id}.sock"
+
+
+def _add(
+    parser: argparse.ArgumentParser | Any,
+    flag: str,
+    env: str,
+    help_text: str,
+    *,
+    type: Any = str,
+    default: Any = None,
+    required: bool = False,
+    choices: Any = None,
+) -> None:
+    """A flag whose default comes from ``env`` when set; required only if neither gives a value."""
+    from_env = os.environ.get(env)
+    value = type(from_env) if from_env not in (None, "") else default
+    shown = f" (env {env}" + (f"; default {default}" if default is not None else "") + ")"
+    parser.add_argument(
+        flag,
+        type=type,
+        default=value,
+        required=required and value is None,
+        choices=choices,
+        help=help_text + shown,
+    )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    engine = parser.add_argument_group("the engine")
+    _add(
+        engine,
+        "--engine-id",
+        "KVFERRY_ENGINE_ID",
+        "engine id; must equal the engine's kv_transfer_config.engine_id",
+        required=True,
+    )
+    _add(engine, "--role", "KVFERRY_ENGINE_ROLE", "the engine's role", choices=sorted(ROLES), required=True)
+    _add(
+        engine,
+        "--engine-url",
+        "KVFERRY_ENGINE_URL",
+        "base URL of the engine's OpenAI-compatible HTTP server, e.g. http://127.0.0.1:8100",
+        required=True,
+    )
+    _add(
+        engine,
+        "--nixl-host",
+        "KVFERRY_NIXL_HOST",
+        "host of the engine's NIXL side channel",
+        default="127.0.0.1",
+    )
+    _add(
+        engine,
+        "--nixl-port",
+        "KVFERRY_NIXL_PORT",
+        "port of the engine's NIXL side channel (the engine's VLLM_NIXL_SIDE_CHANNEL_PORT)",
+        type=int,
+        default=int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 5600),
+    )
+    _add(
+        engine,
+        "--kv-compatibility-hash",
+        "KVFERRY_KV_COMPATIBILITY_HASH",
+        "engines exchange KV only when this matches (same model, dtype, block layout)",
+        required=True,
+    )
+    _add(engine, "--model", "KVFERRY_MODEL", "served model name (default: what /v1/models reports)")
+    _add(
+        engine,
+        "--block-size",
+        "KVFERRY_BLOCK_SIZE",
+        "tokens per KV block (default: from the engine's /metrics vllm:cache_config_info)",
+        type=int,
+    )
+    _add(
+        engine,
+        "--kv-capacity-blocks",
+        "KVFERRY_KV_CAPACITY_BLOCKS",
+        "KV blocks the engine has (default: num_gpu_blocks from the engine's /metrics)",
+        type=int,
+    )
+    _add(
+        engine,
+        "--max-model-len",
+        "KVFERRY_MAX_MODEL_LEN",
+        "the model's context limit in tokens (default: what /v1/models reports)",
+        type=int,
+    )
+    _add(
+        engine,
+        "--engine-timeout",
+        "KVFERRY_ENGINE_TIMEOUT_SECONDS",
+        "deadline of each HTTP call to the engine, seconds",
+        type=float,
+        default=5.0,
+    )
+    _add(
+        engine,
+        "--engine-probe-interval",
+        "KVFERRY_ENGINE_PROBE_INTERVAL_SECONDS",
+        "seconds between /health probes",
+        type=float,
+        default=2.0,
+    )
+    _add(
+        engine,
+        "--engine-down-after",
+        "KVFERRY_ENGINE_DOWN_AFTER_SECONDS",
+        "failing /health for this long deregisters the engine (a refused connection does at once)",
+        type=float,
+        default=30.0,
+    )
+
+    registry = parser.add_argument_group("the registry")
+    _add(registry, "--registry", "KVFERRY_REGISTRY", "host:port of the registry's gRPC API", required=True)
+    _add(
+        registry,
+        "--ttl-seconds",
+        "KVFERRY_ENGINE_TTL_SECONDS",
+        "engine lease length asked for; heartbeats go every TTL/3 (0: the registry's default)",
+        type=int,
+        default=10,
+    )
+    _add(
+        registry,
+        "--registry-timeout",
+        "KVFERRY_REGISTRY_TIMEOUT_SECONDS",
+        "deadline of each registry call, seconds",
+        type=float,
+        default=5.0,
+    )
+    _add(
+        registry,
+        "--backoff-initial",
+        "KVFERRY_BACKOFF_INITIAL_SECONDS",
+        "first retry delay after a registry failure, seconds",
+        type=float,
+        default=0.2,
+    )
+    _add(
+        registry,
+        "--backoff-max",
+        "KVFERRY_BACKOFF_MAX_SECONDS",
+        "longest retry delay, seconds",
+        type=float,
+        default=5.0,
+    )
+    _add(
+        registry,
+        "--sweep-interval",
+        "KVFERRY_SWEEP_INTERVAL_SECONDS",
+        "seconds between re-checks of retentions past their expiry without news",
+        type=float,
+        default=5.0,
+    )
+
+    serving = parser.add_argument_group("serving")
+    _add(
+        serving,
+        "--listen",
+        "KVFERRY_SIDECAR_LISTEN",
+        "endpoint for the connector: unix:/path or 127.0.0.1:port ({engine_id} is replaced)",
+        default=DEFAULT_LISTEN,
+    )
+    _add(
+        serving,
+        "--log-level",
+        "KVFERRY_LOG_LEVEL",
+        "log level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+    )
+    telemetry.add_telemetry_arguments(parser)
+
+
+def config_from_args(args: argparse.Namespace) -> SidecarConfig:
+    identity = EngineIdentity(
+        engine_id=args.engine_id,
+        role=ROLES[args.role],
+        http_endpoint=args.engine_url.rstrip("/"),
+        nixl_host=args.nixl_host,
+        nixl_port=args.nixl_port,
+        kv_compatibility_hash=args.kv_compatibility_hash,
+        model=args.model,
+        block_size=args.block_size,
+        kv_capacity_blocks=args.kv_capacity_blocks,
+        max_model_len=args.max_model_len,
+    )
+    backoff = BackoffPolicy(initial_seconds=args.backoff_initial, max_seconds=args.backoff_max)
+    return SidecarConfig(
+        identity=identity,
+        registry_address=args.registry,
+        listen=args.listen.replace("{engine_id}", args.engine_id),
+        registration=RegistrationSettings(ttl_seconds=args.ttl_seconds, backoff=backoff),
+        monitor=EngineMonitorSettings(
+            probe_interval_seconds=args.engine_probe_interval, down_after_seconds=args.engine_down_after
+        ),
+        fanout=FanoutSettings(backoff=backoff, sweep_interval_seconds=args.sweep_interval),
+        registry_timeout_seconds=args.registry_timeout,
+        engine_timeout_seconds=args.engine_timeout,
+        metrics_address=args.metrics_address,
+        otlp_endpoint=args.otlp_endpoint,
+    )
+
+
+async def serve(config: SidecarConfig) -> int:
+    """Runs until SIGTERM/SIGINT (exit 0, engine deregistered) or a fatal error (exit 2)."""
+    from kvferry.sidecar.app import Sidecar
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    sidecar = Sidecar(config)
+    await sidecar.start()
+    stop_wait: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+    failed: asyncio.Future[Any] = sidecar.failed
+    try:
+        await asyncio.wait({stop_wait, failed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop_wait.cancel()
+        await sidecar.stop()
+    if sidecar.failed.done():
+        error = sidecar.failed.result()
+        hint = "fix the flags" if isinstance(error, RegistrationRejected) else "see the log above"
+        log.error("sidecar exiting", extra={"error": str(error), "hint": hint})
+        return 2
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    config = config_from_args(args)
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(serve(config))
+    return 130

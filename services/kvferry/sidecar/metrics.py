@@ -1,0 +1,78 @@
+"""The sidecar's Prometheus series: the shared ``kvferry_*`` ones it owns (see docs/observability.md)
+plus its own ``kvferry_sidecar_*``, all in one registry per sidecar (tests run several in one process)."""
+
+from __future__ import annotations
+
+from kvferry.common import telemetry
+from kvferry.v1 import resources_pb2
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class SidecarMetrics:
+    def __init__(self, engine_id: str, registry: CollectorRegistry | None = None) -> None:
+        self.shared = telemetry.create_metrics(registry if registry is not None else CollectorRegistry())
+        self.registry = self.shared.registry
+        r = self.registry
+        self._engine_id = engine_id
+        self.retentions = Gauge(
+            "kvferry_sidecar_retentions",
+            "Live retentions of this engine, as the sidecar knows them.",
+            registry=r,
+        )
+        self.publishes = Counter(
+            "kvferry_sidecar_publishes", "Retentions published to the registry.", registry=r
+        )
+        self.publish_failures = Counter(
+            "kvferry_sidecar_publish_failures",
+            "ReportRetention calls that could not publish, by the gRPC code returned to the connector.",
+            ["code"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "kvferry_sidecar_evictions", "EvictRetention calls from the connector's budget.", registry=r
+        )
+        self.heartbeat_failures = Counter(
+            "kvferry_sidecar_heartbeat_failures", "Engine heartbeats that failed.", registry=r
+        )
+        self.registrations = Counter(
+            "kvferry_sidecar_registrations",
+            "Times the engine was registered, the first included.",
+            registry=r,
+        )
+        self.reregistrations = Counter(
+            "kvferry_sidecar_reregistrations",
+            "Registrations after a lost lease, a registry restart or an engine restart.",
+            registry=r,
+        )
+        self.last_heartbeat = Gauge(
+            "kvferry_sidecar_last_heartbeat_timestamp_seconds",
+            "Wall-clock time of the last accepted heartbeat or registration.",
+            registry=r,
+        )
+        self.engine_up = Gauge("kvferry_sidecar_engine_up", "1 while the engine answers /health.", registry=r)
+        self.registry_up = Gauge(
+            "kvferry_sidecar_registry_up",
+            "1 while the engine is registered and heartbeats succeed.",
+            registry=r,
+        )
+        self.watch_reconnects = Counter(
+            "kvferry_sidecar_watch_reconnects",
+            "Times the registry WatchRetentions stream was opened.",
+            registry=r,
+        )
+        self.release_subscribers = Gauge(
+            "kvferry_sidecar_release_subscribers", "Open WatchReleases streams from connectors.", registry=r
+        )
+
+    def heartbeat(self) -> None:
+        self.shared.lease_renewals.labels(kind="engine").inc()
+
+    def release(self, reason: resources_pb2.ReleaseReason.ValueType) -> None:
+        self.shared.record_release(reason)
+
+    def registry_error(self, op: str) -> None:
+        self.shared.registry_errors.labels(op=op).inc()
+
+    def set_retained(self, retentions: int, blocks: int) -> None:
+        self.retentions.set(retentions)
+        self.shared.retained_blocks.labels(engine=self._engine_id).set(blocks)

@@ -1,0 +1,347 @@
+"""The engine's registration in the registry, as a state machine driven by one asyncio task.
+
+WAITING_FOR_ENGINE -> (engine /health OK, facts read) -> REGISTERING -> REGISTERED
+REGISTERED -> heartbeat every granted TTL / 3, carrying the connector's latest EngineStats
+REGISTERED -> (heartbeat NOT_FOUND: the lease was lost) -> REGISTERING again, on its own
+
+Every RegisterEngine starts a fresh engine incarnation in the registry, which ends whatever the
+previous incarnation retained (ENGINE_GONE). That is what makes the connector's first SYNC after
+a (re-)registration true: this sidecar, even freshly restarted, knows every live retention.
+REGISTERED -> (engine DOWN) -> deregister -> WAITING_FOR_ENGINE
+any -> (shutdown) -> deregister -> STOPPED
+
+Transient registry failures (unavailable, deadline) are retried with backoff and never end the
+loop; only a registry that refuses the engine outright (bad config) raises RegistrationRejected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from kvferry.sidecar.engine import EngineFacts, EngineMonitor, EngineProbe, EngineProbeError, EngineState
+from kvferry.sidecar.metrics import SidecarMetrics
+from kvferry.sidecar.registry_link import RegistryApi, RegistryError
+from kvferry.sidecar.timing import Backoff, BackoffPolicy, Clock
+from kvferry.v1 import resources_pb2
+
+log = logging.getLogger("kvferry.sidecar.registration")
+
+# A registry answering these to RegisterEngine will answer them again: the configuration is wrong.
+_REJECTING_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
+
+
+class Phase(enum.Enum):
+    WAITING_FOR_ENGINE = "waiting_for_engine"
+    REGISTERING = "registering"
+    REGISTERED = "registered"
+    STOPPED = "stopped"
+
+
+class RegistrationRejected(Exception):
+    """The registry refused the engine for a reason retrying cannot fix."""
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """What the sidecar knows about its engine from flags; None fields come from the engine itself."""
+
+    engine_id: str
+    role: resources_pb2.EngineRole.ValueType
+    http_endpoint: str
+    nixl_host: str
+    nixl_port: int
+    kv_compatibility_hash: str
+    model: str | None = None
+    block_size: int | None = None
+    kv_capacity_blocks: int | None = None
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class RegistrationSettings:
+    # Lease length asked for; 0 takes the registry's default.
+    ttl_seconds: int = 10
+    backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+
+
+class _Outcome(enum.Enum):
+    LEASE_LOST = "lease_lost"
+    ENGINE_DOWN = "engine_down"
+
+
+def describe_engine(identity: EngineIdentity, facts: EngineFacts) -> resources_pb2.Engine:
+    """The Engine record to register: flags win over what the engine reports, both are checked."""
+
+    def pick(name: str, flag: int | str | None, reported: int | str | None, flag_name: str) -> int | str:
+        if flag is not None and reported is not None and flag != reported:
+            log.warning(
+                "flag overrides what the engine reports",
+                extra={"field": name, "flag": flag, "engine_reports": reported},
+            )
+        value = flag if flag is not None else reported
+        if value is None:
+            raise RegistrationRejected(
+                f"the engine at {identity.http_endpoint} does not report its {name}; pass {flag_name}"
+            )
+        return value
+
+    return resources_pb2.Engine(
+        engine_id=identity.engine_id,
+        role=identity.role,
+        http_endpoint=identity.http_endpoint,
+        nixl_host=identity.nixl_host,
+        nixl_port=identity.nixl_port,
+        model=str(pick("model", identity.model, facts.model, "--model")),
+        kv_compatibility_hash=identity.kv_compatibility_hash,
+        block_size=int(pick("block size", identity.block_size, facts.block_size, "--block-size")),
+        kv_capacity_blocks=int(
+            pick("KV capacity", identity.kv_capacity_blocks, facts.kv_capacity_blocks, "--kv-capacity-blocks")
+        ),
+        max_model_len=int(
+            pick("max_model_len", identity.max_model_len, facts.max_model_len, "--max-model-len")
+        ),
+    )
+
+
+class EngineRegistration:
+    """Keeps the engine registered while it is up; see the module docstring for the states."""
+
+    def __init__(
+        self,
+        identity: EngineIdentity,
+        registry: RegistryApi,
+        monitor: EngineMonitor,
+        probe: EngineProbe,
+        clock: Clock,
+        metrics: SidecarMetrics,
+        settings: RegistrationSettings,
+        *,
+        on_change: Callable[[], None] = lambda: None,
+        on_deregistered: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.identity = identity
+        self._registry = registry
+        self._monitor = monitor
+        self._probe = probe
+        self._clock = clock
+        self._metrics = metrics
+        self._settings = settings
+        self._on_change = on_change
+        self._on_deregistered = on_deregistered
+        self.phase = Phase.WAITING_FOR_ENGINE
+        # Bumped by every successful registration; watchers restart when it moves.
+        self.generation = 0
+        self.link_up = False
+        self.granted_ttl_seconds = 0
+        self.last_heartbeat_time: float | None = None
+        self.engine: resources_pb2.Engine | None = None
+        self._stats: resources_pb2.EngineStats | None = None
+        self._wake = asyncio.Event()
+        self._pulse = asyncio.Event()
+        self._outage_logged = False
+
+    # ---- what other parts read or signal -------------------------------------------------
+
+    @property
+    def registered(self) -> bool:
+        return self.phase is Phase.REGISTERED
+
+    @property
+    def heartbeat_interval_seconds(self) -> float:
+        return max(self.granted_ttl_seconds, 1) / 3.0
+
+    def update_stats(self, stats: resources_pb2.EngineStats) -> None:
+        """The connector's latest rates; the next heartbeat carries them."""
+        self._stats = stats
+
+    def poke(self) -> None:
+        """Wakes the loop early (the engine's state changed)."""
+        self._wake.set()
+
+    def check_lease(self, generation: int) -> None:
+        """Another call suggests the registry lost registration ``generation``: heartbeat now, and
+        re-register if the registry confirms (NOT_FOUND)."""
+        if generation == self.generation and self.phase is Phase.REGISTERED:
+            self._wake.set()
+
+    async def wait_registered(self) -> int:
+        """Waits until the engine is registered; returns that registration's generation."""
+        while True:
+            pulse = self._pulse
+            if self.phase is Phase.REGISTERED:
+                return self.generation
+            await pulse.wait()
+
+    async def wait_lapsed(self, generation: int) -> None:
+        """Returns once registration ``generation`` is no longer the live one."""
+        while True:
+            pulse = self._pulse
+            if self.phase is not Phase.REGISTERED or self.generation != generation:
+                return
+            await pulse.wait()
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            self._set_phase(Phase.WAITING_FOR_ENGINE)
+            await self._monitor.wait_up()
+            facts = await self._read_facts()
+            if facts is None:
+                continue
+            engine = describe_engine(self.identity, facts)
+            self._set_phase(Phase.REGISTERING)
+            if not await self._register(engine):
+                continue
+            outcome = await self._heartbeat_until_lost()
+            if outcome is _Outcome.ENGINE_DOWN:
+                log.warning("engine is down: deregistering it", extra={"engine_id": self.identity.engine_id})
+                self._set_phase(Phase.WAITING_FOR_ENGINE)
+                await self._deregister()
+
+    async def shutdown(self) -> bool:
+        """Deregisters the engine (clean shutdown); True if the registry confirmed it."""
+        self._set_phase(Phase.STOPPED)
+        self._wake.set()
+        return await self._deregister()
+
+    async def _read_facts(self) -> EngineFacts | None:
+        backoff = Backoff(self._settings.backoff)
+        while self._monitor.state is not EngineState.DOWN:
+            try:
+                return await self._probe.read_facts()
+            except EngineProbeError as err:
+                log.warning("engine is healthy but its facts are unreadable", extra={"error": str(err)})
+            await self._clock.sleep(backoff.next_delay())
+        return None
+
+    async def _register(self, engine: resources_pb2.Engine) -> bool:
+        backoff = Backoff(self._settings.backoff)
+        while self._monitor.state is not EngineState.DOWN and self.phase is not Phase.STOPPED:
+            try:
+                response = await self._registry.register_engine(engine, self._settings.ttl_seconds)
+            except RegistryError as err:
+                if err.code in _REJECTING_CODES:
+                    raise RegistrationRejected(
+                        f"the registry refused engine {engine.engine_id!r}: {err.code.name}: {err.message}"
+                    ) from err
+                self._link(False, "registration failed; retrying", err)
+                await self._clock.wait(self._wake, backoff.next_delay())
+                self._wake.clear()
+                continue
+            self.engine = response.engine if response.HasField("engine") else engine
+            self.granted_ttl_seconds = int(response.ttl_seconds or self._settings.ttl_seconds or 1)
+            is_first = self.generation == 0
+            self.generation += 1
+            self._metrics.registrations.inc()
+            if not is_first:
+                self._metrics.reregistrations.inc()
+            self._heartbeat_ok()
+            log.info(
+                "engine registered",
+                extra={
+                    "engine_id": engine.engine_id,
+                    "generation": self.generation,
+                    "ttl_seconds": self.granted_ttl_seconds,
+                    "model": engine.model,
+                    "block_size": engine.block_size,
+                    "kv_capacity_blocks": engine.kv_capacity_blocks,
+                },
+            )
+            self._set_phase(Phase.REGISTERED)
+            return True
+        return False
+
+    async def _heartbeat_until_lost(self) -> _Outcome:
+        backoff = Backoff(self._settings.backoff)
+        delay = self.heartbeat_interval_seconds
+        while True:
+            await self._clock.wait(self._wake, delay)
+            self._wake.clear()
+            if self.phase is Phase.STOPPED or self._monitor.state is EngineState.DOWN:
+                return _Outcome.ENGINE_DOWN
+            try:
+                await self._registry.heartbeat_engine(self.identity.engine_id, self._stats)
+            except RegistryError as err:
+                if err.code is grpc.StatusCode.NOT_FOUND:
+                    return self._lost(err.message)
+                self._metrics.heartbeat_failures.inc()
+                self._link(False, "heartbeat failed; retrying", err)
+                # Retry sooner than the interval, never later: the lease is running out.
+                delay = min(backoff.next_delay(), self.heartbeat_interval_seconds)
+                continue
+            self._metrics.heartbeat()
+            self._heartbeat_ok()
+            backoff.reset()
+            delay = self.heartbeat_interval_seconds
+
+    def _lost(self, why: str) -> _Outcome:
+        log.warning(
+            "engine lease lost; re-registering", extra={"engine_id": self.identity.engine_id, "why": why}
+        )
+        self._link(False)
+        self._set_phase(Phase.REGISTERING)
+        return _Outcome.LEASE_LOST
+
+    async def _deregister(self) -> bool:
+        try:
+            await self._registry.deregister_engine(self.identity.engine_id)
+        except RegistryError as err:
+            if err.code is not grpc.StatusCode.NOT_FOUND:
+                log.warning(
+                    "deregistration failed; the engine's lease will expire on its own",
+                    extra={"engine_id": self.identity.engine_id, "error": str(err)},
+                )
+                self._link(False)
+                return False
+        log.info("engine deregistered", extra={"engine_id": self.identity.engine_id})
+        self._link(False)
+        self._on_deregistered()
+        return True
+
+    def _heartbeat_ok(self) -> None:
+        self.last_heartbeat_time = self._clock.time()
+        self._metrics.last_heartbeat.set(self.last_heartbeat_time)
+        self._link(True)
+
+    def _link(self, up: bool, message: str | None = None, err: RegistryError | None = None) -> None:
+        # One warning per outage, not one per retry.
+        if not up and message is not None and not self._outage_logged:
+            log.warning(message, extra={"engine_id": self.identity.engine_id, "error": str(err)})
+            self._outage_logged = True
+        if up and self._outage_logged:
+            log.info("registry link restored", extra={"engine_id": self.identity.engine_id})
+            self._outage_logged = False
+        if up == self.link_up:
+            return
+        self.link_up = up
+        self._metrics.registry_up.set(1 if up else 0)
+        self._notify()
+
+    def _set_phase(self, phase: Phase) -> None:
+        if phase is self.phase:
+            return
+        if self.phase is Phase.STOPPED:
+            return
+        self.phase = phase
+        self._notify()
+
+    def _notify(self) -> None:
+        pulse, self._pulse = self._pulse, asyncio.Event()
+        pulse.set()
+        self._on_change()

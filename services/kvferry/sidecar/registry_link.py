@@ -1,0 +1,190 @@
+"""The sidecar's view of the registry: the calls it makes, behind a Protocol so its logic can be
+driven by an in-memory registry in unit tests and by the real gRPC service everywhere else."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+import grpc
+from kvferry.v1 import registry_service_pb2 as registry_pb2
+from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
+from kvferry.v1 import resources_pb2
+
+# Codes after which the same call may succeed later without anyone changing anything.
+TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+# Codes where a mutating call may or may not have taken effect.
+AMBIGUOUS_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class RegistryError(Exception):
+    """A registry call failed with ``code``; ``message`` is the registry's own explanation."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @property
+    def transient(self) -> bool:
+        return self.code in TRANSIENT_CODES
+
+
+class RetentionStream(Protocol):
+    """An open WatchRetentions stream; iteration raises RegistryError when it breaks."""
+
+    async def ready(self) -> None:
+        """Returns once the registry's watch is in place (later changes will reach the stream)."""
+        ...
+
+    def __aiter__(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]: ...
+
+    def cancel(self) -> None: ...
+
+
+class RegistryApi(Protocol):
+    """The registry calls the sidecar makes. Every failure raises RegistryError."""
+
+    async def register_engine(
+        self, engine: resources_pb2.Engine, ttl_seconds: int
+    ) -> registry_pb2.RegisterEngineResponse: ...
+
+    async def heartbeat_engine(
+        self, engine_id: str, stats: resources_pb2.EngineStats | None
+    ) -> registry_pb2.HeartbeatEngineResponse: ...
+
+    async def deregister_engine(self, engine_id: str) -> None: ...
+
+    async def publish_retention(
+        self, retention: resources_pb2.Retention
+    ) -> registry_pb2.PublishRetentionResponse: ...
+
+    async def get_retention(self, tenant: str, conversation_id: str) -> resources_pb2.Retention: ...
+
+    async def release_retention(
+        self, tenant: str, conversation_id: str, reason: resources_pb2.ReleaseReason.ValueType
+    ) -> None: ...
+
+    def watch_retentions(self, engine_id: str) -> RetentionStream: ...
+
+
+class _GrpcRetentionStream:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, on_error: Callable[[str], None]) -> None:
+        self._call = call
+        self._on_error = on_error
+
+    async def _events(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]:
+        try:
+            async for event in self._call:
+                yield event
+        except grpc.aio.AioRpcError as err:
+            self._on_error("watch_retentions")
+            raise RegistryError(err.code(), err.details() or "") from None
+        # The registry never ends a watch on its own; an end is a broken link.
+        raise RegistryError(grpc.StatusCode.UNAVAILABLE, "registry closed the WatchRetentions stream")
+
+    def __aiter__(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]:
+        return self._events()
+
+    async def ready(self) -> None:
+        # The registry sends initial metadata once its watch is in place.
+        try:
+            await self._call.initial_metadata()
+        except grpc.aio.AioRpcError as err:
+            self._on_error("watch_retentions")
+            raise RegistryError(err.code(), err.details() or "") from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GrpcRegistry:
+    """RegistryApi over a grpc.aio channel; every unary call carries ``timeout_seconds``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_seconds: float = 5.0,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        on_error: Callable[[str], None] = lambda op: None,
+    ) -> None:
+        self.address = address
+        self._timeout = timeout_seconds
+        self._on_error = on_error
+        self._channel = grpc.aio.insecure_channel(address, interceptors=list(interceptors))
+        self._stub = registry_grpc.RegistryServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def register_engine(
+        self, engine: resources_pb2.Engine, ttl_seconds: int
+    ) -> registry_pb2.RegisterEngineResponse:
+        request = registry_pb2.RegisterEngineRequest(engine=engine, ttl_seconds=ttl_seconds)
+        response: registry_pb2.RegisterEngineResponse = await self._call(
+            "register_engine", self._stub.RegisterEngine, request
+        )
+        return response
+
+    async def heartbeat_engine(
+        self, engine_id: str, stats: resources_pb2.EngineStats | None
+    ) -> registry_pb2.HeartbeatEngineResponse:
+        request = registry_pb2.HeartbeatEngineRequest(engine_id=engine_id, stats=stats)
+        response: registry_pb2.HeartbeatEngineResponse = await self._call(
+            "heartbeat_engine", self._stub.HeartbeatEngine, request
+        )
+        return response
+
+    async def deregister_engine(self, engine_id: str) -> None:
+        await self._call(
+            "deregister_engine",
+            self._stub.DeregisterEngine,
+            registry_pb2.DeregisterEngineRequest(engine_id=engine_id),
+        )
+
+    async def publish_retention(
+        self, retention: resources_pb2.Retention
+    ) -> registry_pb2.PublishRetentionResponse:
+        request = registry_pb2.PublishRetentionRequest(retention=retention)
+        response: registry_pb2.PublishRetentionResponse = await self._call(
+            "publish_retention", self._stub.PublishRetention, request
+        )
+        return response
+
+    async def get_retention(self, tenant: str, conversation_id: str) -> resources_pb2.Retention:
+        request = registry_pb2.GetRetentionRequest(tenant=tenant, conversation_id=conversation_id)
+        response: registry_pb2.GetRetentionResponse = await self._call(
+            "get_retention", self._stub.GetRetention, request
+        )
+        return response.retention
+
+    async def release_retention(
+        self, tenant: str, conversation_id: str, reason: resources_pb2.ReleaseReason.ValueType
+    ) -> None:
+        request = registry_pb2.ReleaseRetentionRequest(
+            tenant=tenant, conversation_id=conversation_id, reason=reason
+        )
+        await self._call("release_retention", self._stub.ReleaseRetention, request)
+
+    def watch_retentions(self, engine_id: str) -> RetentionStream:
+        call = self._stub.WatchRetentions(registry_pb2.WatchRetentionsRequest(engine_id=engine_id))
+        return _GrpcRetentionStream(call, self._on_error)
+
+    async def _call(self, op: str, method: grpc.aio.UnaryUnaryMultiCallable, request: object) -> Any:
+        try:
+            return await method(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as err:
+            self._on_error(op)
+            raise RegistryError(err.code(), err.details() or "") from None

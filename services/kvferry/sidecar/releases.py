@@ -1,0 +1,392 @@
+"""What the sidecar knows about its engine's live retentions, and the fan-out of their renewals and
+ends to the connector's WatchReleases streams.
+
+One registry WatchRetentions stream per engine feeds every subscriber. Each subscriber first gets
+a SYNC listing the retentions the registry still holds (verified with GetRetention whenever the
+stream is (re)opened), followed by one RENEWED per live retention carrying its current expiry,
+then the RENEWED/ENDED events as they come. Events are idempotent: a connector may see ENDED
+for a request it never held, or twice.
+
+A sweep re-checks retentions whose expiry passed without news (an event missed while the stream
+was being reopened), so the book never keeps a retention the registry dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+from google.protobuf import timestamp_pb2
+from kvferry.sidecar.metrics import SidecarMetrics
+from kvferry.sidecar.registry_link import RegistryApi, RegistryError, RetentionStream
+from kvferry.sidecar.timing import Backoff, BackoffPolicy, Clock
+from kvferry.v1 import registry_service_pb2 as registry_pb2
+from kvferry.v1 import resources_pb2
+from kvferry.v1 import sidecar_service_pb2 as sidecar_pb2
+
+log = logging.getLogger("kvferry.sidecar.releases")
+
+Event = sidecar_pb2.WatchReleasesResponse
+SYNC = sidecar_pb2.RELEASE_EVENT_TYPE_SYNC
+RENEWED = sidecar_pb2.RELEASE_EVENT_TYPE_RENEWED
+ENDED = sidecar_pb2.RELEASE_EVENT_TYPE_ENDED
+
+
+@dataclass
+class TrackedRetention:
+    tenant: str
+    conversation_id: str
+    engine_request_id: str
+    num_blocks: int
+    # Wall-clock seconds; None until the registry confirmed it (a publish whose outcome is unknown).
+    expire_time: float | None
+
+
+def _seconds(ts: timestamp_pb2.Timestamp) -> float:
+    return ts.seconds + ts.nanos / 1e9
+
+
+def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+class RetentionBook:
+    """Live retentions of one engine by engine request id, plus a memory of recent ends."""
+
+    def __init__(self, on_change: Callable[[], None] = lambda: None, ended_memory: int = 10_000) -> None:
+        self._entries: dict[str, TrackedRetention] = {}
+        # Ends seen recently, so a publish answered after its own end is not tracked again.
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._ended_memory = ended_memory
+        self._on_change = on_change
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, engine_request_id: object) -> bool:
+        return engine_request_id in self._entries
+
+    def get(self, engine_request_id: str) -> TrackedRetention | None:
+        return self._entries.get(engine_request_id)
+
+    def entries(self) -> list[TrackedRetention]:
+        return list(self._entries.values())
+
+    @property
+    def retained_blocks(self) -> int:
+        return sum(entry.num_blocks for entry in self._entries.values())
+
+    def add(self, retention: resources_pb2.Retention, *, confirmed: bool = True) -> TrackedRetention | None:
+        """Tracks a retention (published or renewed); None if it has already ended."""
+        request_id = retention.engine_request_id
+        if request_id in self._ended:
+            return None
+        expire = _seconds(retention.expire_time) if confirmed and retention.HasField("expire_time") else None
+        entry = self._entries.get(request_id)
+        if entry is None:
+            entry = TrackedRetention(
+                tenant=retention.tenant,
+                conversation_id=retention.conversation_id,
+                engine_request_id=request_id,
+                num_blocks=len(retention.block_ids),
+                expire_time=expire,
+            )
+            self._entries[request_id] = entry
+        elif expire is not None:
+            entry.expire_time = expire
+        self._on_change()
+        return entry
+
+    def end(self, engine_request_id: str) -> TrackedRetention | None:
+        """Forgets a retention that ended; returns what was tracked, if anything."""
+        self._ended[engine_request_id] = None
+        self._ended.move_to_end(engine_request_id)
+        while len(self._ended) > self._ended_memory:
+            self._ended.popitem(last=False)
+        entry = self._entries.pop(engine_request_id, None)
+        if entry is not None:
+            self._on_change()
+        return entry
+
+    def snapshot(self) -> list[Event]:
+        """SYNC with every live id, then a RENEWED per confirmed one carrying its expiry."""
+        ids = sorted(self._entries)
+        events = [Event(type=SYNC, live_engine_request_ids=ids)]
+        for request_id in ids:
+            expire = self._entries[request_id].expire_time
+            if expire is not None:
+                events.append(
+                    Event(type=RENEWED, engine_request_id=request_id, expire_time=_timestamp(expire))
+                )
+        return events
+
+
+class Subscription:
+    """One WatchReleases stream's queue. Past ``limit`` queued events (a stuck reader) the queue is
+    replaced by a fresh snapshot: SYNC plus RENEWED says everything the dropped events said."""
+
+    def __init__(self, limit: int, snapshot: Callable[[], list[Event] | None]) -> None:
+        self._limit = limit
+        self._snapshot = snapshot
+        self._items: deque[Event] = deque()
+        self._ready = asyncio.Event()
+        self._closed = False
+        self.compactions = 0
+
+    def push(self, events: Iterable[Event]) -> None:
+        if self._closed:
+            return
+        self._items.extend(events)
+        if len(self._items) > self._limit:
+            fresh = self._snapshot()
+            self._items.clear()
+            if fresh is not None:
+                self._items.extend(fresh)
+            self.compactions += 1
+        self._ready.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._ready.set()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        while not self._items:
+            if self._closed:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+class RegistrationView(Protocol):
+    """What the fan-out needs from the engine's registration."""
+
+    async def wait_registered(self) -> int: ...
+
+    async def wait_lapsed(self, generation: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class FanoutSettings:
+    backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    # Seconds between sweeps of retentions past their expiry without news.
+    sweep_interval_seconds: float = 5.0
+    # Slack after expiry before a retention counts as "past expiry without news".
+    sweep_grace_seconds: float = 1.0
+    # Queued events per subscriber before its queue is compacted into a snapshot.
+    subscriber_queue_limit: int = 10_000
+    # Concurrent GetRetention calls when verifying the book.
+    verify_concurrency: int = 32
+
+
+class ReleaseFanout:
+    """Keeps one WatchRetentions stream for the engine and relays it to every subscriber."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        registry: RegistryApi,
+        registration: RegistrationView,
+        book: RetentionBook,
+        clock: Clock,
+        metrics: SidecarMetrics,
+        settings: FanoutSettings,
+    ) -> None:
+        self.engine_id = engine_id
+        self._registry = registry
+        self._registration = registration
+        self.book = book
+        self._clock = clock
+        self._metrics = metrics
+        self._settings = settings
+        self._subscribers: set[Subscription] = set()
+        self.synced = False
+        self._verify_lock = asyncio.Lock()
+
+    # ---- subscribers -------------------------------------------------------------------------
+
+    def subscribe(self) -> Subscription:
+        subscription = Subscription(self._settings.subscriber_queue_limit, self._snapshot_if_synced)
+        self._subscribers.add(subscription)
+        self._metrics.release_subscribers.set(len(self._subscribers))
+        if self.synced:
+            subscription.push(self.book.snapshot())
+        # Otherwise the SYNC comes when the stream to the registry is (re)established.
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        subscription.close()
+        self._subscribers.discard(subscription)
+        self._metrics.release_subscribers.set(len(self._subscribers))
+
+    def close_all(self) -> None:
+        for subscription in list(self._subscribers):
+            self.unsubscribe(subscription)
+
+    @property
+    def subscriber_count(self) -> int:
+        return len(self._subscribers)
+
+    def _snapshot_if_synced(self) -> list[Event] | None:
+        return self.book.snapshot() if self.synced else None
+
+    def _broadcast(self, events: Sequence[Event]) -> None:
+        for subscription in self._subscribers:
+            subscription.push(events)
+
+    # ---- what other parts tell the fan-out -----------------------------------------------------
+
+    def engine_gone(self) -> None:
+        """The engine was deregistered: every retention it had ended with ENGINE_GONE."""
+        reason = resources_pb2.RELEASE_REASON_ENGINE_GONE
+        events = []
+        for entry in self.book.entries():
+            self.book.end(entry.engine_request_id)
+            self._metrics.release(reason)
+            events.append(Event(type=ENDED, engine_request_id=entry.engine_request_id, reason=reason))
+        if events:
+            log.info("engine gone: ended its retentions", extra={"count": len(events)})
+        self._broadcast(events)
+
+    # ---- the stream --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        backoff = Backoff(self._settings.backoff)
+        while True:
+            generation = await self._registration.wait_registered()
+            stream = self._registry.watch_retentions(self.engine_id)
+            self._metrics.watch_reconnects.inc()
+            relay = asyncio.create_task(self._relay(stream, backoff), name="kvferry-sidecar-relay")
+            lapse = asyncio.create_task(
+                self._registration.wait_lapsed(generation), name="kvferry-sidecar-lapse"
+            )
+            try:
+                await asyncio.wait({relay, lapse}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.synced = False
+                for task in (relay, lapse):
+                    task.cancel()
+                stream.cancel()
+                await asyncio.gather(relay, lapse, return_exceptions=True)
+            if lapse.done() and not lapse.cancelled():
+                log.info("registration changed: re-syncing releases", extra={"engine_id": self.engine_id})
+                continue
+            error = relay.exception() if relay.done() and not relay.cancelled() else None
+            delay = backoff.next_delay()
+            log.warning(
+                "registry WatchRetentions stream broke; reconnecting",
+                extra={"engine_id": self.engine_id, "error": str(error), "retry_in_seconds": round(delay, 3)},
+            )
+            await self._clock.sleep(delay)
+
+    async def _relay(self, stream: RetentionStream, backoff: Backoff) -> None:
+        events = aiter(stream)
+        # Verify only once the watch is in place, so no ending falls between the two.
+        await stream.ready()
+        await self.verify(self.book.entries(), announce=False)
+        self.synced = True
+        self._broadcast(self.book.snapshot())
+        log.info(
+            "releases in sync with the registry", extra={"engine_id": self.engine_id, "live": len(self.book)}
+        )
+        backoff.reset()
+        async for event in events:
+            self.apply(event)
+
+    def apply(self, event: registry_pb2.WatchRetentionsResponse) -> None:
+        retention = event.retention
+        request_id = retention.engine_request_id
+        if retention.engine_id and retention.engine_id != self.engine_id:
+            return
+        if event.type == registry_pb2.RETENTION_EVENT_TYPE_RENEWED:
+            self.book.add(retention)
+            self._broadcast(
+                [Event(type=RENEWED, engine_request_id=request_id, expire_time=retention.expire_time)]
+            )
+        elif event.type == registry_pb2.RETENTION_EVENT_TYPE_ENDED:
+            self._end(request_id, event.reason)
+
+    def _end(self, request_id: str, reason: resources_pb2.ReleaseReason.ValueType) -> None:
+        self.book.end(request_id)
+        self._metrics.release(reason)
+        self._broadcast([Event(type=ENDED, engine_request_id=request_id, reason=reason)])
+
+    # ---- verification ------------------------------------------------------------------------
+
+    async def verify(self, entries: Sequence[TrackedRetention], *, announce: bool) -> None:
+        """Asks the registry about each entry; drops the ones it no longer holds.
+
+        ``announce`` sends ENDED/RENEWED for what changed (the sweep); a re-sync does not need to,
+        since the SYNC that follows it says the same. Transient errors raise RegistryError.
+        """
+        semaphore = asyncio.Semaphore(self._settings.verify_concurrency)
+
+        async def check(entry: TrackedRetention) -> None:
+            async with semaphore:
+                await self._verify_one(entry, announce)
+
+        async with self._verify_lock:
+            await asyncio.gather(*(check(entry) for entry in entries))
+
+    async def _verify_one(self, entry: TrackedRetention, announce: bool) -> None:
+        try:
+            live = await self._registry.get_retention(entry.tenant, entry.conversation_id)
+        except RegistryError as err:
+            if err.code is not grpc.StatusCode.NOT_FOUND:
+                raise
+            live = None
+        if self.book.get(entry.engine_request_id) is not entry:
+            return  # an event about it arrived meanwhile; that is newer news
+        if live is not None and live.engine_request_id == entry.engine_request_id:
+            renewed = live.HasField("expire_time") and entry.expire_time != _seconds(live.expire_time)
+            self.book.add(live)
+            if announce and renewed:
+                self._broadcast(
+                    [
+                        Event(
+                            type=RENEWED,
+                            engine_request_id=entry.engine_request_id,
+                            expire_time=live.expire_time,
+                        )
+                    ]
+                )
+            return
+        if live is not None:
+            reason = resources_pb2.RELEASE_REASON_SUPERSEDED
+        elif entry.expire_time is not None and entry.expire_time <= self._clock.time():
+            reason = resources_pb2.RELEASE_REASON_EXPIRED
+        else:
+            reason = resources_pb2.RELEASE_REASON_UNSPECIFIED
+        if announce:
+            self._end(entry.engine_request_id, reason)
+        else:
+            self.book.end(entry.engine_request_id)
+            self._metrics.release(reason)
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await self._clock.sleep(self._settings.sweep_interval_seconds)
+            try:
+                await self.sweep()
+            except RegistryError as err:
+                log.info("sweep deferred: registry unreachable", extra={"error": str(err)})
+
+    async def sweep(self) -> int:
+        """Verifies retentions past their expiry (or never confirmed); returns how many it checked."""
+        if not self.synced:
+            return 0
+        cutoff = self._clock.time() - self._settings.sweep_grace_seconds
+        stale = [e for e in self.book.entries() if e.expire_time is None or e.expire_time < cutoff]
+        if stale:
+            await self.verify(stale, announce=True)
+        return len(stale)

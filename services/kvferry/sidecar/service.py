@@ -1,0 +1,69 @@
+"""The SidecarService gRPC handlers: thin adapters from protos to the sidecar's logic."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from kvferry.sidecar.errors import SidecarError
+from kvferry.sidecar.registration import EngineRegistration
+from kvferry.sidecar.releases import ReleaseFanout
+from kvferry.sidecar.retentions import RetentionPublisher
+from kvferry.v1 import sidecar_service_pb2 as sidecar_pb2
+from kvferry.v1 import sidecar_service_pb2_grpc as sidecar_grpc
+
+SERVICE_NAME: str = sidecar_pb2.DESCRIPTOR.services_by_name["SidecarService"].full_name
+
+
+class SidecarServicer(sidecar_grpc.SidecarServiceServicer):  # type: ignore[misc]
+    def __init__(
+        self,
+        engine_id: str,
+        publisher: RetentionPublisher,
+        fanout: ReleaseFanout,
+        registration: EngineRegistration,
+    ) -> None:
+        self._engine_id = engine_id
+        self._publisher = publisher
+        self._fanout = fanout
+        self._registration = registration
+
+    async def ReportRetention(
+        self, request: sidecar_pb2.ReportRetentionRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.ReportRetentionResponse:
+        try:
+            stored = await self._publisher.report(request.retention)
+        except SidecarError as err:
+            await context.abort(err.code, err.message)
+        return sidecar_pb2.ReportRetentionResponse(retention=stored)
+
+    async def EvictRetention(
+        self, request: sidecar_pb2.EvictRetentionRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.EvictRetentionResponse:
+        try:
+            await self._publisher.evict(request.tenant, request.conversation_id, request.engine_request_id)
+        except SidecarError as err:
+            await context.abort(err.code, err.message)
+        return sidecar_pb2.EvictRetentionResponse()
+
+    async def ReportEngineStats(
+        self, request: sidecar_pb2.ReportEngineStatsRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.ReportEngineStatsResponse:
+        self._registration.update_stats(request.stats)
+        return sidecar_pb2.ReportEngineStatsResponse()
+
+    async def WatchReleases(
+        self, request: sidecar_pb2.WatchReleasesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[sidecar_pb2.WatchReleasesResponse]:
+        if request.engine_id and request.engine_id != self._engine_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"this sidecar serves engine {self._engine_id!r}, not {request.engine_id!r}; "
+                "point the connector at its own engine's sidecar",
+            )
+        subscription = self._fanout.subscribe()
+        try:
+            async for event in subscription:
+                yield event
+        finally:
+            self._fanout.unsubscribe(subscription)
