@@ -20,6 +20,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvferry.registry.errors import EtcdFailure, EtcdUnavailable
 from kvferry.registry.etcd import EVENT_DELETE, EVENT_PUT, EtcdGateway, RevisionCompacted, prefix_end
@@ -142,6 +143,10 @@ class RetentionEventHub:
                     extra={"compact_revision": compacted.compact_revision},
                 )
                 revision = await self._current_revision_or(revision)
+            except Exception:
+                # A bug must not silence every watcher for good: log it and follow on.
+                log.exception("retention watch failed; resuming", extra={"revision": revision})
+                await backoff.wait()
 
     async def _current_revision_or(self, fallback: int) -> int:
         try:
@@ -149,58 +154,54 @@ class RetentionEventHub:
         except EtcdUnavailable:
             return fallback
 
-    def _dispatch(self, events: list[object], revision: int) -> int:
+    def _dispatch(self, events: list[Any], revision: int) -> int:
         # A whole revision arrives in one response, the tombstone before the deletion it explains.
         tombstones: dict[tuple[ConversationKey, int], tuple[resources.ReleaseReason.ValueType, float]] = {}
-        layout = self._layout
         for event in events:
-            kv = event.kv  # type: ignore[attr-defined]
-            event_type = event.type  # type: ignore[attr-defined]
-            prev_kv = event.prev_kv  # type: ignore[attr-defined]
-            revision = int(kv.mod_revision)
-            key: bytes = kv.key
-            if key.startswith(layout.tombstones):
-                if event_type == EVENT_PUT:
-                    tombstones[(layout.conversation_of_tombstone(key), revision)] = decode_tombstone(kv.value)
-                continue
-            if not key.startswith(layout.live_retentions):
-                continue
-            if event_type == EVENT_DELETE:
-                if not prev_kv.key:
-                    continue
-                ended = decode_record(prev_kv.value).retention
-                reason, end_time = tombstones.get(
-                    (layout.conversation_of_live(key), revision),
-                    (resources.RELEASE_REASON_EXPIRED, self._clock()),
-                )
-                self._publish(
-                    RetentionEvent(registry.RETENTION_EVENT_TYPE_ENDED, ended, reason, end_time, revision)
-                )
-            elif prev_kv.key and prev_kv.lease == kv.lease:
-                renewed = decode_record(kv.value).retention
-                self._publish(
-                    RetentionEvent(
-                        registry.RETENTION_EVENT_TYPE_RENEWED,
-                        renewed,
-                        resources.RELEASE_REASON_UNSPECIFIED,
-                        0.0,
-                        revision,
-                    )
-                )
-            elif prev_kv.key:
-                replaced = decode_record(prev_kv.value).retention
-                successor = decode_record(kv.value).retention
-                end_time = successor.publish_time.ToNanoseconds() / 1e9
-                self._publish(
-                    RetentionEvent(
-                        registry.RETENTION_EVENT_TYPE_ENDED,
-                        replaced,
-                        resources.RELEASE_REASON_SUPERSEDED,
-                        end_time,
-                        revision,
-                    )
-                )
+            revision = int(event.kv.mod_revision)
+            try:
+                self._dispatch_one(event, revision, tombstones)
+            except ValueError as error:  # includes protobuf's DecodeError
+                log.error("undecodable retention record skipped", extra={"error": str(error)})
         return revision
+
+    def _dispatch_one(
+        self,
+        event: Any,
+        revision: int,
+        tombstones: dict[tuple[ConversationKey, int], tuple[resources.ReleaseReason.ValueType, float]],
+    ) -> None:
+        layout = self._layout
+        kv, prev_kv = event.kv, event.prev_kv
+        key: bytes = kv.key
+        if key.startswith(layout.tombstones):
+            if event.type == EVENT_PUT:
+                tombstones[(layout.conversation_of_tombstone(key), revision)] = decode_tombstone(kv.value)
+            return
+        if not key.startswith(layout.live_retentions) or not prev_kv.key:
+            return  # a first publish: nothing ended, nothing renewed
+        previous = decode_record(prev_kv.value).retention
+        if event.type == EVENT_DELETE:
+            reason, end_time = tombstones.get(
+                (layout.conversation_of_live(key), revision),
+                (resources.RELEASE_REASON_EXPIRED, self._clock()),
+            )
+            self._publish(
+                RetentionEvent(registry.RETENTION_EVENT_TYPE_ENDED, previous, reason, end_time, revision)
+            )
+        elif prev_kv.lease == kv.lease:
+            renewed = decode_record(kv.value).retention
+            unspecified = resources.RELEASE_REASON_UNSPECIFIED
+            self._publish(
+                RetentionEvent(registry.RETENTION_EVENT_TYPE_RENEWED, renewed, unspecified, 0.0, revision)
+            )
+        else:
+            successor = decode_record(kv.value).retention
+            end_time = successor.publish_time.ToNanoseconds() / 1e9
+            superseded = resources.RELEASE_REASON_SUPERSEDED
+            self._publish(
+                RetentionEvent(registry.RETENTION_EVENT_TYPE_ENDED, previous, superseded, end_time, revision)
+            )
 
     def _publish(self, event: RetentionEvent) -> None:
         for subscription in self._subscribers.get(event.retention.engine_id, ()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -129,6 +130,8 @@ class PublishedRetention:
     retention: resources.Retention
     superseded_turn: int
     revision: int
+    # The lease holding it (0 when an identical retry returned the stored retention).
+    lease: int = 0
 
 
 @dataclass(frozen=True)
@@ -342,70 +345,98 @@ class RegistryStore:
         """Stores a conversation's retention under its own lease, superseding an older turn atomically."""
         conversation = validation.validate_retention_shape(retention)
         ttl = validation.retention_ttl(retention.ttl_seconds, self.ttl)
-        engine_key = self.layout.engine(retention.engine_id)
-        live_key = self.layout.live(conversation)
-        for _ in range(_TXN_ATTEMPTS):
-            snapshot = await self.etcd.txn([], [op_range(engine_key), op_range(live_key)])
-            engine_kvs = snapshot.responses[0].response_range.kvs
-            live_kvs = snapshot.responses[1].response_range.kvs
-            if not engine_kvs:
-                raise FailedPrecondition(
-                    f"engine {retention.engine_id} is not registered; register it (RegisterEngine) before "
-                    "publishing its retentions"
-                )
-            engine_kv = engine_kvs[0]
-            validation.validate_against_engine(retention, _parse_engine(engine_kv.value))
-            superseded_turn = 0
-            operations = []
-            live_revision = 0
-            if live_kvs:
-                live_revision = int(live_kvs[0].mod_revision)
-                current = decode_record(live_kvs[0].value)
-                if current.retention.turn >= retention.turn:
-                    if (
-                        self._is_same_publish(current.retention, retention)
-                        and current.engine_incarnation == engine_kv.lease
-                    ):
-                        return PublishedRetention(current.retention, 0, int(snapshot.header.revision))
-                    raise FailedPrecondition(
-                        f"conversation {conversation.conversation_id} of tenant {conversation.tenant} "
-                        f"already retains turn {current.retention.turn} "
-                        f"(engine {current.retention.engine_id}); turn {retention.turn} is not newer. "
-                        "Publish turns in increasing order; a retry of the same turn must repeat its "
-                        "engine_id and engine_request_id"
-                    )
-                superseded_turn = int(current.retention.turn)
-                if current.retention.engine_id != retention.engine_id:
-                    operations.append(
-                        op_delete(self.layout.engine_index(current.retention.engine_id, conversation))
-                    )
-            lease, granted = await self.etcd.grant(ttl)
-            now = self._clock()
-            stored = resources.Retention()
-            stored.CopyFrom(retention)
-            stored.name = conversation.name
-            stored.ttl_seconds = granted
-            stored.publish_time.CopyFrom(timestamp(now))
-            stored.expire_time.CopyFrom(timestamp(now + granted))
-            incarnation = int(engine_kv.lease)
-            operations[:0] = [
-                op_put(live_key, encode_record(stored, incarnation), lease),
-                op_put(
-                    self.layout.engine_index(retention.engine_id, conversation),
-                    encode_incarnation(incarnation),
-                    lease,
-                ),
-            ]
-            committed = await self.etcd.txn(
-                [cmp_lease(engine_key, incarnation), cmp_mod_revision(live_key, live_revision)], operations
-            )
-            if committed.succeeded:
-                return PublishedRetention(stored, superseded_turn, int(committed.header.revision))
-            await self._best_effort(self.etcd.revoke(lease), "revoke unused lease")
+        # The lease is granted while the current state is read: one round trip less per publish.
+        grant = asyncio.ensure_future(self.etcd.grant(ttl))
+        published: PublishedRetention | None = None
+        try:
+            for _ in range(_TXN_ATTEMPTS):
+                published = await self._try_publish(retention, conversation, grant)
+                if published is not None:
+                    return published
+        finally:
+            await self._drop_unused_lease(grant, published)
         raise Conflict(
             f"conversation {conversation.conversation_id} changed concurrently {_TXN_ATTEMPTS} times while "
             "publishing; retry"
         )
+
+    async def _drop_unused_lease(
+        self, grant: asyncio.Future[tuple[int, int]], published: PublishedRetention | None
+    ) -> None:
+        if not grant.done():
+            grant.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RegistryError):
+                await grant
+            return
+        if grant.cancelled() or grant.exception() is not None:
+            return
+        lease, _ = grant.result()
+        if published is None or published.lease != lease:
+            await self._best_effort(self.etcd.revoke(lease), "revoke unused lease")
+
+    async def _try_publish(
+        self,
+        retention: resources.Retention,
+        conversation: ConversationKey,
+        grant: asyncio.Future[tuple[int, int]],
+    ) -> PublishedRetention | None:
+        """One optimistic attempt; None when a concurrent change won and the caller should retry."""
+        engine_key = self.layout.engine(retention.engine_id)
+        live_key = self.layout.live(conversation)
+        snapshot = await self.etcd.txn([], [op_range(engine_key), op_range(live_key)])
+        engine_kvs = snapshot.responses[0].response_range.kvs
+        live_kvs = snapshot.responses[1].response_range.kvs
+        if not engine_kvs:
+            raise FailedPrecondition(
+                f"engine {retention.engine_id} is not registered; register it (RegisterEngine) before "
+                "publishing its retentions"
+            )
+        engine_kv = engine_kvs[0]
+        incarnation = int(engine_kv.lease)
+        validation.validate_against_engine(retention, _parse_engine(engine_kv.value))
+        superseded_turn = 0
+        operations = []
+        live_revision = 0
+        if live_kvs:
+            live_revision = int(live_kvs[0].mod_revision)
+            current = decode_record(live_kvs[0].value)
+            if current.retention.turn >= retention.turn:
+                if (
+                    self._is_same_publish(current.retention, retention)
+                    and current.engine_incarnation == incarnation
+                ):
+                    return PublishedRetention(current.retention, 0, int(snapshot.header.revision))
+                raise FailedPrecondition(
+                    f"conversation {conversation.conversation_id} of tenant {conversation.tenant} "
+                    f"already retains turn {current.retention.turn} "
+                    f"(engine {current.retention.engine_id}); turn {retention.turn} is not newer. "
+                    "Publish turns in increasing order; a retry of the same turn must repeat its "
+                    "engine_id and engine_request_id"
+                )
+            superseded_turn = int(current.retention.turn)
+            if current.retention.engine_id != retention.engine_id:
+                operations.append(
+                    op_delete(self.layout.engine_index(current.retention.engine_id, conversation))
+                )
+        lease, granted = await grant
+        now = self._clock()
+        stored = resources.Retention()
+        stored.CopyFrom(retention)
+        stored.name = conversation.name
+        stored.ttl_seconds = granted
+        stored.publish_time.CopyFrom(timestamp(now))
+        stored.expire_time.CopyFrom(timestamp(now + granted))
+        index_key = self.layout.engine_index(retention.engine_id, conversation)
+        operations[:0] = [
+            op_put(live_key, encode_record(stored, incarnation), lease),
+            op_put(index_key, encode_incarnation(incarnation), lease),
+        ]
+        committed = await self.etcd.txn(
+            [cmp_lease(engine_key, incarnation), cmp_mod_revision(live_key, live_revision)], operations
+        )
+        if not committed.succeeded:
+            return None
+        return PublishedRetention(stored, superseded_turn, int(committed.header.revision), lease)
 
     @staticmethod
     def _is_same_publish(current: resources.Retention, incoming: resources.Retention) -> bool:
@@ -441,25 +472,30 @@ class RegistryStore:
             raise self._no_retention(conversation)
         kv = response.kvs[0]
         stored = decode_record(kv.value)
-        try:
-            ttl_left, _ = await self.etcd.keep_alive_once(kv.lease)
-        except LeaseNotFound:
-            raise self._no_retention(conversation) from None
-        stored.retention.expire_time.CopyFrom(timestamp(self._clock() + ttl_left))
+        # A keep-alive restores the granted TTL; the record says so. Both go out at once.
+        stored.retention.expire_time.CopyFrom(timestamp(self._clock() + stored.retention.ttl_seconds))
         engine_key = self.layout.engine(stored.retention.engine_id)
-        try:
-            committed = await self.etcd.txn(
+        record = encode_record(stored.retention, stored.engine_incarnation)
+        outcomes: tuple[Any, ...] = await asyncio.gather(
+            self.etcd.keep_alive_once(kv.lease),
+            self.etcd.txn(
                 [cmp_lease(live_key, kv.lease), cmp_lease(engine_key, stored.engine_incarnation)],
-                [op_put(live_key, encode_record(stored.retention, stored.engine_incarnation), kv.lease)],
-            )
-        except LeaseNotFound:
-            raise self._no_retention(conversation) from None
-        if not committed.succeeded:
+                [op_put(live_key, record, kv.lease)],
+            ),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, LeaseNotFound):
+                raise self._no_retention(conversation)
+            if isinstance(outcome, BaseException):
+                raise outcome
+        update = outcomes[1]
+        if not update.succeeded:
             raise NotFound(
                 f"conversation {conversation_id} of tenant {tenant} has no retention to renew: it was "
                 "superseded, released, or its engine left; recompute"
             )
-        return FoundRetention(stored.retention, int(committed.header.revision))
+        return FoundRetention(stored.retention, int(update.header.revision))
 
     async def release_retention(
         self, tenant: str, conversation_id: str, reason: resources.ReleaseReason.ValueType
@@ -615,6 +651,11 @@ class RegistryStore:
                 await backoff.wait()
             except RevisionCompacted:
                 needs_sweep = True
+            except Exception:
+                # A bug must not stop reaping for good: log it and start over with a sweep.
+                log.exception("engine reaper failed; resuming", extra={"revision": revision})
+                needs_sweep = True
+                await backoff.wait()
 
     async def _best_effort(self, operation: Any, what: str) -> None:
         try:
