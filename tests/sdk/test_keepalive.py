@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pytest
 from kvferry.sdk import ErrorCode, KeepAlive, KeepAliveSettings
 from kvferry.sdk._errors import make_error
-from kvferry.sdk._keepalive import delay_after_failure, next_renewal_delay
+from kvferry.sdk._keepalive import delay_after_failure, next_renewal_delay, renewal_deadline
 
 SETTINGS = KeepAliveSettings()
 
@@ -39,8 +39,10 @@ class FakeLease:
         self.ttl = ttl
         self.failures = list(failures or [])
         self.renewed_at: list[float] = []
+        self.deadlines: list[float | None] = []
 
-    async def renew(self) -> datetime:
+    async def renew(self, deadline_seconds: float | None) -> datetime:
+        self.deadlines.append(deadline_seconds)
         if self.failures:
             raise make_error(self.failures.pop(0), "scripted failure")
         self.renewed_at.append(self.clock.now)
@@ -71,6 +73,12 @@ def test_failure_backoff_stays_inside_the_lease() -> None:
     assert delay_after_failure(SETTINGS, failures=6, seconds_to_expiry=0.1) == pytest.approx(0.2)
 
 
+def test_a_renewal_must_end_well_before_the_lease() -> None:
+    assert renewal_deadline(SETTINGS, seconds_to_expiry=None) is None
+    assert renewal_deadline(SETTINGS, seconds_to_expiry=30) == pytest.approx(10)
+    assert renewal_deadline(SETTINGS, seconds_to_expiry=0.5) == 1.0
+
+
 async def test_renews_at_once_then_every_third_of_the_ttl() -> None:
     clock = FakeClock()
     lease = FakeLease(clock, ttl=30)
@@ -81,6 +89,8 @@ async def test_renews_at_once_then_every_third_of_the_ttl() -> None:
     assert lease.renewed_at[:5] == pytest.approx([start, start + 10, start + 20, start + 30, start + 40])
     assert keep_alive.renewals >= 5
     assert keep_alive.error is None
+    # The first renewal does not know the lease yet; later ones get a third of the 20 s left.
+    assert lease.deadlines[:3] == pytest.approx([None, 20 / 3, 20 / 3])
     stopped_at = len(lease.renewed_at)
     await asyncio.sleep(0)
     assert len(lease.renewed_at) == stopped_at  # nothing after the block

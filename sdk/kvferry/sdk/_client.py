@@ -174,7 +174,7 @@ class Client:
         """A keep-alive block for ``conversation_id`` (see ``Conversation.keep_alive``)."""
         return KeepAlive(
             conversation_id,
-            lambda: self._renew_once(conversation_id),
+            lambda deadline_seconds: self._renew_once(conversation_id, deadline_seconds),
             settings=self.config.keep_alive,
             interval=interval,
             clock=self._clock,
@@ -228,11 +228,15 @@ class Client:
         response = await self._unary("GetConversation", self._stub.GetConversation, request)
         return conversation_info_from_proto(response)
 
-    async def _renew_once(self, conversation_id: str) -> datetime:
-        # The keep-alive schedules its own retries against the lease's end.
+    async def _renew_once(self, conversation_id: str, deadline_seconds: float | None) -> datetime:
+        # The keep-alive schedules its own retries and deadlines against the lease's end.
         request = router_pb.RenewConversationRequest(conversation_id=conversation_id)
         response = await self._unary(
-            "RenewConversation", self._stub.RenewConversation, request, retry=RetryPolicy(max_attempts=1)
+            "RenewConversation",
+            self._stub.RenewConversation,
+            request,
+            retry=RetryPolicy(max_attempts=1),
+            deadline_seconds=deadline_seconds,
         )
         return _expire_time(response)
 
@@ -243,11 +247,15 @@ class Client:
         request: object,
         *,
         retry: RetryPolicy | None = None,
+        deadline_seconds: float | None = None,
     ) -> _T:
         """One unary call within the control deadline, retried on UNAVAILABLE (these calls are idempotent)."""
         policy = retry or self.config.retry
         full_name = f"{_SERVICE}/{name}"
-        deadline = time.monotonic() + self.config.deadlines.control_seconds
+        seconds = self.config.deadlines.control_seconds
+        if deadline_seconds is not None:
+            seconds = min(seconds, deadline_seconds)
+        deadline = time.monotonic() + seconds
         failed = 0
         while True:
             try:

@@ -102,8 +102,18 @@ def delay_after_failure(
     return max(settings.min_interval_seconds, backoff)
 
 
+def renewal_deadline(settings: KeepAliveSettings, *, seconds_to_expiry: float | None) -> float | None:
+    """Deadline for one renewal: a renewal still hanging when the lease ends is useless, so give it
+    ``ttl_fraction`` of the time left (at least 1 s); None (the client's default) while unknown."""
+    if seconds_to_expiry is None:
+        return None
+    return max(1.0, seconds_to_expiry * settings.ttl_fraction)
+
+
 class KeepAlive:
     """Renews a conversation in the background between ``__aenter__`` and ``__aexit__``.
+
+    ``renew(deadline_seconds)`` renews once and returns the lease's new end.
 
     It never raises into the block: losing the retention only means the next turn recomputes. After
     the block, ``renewals`` counts successful renewals, ``expire_time`` is the lease's last known
@@ -113,7 +123,7 @@ class KeepAlive:
     def __init__(
         self,
         conversation_id: str,
-        renew: Callable[[], Awaitable[datetime]],
+        renew: Callable[[float | None], Awaitable[datetime]],
         *,
         settings: KeepAliveSettings,
         interval: float | None = None,
@@ -173,7 +183,9 @@ class KeepAlive:
     async def _run(self) -> None:
         while True:
             try:
-                self.expire_time = await self._renew()
+                self.expire_time = await self._renew(
+                    renewal_deadline(self._settings, seconds_to_expiry=self._seconds_to_expiry())
+                )
             except RpcError as error:
                 if error.code not in _TRANSIENT:
                     self.error = error
