@@ -267,6 +267,8 @@ async def serve(config: SidecarConfig) -> int:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    # httpx logs every request at INFO: one /health probe every few seconds is not news.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     config = config_from_args(args)
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(serve(config))

@@ -62,7 +62,7 @@ class RetentionBook:
 
     def __init__(self, on_change: Callable[[], None] = lambda: None, ended_memory: int = 10_000) -> None:
         self._entries: dict[str, TrackedRetention] = {}
-        # Ends seen recently, so a publish answered after its own end is not tracked again.
+        # Ends seen recently: a late RENEWED must not bring one back, nor a second ENDED repeat it.
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._ended_memory = ended_memory
         self._on_change = on_change
@@ -83,11 +83,17 @@ class RetentionBook:
     def retained_blocks(self) -> int:
         return sum(entry.num_blocks for entry in self._entries.values())
 
-    def add(self, retention: resources_pb2.Retention, *, confirmed: bool = True) -> TrackedRetention | None:
-        """Tracks a retention (published or renewed); None if it has already ended."""
+    def has_ended(self, engine_request_id: str) -> bool:
+        return engine_request_id in self._ended
+
+    def track(self, retention: resources_pb2.Retention, *, confirmed: bool = True) -> TrackedRetention:
+        """Tracks a retention the registry holds (or, unconfirmed, may hold).
+
+        Tracking always wins over a remembered end: a request id published again is live again,
+        and keeping too much only delays a free until the sweep, never frees early.
+        """
         request_id = retention.engine_request_id
-        if request_id in self._ended:
-            return None
+        self._ended.pop(request_id, None)
         expire = _seconds(retention.expire_time) if confirmed and retention.HasField("expire_time") else None
         entry = self._entries.get(request_id)
         if entry is None:
@@ -212,6 +218,7 @@ class ReleaseFanout:
         self._subscribers: set[Subscription] = set()
         self.synced = False
         self._verify_lock = asyncio.Lock()
+        self._outage_logged = False
 
     # ---- subscribers -------------------------------------------------------------------------
 
@@ -283,10 +290,13 @@ class ReleaseFanout:
                 continue
             error = relay.exception() if relay.done() and not relay.cancelled() else None
             delay = backoff.next_delay()
-            log.warning(
+            # One warning per outage; the retries in between only at debug level.
+            log.log(
+                logging.DEBUG if self._outage_logged else logging.WARNING,
                 "registry WatchRetentions stream broke; reconnecting",
                 extra={"engine_id": self.engine_id, "error": str(error), "retry_in_seconds": round(delay, 3)},
             )
+            self._outage_logged = True
             await self._clock.sleep(delay)
 
     async def _relay(self, stream: RetentionStream, backoff: Backoff) -> None:
@@ -299,6 +309,7 @@ class ReleaseFanout:
         log.info(
             "releases in sync with the registry", extra={"engine_id": self.engine_id, "live": len(self.book)}
         )
+        self._outage_logged = False
         backoff.reset()
         async for event in events:
             self.apply(event)
@@ -309,7 +320,9 @@ class ReleaseFanout:
         if retention.engine_id and retention.engine_id != self.engine_id:
             return
         if event.type == registry_pb2.RETENTION_EVENT_TYPE_RENEWED:
-            self.book.add(retention)
+            if self.book.has_ended(request_id):
+                return  # a renewal that raced the end
+            self.book.track(retention)
             self._broadcast(
                 [Event(type=RENEWED, engine_request_id=request_id, expire_time=retention.expire_time)]
             )
@@ -317,6 +330,8 @@ class ReleaseFanout:
             self._end(request_id, event.reason)
 
     def _end(self, request_id: str, reason: resources_pb2.ReleaseReason.ValueType) -> None:
+        if self.book.has_ended(request_id):
+            return  # already told (e.g. ENGINE_GONE the sidecar announced itself)
         self.book.end(request_id)
         self._metrics.release(reason)
         self._broadcast([Event(type=ENDED, engine_request_id=request_id, reason=reason)])
@@ -349,7 +364,7 @@ class ReleaseFanout:
             return  # an event about it arrived meanwhile; that is newer news
         if live is not None and live.engine_request_id == entry.engine_request_id:
             renewed = live.HasField("expire_time") and entry.expire_time != _seconds(live.expire_time)
-            self.book.add(live)
+            self.book.track(live)
             if announce and renewed:
                 self._broadcast(
                     [

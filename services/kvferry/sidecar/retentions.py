@@ -104,7 +104,7 @@ class RetentionPublisher:
         stored = response.retention
         if not stored.engine_request_id:
             stored = to_publish
-        self._book.add(stored)
+        self._book.track(stored)
         return stored
 
     async def _stored_despite(
@@ -119,11 +119,11 @@ class RetentionPublisher:
             live = await self._registry.get_retention(retention.tenant, retention.conversation_id)
         except RegistryError as check_err:
             if check_err.code is not grpc.StatusCode.NOT_FOUND:
-                self._book.add(retention, confirmed=False)
+                self._book.track(retention, confirmed=False)
             return None
         if live.engine_request_id == retention.engine_request_id and live.engine_id == self.engine_id:
             log.info("publish landed despite a failed answer", extra={"error": str(err)})
-            self._book.add(live)
+            self._book.track(live)
             return live
         return None
 

@@ -1,0 +1,160 @@
+"""An IN-MEMORY STAND-IN for the registry (RegistryApi) and a scripted engine probe, for unit tests
+of the sidecar's logic. Each path they drive also runs against the real registry in test_sidecar.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf import timestamp_pb2
+from kvferry.sidecar.engine import EngineFacts, ProbeResult
+from kvferry.sidecar.registry_link import RegistryError
+from kvferry.v1 import registry_service_pb2 as registry_pb2
+from kvferry.v1 import resources_pb2
+
+
+def _ts(seconds: float) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+class FakeStream:
+    def __init__(self, owner: FakeRegistry) -> None:
+        self.queue: asyncio.Queue[registry_pb2.WatchRetentionsResponse | RegistryError] = asyncio.Queue()
+        self._owner = owner
+        self.cancelled = False
+
+    async def ready(self) -> None:
+        if self._owner.unavailable:
+            raise RegistryError(grpc.StatusCode.UNAVAILABLE, "fake registry down")
+
+    async def _events(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, RegistryError):
+                raise item
+            yield item
+
+    def __aiter__(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]:
+        return self._events()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._owner.streams.discard(self)
+
+
+class FakeRegistry:
+    """Engines and retentions in dicts; ``unavailable`` fails every call; ``scripted`` fails the
+    next calls of one operation with the given codes."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, resources_pb2.Engine] = {}
+        self.retentions: dict[tuple[str, str], resources_pb2.Retention] = {}
+        self.streams: set[FakeStream] = set()
+        self.unavailable = False
+        self.scripted: dict[str, deque[grpc.StatusCode]] = {}
+        self.calls: list[str] = []
+        # Stores the publish, then fails it (an answer lost on the way back).
+        self.lose_publish_answer = False
+
+    def script(self, op: str, *codes: grpc.StatusCode) -> None:
+        self.scripted.setdefault(op, deque()).extend(codes)
+
+    def _enter(self, op: str) -> None:
+        self.calls.append(op)
+        if self.unavailable:
+            raise RegistryError(grpc.StatusCode.UNAVAILABLE, "fake registry down")
+        queued = self.scripted.get(op)
+        if queued:
+            raise RegistryError(queued.popleft(), f"scripted failure of {op}")
+
+    def emit(self, event: registry_pb2.WatchRetentionsResponse) -> None:
+        for stream in list(self.streams):
+            stream.queue.put_nowait(event)
+
+    def break_streams(self) -> None:
+        for stream in list(self.streams):
+            stream.queue.put_nowait(RegistryError(grpc.StatusCode.UNAVAILABLE, "fake stream broke"))
+
+    async def register_engine(
+        self, engine: resources_pb2.Engine, ttl_seconds: int
+    ) -> registry_pb2.RegisterEngineResponse:
+        self._enter("register_engine")
+        self.engines[engine.engine_id] = engine
+        return registry_pb2.RegisterEngineResponse(engine=engine, ttl_seconds=ttl_seconds or 10)
+
+    async def heartbeat_engine(
+        self, engine_id: str, stats: resources_pb2.EngineStats | None
+    ) -> registry_pb2.HeartbeatEngineResponse:
+        self._enter("heartbeat_engine")
+        if engine_id not in self.engines:
+            raise RegistryError(grpc.StatusCode.NOT_FOUND, f"engine {engine_id} is not registered")
+        return registry_pb2.HeartbeatEngineResponse(ttl_seconds=10)
+
+    async def deregister_engine(self, engine_id: str) -> None:
+        self._enter("deregister_engine")
+        if self.engines.pop(engine_id, None) is None:
+            raise RegistryError(grpc.StatusCode.NOT_FOUND, f"engine {engine_id} is not registered")
+
+    async def publish_retention(
+        self, retention: resources_pb2.Retention
+    ) -> registry_pb2.PublishRetentionResponse:
+        self._enter("publish_retention")
+        if retention.engine_id not in self.engines:
+            # The real registry's answer (kvferry.registry.store.publish_retention).
+            raise RegistryError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"engine {retention.engine_id} is not registered; register it (RegisterEngine) before "
+                "publishing its retentions",
+            )
+        stored = resources_pb2.Retention()
+        stored.CopyFrom(retention)
+        stored.expire_time.CopyFrom(_ts(time.time() + (retention.ttl_seconds or 60)))
+        self.retentions[(retention.tenant, retention.conversation_id)] = stored
+        if self.lose_publish_answer:
+            raise RegistryError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost")
+        return registry_pb2.PublishRetentionResponse(retention=stored)
+
+    async def get_retention(self, tenant: str, conversation_id: str) -> resources_pb2.Retention:
+        self._enter("get_retention")
+        found = self.retentions.get((tenant, conversation_id))
+        if found is None:
+            raise RegistryError(grpc.StatusCode.NOT_FOUND, "no live retention")
+        return found
+
+    async def release_retention(
+        self, tenant: str, conversation_id: str, reason: resources_pb2.ReleaseReason.ValueType
+    ) -> None:
+        self._enter("release_retention")
+        found = self.retentions.pop((tenant, conversation_id), None)
+        if found is None:
+            raise RegistryError(grpc.StatusCode.NOT_FOUND, "no live retention")
+        self.emit(
+            registry_pb2.WatchRetentionsResponse(
+                type=registry_pb2.RETENTION_EVENT_TYPE_ENDED, retention=found, reason=reason
+            )
+        )
+
+    def watch_retentions(self, engine_id: str) -> FakeStream:
+        self.calls.append("watch_retentions")
+        stream = FakeStream(self)
+        self.streams.add(stream)
+        return stream
+
+
+class ScriptedProbe:
+    """An engine probe answering what the test sets."""
+
+    def __init__(self, result: ProbeResult = ProbeResult.OK, facts: EngineFacts | None = None) -> None:
+        self.result = result
+        self.facts = facts or EngineFacts(model="m", max_model_len=1024, block_size=16, kv_capacity_blocks=64)
+
+    async def check_health(self) -> ProbeResult:
+        return self.result
+
+    async def read_facts(self) -> EngineFacts:
+        return self.facts
