@@ -312,12 +312,12 @@ def setup_tracing(
     provider records nothing but still hands incoming trace context to outgoing calls. Call
     :func:`shutdown_tracing` on exit to flush.
     """
-    if otlp_endpoint is None and exporter is None:
+    if not otlp_endpoint and exporter is None:  # None or "" (an empty environment variable): off
         return trace.NoOpTracerProvider()
     provider = SdkTracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-    if otlp_endpoint is not None:
+    if otlp_endpoint:
         # Imported here: the OTLP exporter pulls in its own gRPC stubs, unneeded when tracing is off.
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
