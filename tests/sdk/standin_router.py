@@ -204,8 +204,11 @@ def _timestamp(unix_seconds: float) -> timestamp_pb2.Timestamp:
 class StandInRouter:
     """The stand-in servicer served by a real grpc.aio server on 127.0.0.1, in a thread of its own."""
 
-    def __init__(self, api_keys: Mapping[str, str]) -> None:
+    def __init__(
+        self, api_keys: Mapping[str, str], *, server_credentials: grpc.ServerCredentials | None = None
+    ) -> None:
         self.servicer = StandInRouterServicer(api_keys, StandInScript())
+        self._credentials = server_credentials
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="standin-router", daemon=True)
         self._server: grpc.aio.Server | None = None
@@ -231,7 +234,14 @@ class StandInRouter:
 
         async def serve() -> None:
             binding = (router_grpc.add_RouterServiceServicer_to_server, self.servicer, _SERVICE_NAME)
-            self._server, self.port, _ = await start_server("127.0.0.1:0", [binding])
+            if self._credentials is None:
+                self._server, self.port, _ = await start_server("127.0.0.1:0", [binding])
+                return
+            # TLS: the shared builder binds plaintext only, so build this one by hand.
+            self._server = grpc.aio.server()
+            router_grpc.add_RouterServiceServicer_to_server(self.servicer, self._server)
+            self.port = self._server.add_secure_port("127.0.0.1:0", self._credentials)
+            await self._server.start()
 
         self._run(serve)
 
