@@ -113,6 +113,7 @@ class Sidecar:
         self._metrics_server: telemetry.MetricsServer | None = None
         self.address = ""
         self.metrics_port: int | None = None
+        self._stopped = False
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -152,7 +153,10 @@ class Sidecar:
         )
 
     async def stop(self) -> None:
-        """Clean shutdown: stop heartbeating, deregister the engine, end the streams, close."""
+        """Clean shutdown: stop heartbeating, deregister the engine, end the streams, close. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         background = list(self._tasks)
         self._tasks.clear()
         for task in background:

@@ -149,7 +149,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
     registry = parser.add_argument_group("the registry")
-    _add(registry, "--registry", "KVFERRY_REGISTRY", "host:port of the registry's gRPC API", required=True)
+    _add(
+        registry,
+        "--registry",
+        "KVFERRY_REGISTRY",
+        "host:port of the registry's gRPC API",
+        default="127.0.0.1:50051",
+    )
     _add(
         registry,
         "--ttl-seconds",
