@@ -16,12 +16,11 @@ import grpc
 from kvferry.common.ids import check_id
 from kvferry.common.telemetry import trace_headers
 from kvferry.sdk._config import ClientConfig, Deadlines, TlsConfig
-from kvferry.sdk._conversation import Conversation, PromptInput
+from kvferry.sdk._conversation import Conversation, PromptInput, normalize_prompt
 from kvferry.sdk._errors import ErrorCode, error_from_rpc, make_error
 from kvferry.sdk._keepalive import Clock, KeepAlive, KeepAliveSettings
 from kvferry.sdk._models import ConversationInfo, Reply, SamplingParams
 from kvferry.sdk._proto import (
-    Prompt,
     conversation_info_from_proto,
     generate_request_to_proto,
     timestamp_from_proto,
@@ -185,7 +184,7 @@ class Client:
     def generate(
         self,
         conversation_id: str,
-        prompt: Prompt,
+        prompt: PromptInput,
         *,
         sampling: SamplingParams | None = None,
         model: str = "",
@@ -193,9 +192,13 @@ class Client:
         deadline_seconds: float | None = None,
         on_finish: Callable[[Reply], None] | None = None,
     ) -> TurnStream:
-        """One turn with the whole ``prompt``; prefer ``Conversation.send``, which keeps the history."""
+        """One turn with the whole ``prompt`` (no history kept; ``Conversation.send`` keeps it)."""
         request = generate_request_to_proto(
-            conversation_id, prompt, sampling or SamplingParams(), model=model, retain=retain
+            conversation_id,
+            normalize_prompt(prompt),
+            sampling or SamplingParams(),
+            model=model,
+            retain=retain,
         )
 
         def open_call(seconds: float) -> Any:
