@@ -598,3 +598,25 @@ async def test_client_disconnect_aborts_the_decode(stack: Stack) -> None:
             await asyncio.sleep(0.02)
     finally:
         stack.decode.decode_token_delay_seconds = 0.0
+
+
+async def test_a_turn_that_retains_nothing_renews_the_previous_retention(stack: Stack) -> None:
+    stub = stack.grpc_stub()
+    conv = f"rn-{uuid.uuid4().hex[:8]}"
+    history = [("user", "keep me alive " * 10)]
+    text, _, _ = await generate(stub, chat_request(conv, stack.model, history))
+    get = router_pb2.GetConversationRequest(conversation_id=conv)
+    before = await stub.GetConversation(get, metadata=metadata(ACME))
+    await asyncio.sleep(1.1)
+    request = chat_request(conv, stack.model, [*history, ("assistant", text), ("user", "a side question")])
+    request.retain = False
+    _, _, summary = await generate(stub, request)
+    assert summary.turn == 0 and summary.reuse == router_pb2.REUSE_DECISION_PULL
+    deadline = asyncio.get_running_loop().time() + 3
+    while True:
+        after = await stub.GetConversation(get, metadata=metadata(ACME))
+        if after.expire_time.ToNanoseconds() > before.expire_time.ToNanoseconds() + 900_000_000:
+            break
+        assert asyncio.get_running_loop().time() < deadline, "the retention was not renewed"
+        await asyncio.sleep(0.05)
+    assert after.turn == 1

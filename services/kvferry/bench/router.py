@@ -163,7 +163,8 @@ class StandInEngine:
         )
 
     async def start(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
         sock.listen(1024)
@@ -445,9 +446,427 @@ class _QuietUvicorn(uvicorn.Server):
 # ------------------------------------------------------------------------------------------------
 
 
+BENCH_API_KEY = "bench-key"
+BENCH_TENANT = "bench"
+STANDIN_MODEL = "standin-model"
+
+
+@dataclass
+class TurnTiming:
+    ttft_s: float
+    total_s: float
+    pulled_tokens: int = 0
+
+
+@dataclass
+class LevelResult:
+    path: str
+    concurrency: int
+    turns: int
+    wall_s: float
+    ttft: list[float]
+    total: list[float]
+    pulled_tokens: int
+    router_cpu_s: float | None = None
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "path": self.path,
+            "concurrency": self.concurrency,
+            "turns": self.turns,
+            "turns_per_s": round(self.turns / self.wall_s, 1),
+            "ttft_p50_ms": _ms(_pct(self.ttft, 50)),
+            "ttft_p99_ms": _ms(_pct(self.ttft, 99)),
+            "total_p50_ms": _ms(_pct(self.total, 50)),
+            "total_p99_ms": _ms(_pct(self.total, 99)),
+            "pulled_tokens": self.pulled_tokens,
+        }
+        if self.router_cpu_s is not None:
+            out["router_cpu_s"] = round(self.router_cpu_s, 2)
+            out["turns_per_router_cpu_s"] = round(self.turns / max(self.router_cpu_s, 1e-9), 1)
+        return out
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engines", choices=["standin", "vllm"], default="standin")
+    parser.add_argument(
+        "--engines",
+        choices=["standin", "vllm"],
+        default="standin",
+        help="standin: start etcd, a registry and FAST STAND-IN engines (router cost alone); "
+        "vllm: use the real engines registered in --registry",
+    )
+    parser.add_argument("--registry", default="", help="registry HOST:PORT (required with --engines vllm)")
+    parser.add_argument("--model", default="", help="model to use (default: the only one registered)")
+    parser.add_argument("--concurrency", default="1,16,64", help="concurrent conversations, comma-separated")
+    parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    parser.add_argument(
+        "--samples", type=int, default=256, help="turns measured per level and path (at least)"
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="first turn's prompt length")
+    parser.add_argument("--turn-tokens", type=int, default=32, help="new user tokens each later turn adds")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
+    parser.add_argument(
+        "--publish-wait",
+        type=float,
+        default=2.0,
+        help="the router's --publish-wait (0: don't wait for the registry to show the new retention)",
+    )
+    parser.add_argument(
+        "--paths",
+        default="direct,router,router-noretain",
+        help="what to time: direct (engines called by the bench), router (full path with retention), "
+        "router-noretain (router, retain=false: the same engine work as direct)",
+    )
+    parser.add_argument(
+        "--pin-router", type=int, default=-1, help="pin the router process to this CPU (-1: no)"
+    )
+    parser.add_argument("--output", default="", help="write the results as JSON here")
+    parser.add_argument("--profile-router", default="", help="run the router under cProfile; stats go here")
+    parser.add_argument("--work-dir", default="", help="for etcd data and logs (default: a temp dir)")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from kvferry.common.etcd_process import free_port
+    from kvferry.common.logs import setup_logging
+
+    setup_logging("warning")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="kvferry-bench-router-"))
+    work.mkdir(parents=True, exist_ok=True)
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        if args.engines == "standin":
+            registry_address = _start_standin_services(work, processes)
+        elif args.registry:
+            registry_address = args.registry
+        else:
+            print("--engines vllm needs --registry HOST:PORT of a registry with engines registered")
+            return 2
+        grpc_port, http_port = free_port(), free_port()
+        with open(work / "router.log", "ab") as router_log:
+            router = subprocess.Popen(
+                [
+                    sys.executable,
+                    *(["-m", "cProfile", "-o", args.profile_router] if args.profile_router else []),
+                    "-m",
+                    "kvferry.cli.main",
+                    "router",
+                    f"--registry={registry_address}",
+                    f"--grpc-listen=127.0.0.1:{grpc_port}",
+                    f"--http-listen=127.0.0.1:{http_port}",
+                    f"--api-keys={BENCH_API_KEY}={BENCH_TENANT}",
+                    f"--publish-wait={args.publish_wait}",
+                    "--log-level=warning",
+                ],
+                stdout=router_log,
+                stderr=subprocess.STDOUT,
+            )
+        processes.append(router)
+        if args.pin_router >= 0:
+            import os
+
+            os.sched_setaffinity(router.pid, {args.pin_router})
+        results = asyncio.run(_measure(args, registry_address, f"127.0.0.1:{grpc_port}", router))
+    finally:
+        for proc in reversed(processes):
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print(json.dumps(results, indent=2))
+    if args.output:
+        with open(args.output, "w") as out:
+            json.dump(results, out, indent=2)
+    return 0
+
+
+async def _measure(
+    args: argparse.Namespace, registry_address: str, router_address: str, router: Any
+) -> dict[str, Any]:
+    await _wait_for_router(router_address, router)
+    engines = await _engines_for_direct_path(registry_address, args.model)
+    model = engines[0].model
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    rows: list[dict[str, Any]] = []
+    channel = grpc.aio.insecure_channel(router_address)
+    try:
+        for concurrency in levels:
+            for path in paths:
+                cpu_before = _process_cpu_seconds(router.pid)
+                level = await _run_level(args, path, concurrency, channel, engines, model)
+                if path != "direct":
+                    level.router_cpu_s = _process_cpu_seconds(router.pid) - cpu_before
+                rows.append(level.summary())
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        await channel.close()
+    return {
+        "engines": args.engines,
+        "model": model,
+        "prompt_tokens": args.prompt_tokens,
+        "turn_tokens": args.turn_tokens,
+        "max_tokens": args.max_tokens,
+        "turns_per_conversation": args.turns,
+        "publish_wait_s": args.publish_wait,
+        "levels": rows,
+        "added": _added(rows),
+    }
+
+
+def _added(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Router minus direct, per concurrency level and router path."""
+    direct = {r["concurrency"]: r for r in rows if r["path"] == "direct"}
+    added = []
+    for row in rows:
+        base = direct.get(row["concurrency"])
+        if row["path"] == "direct" or base is None:
+            continue
+        added.append(
+            {
+                "path": row["path"],
+                "concurrency": row["concurrency"],
+                "ttft_p50_ms": round(row["ttft_p50_ms"] - base["ttft_p50_ms"], 3),
+                "ttft_p99_ms": round(row["ttft_p99_ms"] - base["ttft_p99_ms"], 3),
+                "total_p50_ms": round(row["total_p50_ms"] - base["total_p50_ms"], 3),
+                "total_p99_ms": round(row["total_p99_ms"] - base["total_p99_ms"], 3),
+            }
+        )
+    return added
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    import os
+
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def _start_standin_services(work: Any, processes: list[Any]) -> str:
+    """etcd, a registry and the stand-in engines, in a process apart from the router and the bench."""
+    import subprocess
+    import sys
+
+    with open(work / "services.log", "ab") as log_file:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"from kvferry.bench.router import serve_standins; serve_standins({str(work)!r})",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+        )
+    processes.append(proc)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"stand-in services failed to start; see {work / 'services.log'}")
+    return str(json.loads(line)["registry"])
+
+
+def serve_standins(work_dir: str) -> None:
+    """Runs etcd, a registry and one stand-in prefill + one stand-in decode engine until killed."""
+    from pathlib import Path
+
+    from kvferry.common.etcd_process import EtcdProcess
+    from kvferry.registry.config import RegistryConfig
+    from kvferry.registry.server import create_registry
+
+    async def main() -> None:
+        etcd = EtcdProcess(data_dir=Path(work_dir) / "etcd", log_path=Path(work_dir) / "etcd.log")
+        etcd.start()
+        try:
+            registry = await create_registry(
+                RegistryConfig(listen_address="127.0.0.1:0", etcd_endpoints=(etcd.endpoint,))
+            )
+            engines = [
+                StandInEngine(
+                    "standin-prefill-0", resources_pb2.ENGINE_ROLE_PREFILL, registry_address=registry.address
+                ),
+                StandInEngine(
+                    "standin-decode-0", resources_pb2.ENGINE_ROLE_DECODE, registry_address=registry.address
+                ),
+            ]
+            for engine in engines:
+                await engine.start()
+            print(json.dumps({"registry": registry.address}), flush=True)
+            await asyncio.Event().wait()
+        finally:
+            etcd.stop()
+
+    asyncio.run(main())
+
+
+async def _wait_for_router(address: str, proc: Any) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + 60
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError("the router exited during start; see router.log")
+            try:
+                answer = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"router at {address} did not become healthy")
+
+
+@dataclass
+class _DirectEngines:
+    model: str
+    prefill_url: str
+    decode_url: str
+
+
+async def _engines_for_direct_path(registry_address: str, model: str) -> list[_DirectEngines]:
+    async with grpc.aio.insecure_channel(registry_address) as channel:
+        stub = registry_grpc.RegistryServiceStub(channel)
+        deadline = time.monotonic() + 30
+        while True:
+            listed = await stub.ListEngines(registry_pb2.ListEnginesRequest(), timeout=5)
+            engines = [e for e in listed.engines if not model or e.model == model]
+            prefill = [
+                e
+                for e in engines
+                if e.role in (resources_pb2.ENGINE_ROLE_PREFILL, resources_pb2.ENGINE_ROLE_BOTH)
+            ]
+            decode = [
+                e
+                for e in engines
+                if e.role in (resources_pb2.ENGINE_ROLE_DECODE, resources_pb2.ENGINE_ROLE_BOTH)
+            ]
+            if prefill and decode:
+                return [_DirectEngines(prefill[0].model, prefill[0].http_endpoint, decode[0].http_endpoint)]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no prefill + decode engine pair registered in {registry_address}")
+            await asyncio.sleep(0.5)
+
+
+async def _run_level(
+    args: argparse.Namespace,
+    path: str,
+    concurrency: int,
+    channel: grpc.aio.Channel,
+    engines: list[_DirectEngines],
+    model: str,
+) -> LevelResult:
+    from kvferry.common import vllm_http
+    from kvferry.v1 import router_service_pb2 as router_pb2
+    from kvferry.v1 import router_service_pb2_grpc as router_grpc
+
+    conversations_per_client = max(1, -(-args.samples // (concurrency * args.turns)))
+    stub = router_grpc.RouterServiceStub(channel)
+    metadata = (("authorization", f"Bearer {BENCH_API_KEY}"),)
+    pair = engines[0]
+    prefill = vllm_http.VllmEngineClient(pair.prefill_url, model, max_connections=concurrency * 2 + 8)
+    decode = vllm_http.VllmEngineClient(pair.decode_url, model, max_connections=concurrency * 2 + 8)
+    timings: list[TurnTiming] = []
+    run_id = f"{path}-{concurrency}-{time.monotonic_ns()}"
+
+    async def router_turn(conv: str, tokens: list[int], retain: bool) -> tuple[TurnTiming, list[int]]:
+        request = router_pb2.GenerateRequest(
+            conversation_id=conv,
+            model=model,
+            tokens=router_pb2.TokenPrompt(token_ids=tokens),
+            sampling=router_pb2.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
+            retain=retain,
+        )
+        started = time.perf_counter()
+        ttft = 0.0
+        out: list[int] = []
+        pulled = 0
+        async for event in stub.Generate(request, metadata=metadata, timeout=300):
+            if event.HasField("delta"):
+                if not ttft:
+                    ttft = time.perf_counter() - started
+                out.extend(event.delta.token_ids)
+            else:
+                pulled = event.summary.pulled_tokens
+        return TurnTiming(ttft, time.perf_counter() - started, pulled), out
+
+    async def direct_turn(tokens: list[int]) -> tuple[TurnTiming, list[int]]:
+        started = time.perf_counter()
+        prefilled = await prefill.prefill(vllm_http.PrefillRequest(token_ids=tuple(tokens)))
+        ttft = 0.0
+        out: list[int] = []
+        stream = decode.decode_stream(
+            vllm_http.DecodeRequest(
+                token_ids=tuple(tokens),
+                handoff=prefilled.handoff,
+                sampling=vllm_http.Sampling(max_tokens=args.max_tokens, ignore_eos=True),
+            )
+        )
+        async for chunk in stream:
+            if chunk.token_ids and not ttft:
+                ttft = time.perf_counter() - started
+            out.extend(chunk.token_ids)
+        return TurnTiming(ttft, time.perf_counter() - started), out
+
+    async def client(index: int) -> None:
+        import random
+
+        rng = random.Random(index)
+        for conversation in range(conversations_per_client):
+            conv = f"{run_id}-{index}-{conversation}"
+            tokens = [rng.randrange(1000, 20000) for _ in range(args.prompt_tokens)]
+            for _ in range(args.turns):
+                if path == "direct":
+                    timing, out = await direct_turn(tokens)
+                else:
+                    timing, out = await router_turn(conv, tokens, retain=path == "router")
+                timings.append(timing)
+                tokens = tokens + out + [rng.randrange(1000, 20000) for _ in range(args.turn_tokens)]
+            if path == "router":
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await stub.CloseConversation(
+                        router_pb2.CloseConversationRequest(conversation_id=conv),
+                        metadata=metadata,
+                        timeout=10,
+                    )
+
+    # One warm-up turn per path opens connections and fills caches.
+    if path == "direct":
+        await direct_turn([1000 + i for i in range(args.prompt_tokens)])
+    else:
+        await router_turn(f"{run_id}-warmup", [1000 + i for i in range(args.prompt_tokens)], retain=False)
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
+    finally:
+        await prefill.aclose()
+        await decode.aclose()
+    wall = time.perf_counter() - started
+    return LevelResult(
+        path=path,
+        concurrency=concurrency,
+        turns=len(timings),
+        wall_s=wall,
+        ttft=[t.ttft_s for t in timings],
+        total=[t.total_s for t in timings],
+        pulled_tokens=sum(t.pulled_tokens for t in timings),
+    )

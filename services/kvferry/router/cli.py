@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from kvferry.common.logs import setup_logging
@@ -130,6 +131,7 @@ _FLAGS: list[tuple[str, str, type, object, str]] = [
         "largest HTTP request body accepted",
     ),
     ("--log-level", "KVFERRY_LOG_LEVEL", str, "info", "debug, info, warning or error"),
+    ("--event-loop", "KVFERRY_ROUTER_EVENT_LOOP", str, "uvloop", "uvloop (faster) or asyncio"),
 ]
 
 
@@ -184,11 +186,20 @@ async def _serve(config: RouterConfig) -> None:
     await router.stop()
 
 
+def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if name == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
         config = config_from_args(args)
-        asyncio.run(_serve(config))
+        with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
+            runner.run(_serve(config))
     except (TenantConfigError, ValueError, OSError) as error:
         log.error("router failed to start", extra={"error": str(error)})
         print(f"kvferry router: {error}")

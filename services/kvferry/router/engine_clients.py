@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from kvferry.common import vllm_http
+from kvferry.router.aiohttp_transport import AiohttpTransport
 from kvferry.router.engines import EngineInfo
 
 
@@ -29,6 +30,7 @@ class EngineClients:
             engine.model,
             timeouts=self._timeouts,
             max_connections=self._max_connections,
+            transport=AiohttpTransport(max_connections=self._max_connections),
         )
         self._clients[engine.engine_id] = client
         return client

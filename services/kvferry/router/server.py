@@ -193,7 +193,9 @@ async def start_router(config: RouterConfig, *, api_keys: ApiKeys | None = None)
     )
 
     http_host, http_port = _split_host_port(config.http_listen)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((http_host, http_port))
     sock.listen(2048)

@@ -207,10 +207,6 @@ class TurnRunner:
             (e.max_model_len for e in self._model_engines(model) if e.max_model_len), default=0
         )
         max_tokens = self._check_length(len(token_ids), request.sampling.max_tokens, max_model_len, model)
-        if retention is not None and request.retain:
-            # Renew every turn, off the critical path: the lease this turn's pull relies on was
-            # read above, and the new turn's retention supersedes this one when it is published.
-            self._spawn(self._renew(request.tenant.name, retention.conversation_id))
         return PreparedTurn(
             request=request,
             request_id=request_id,
@@ -307,6 +303,24 @@ class TurnRunner:
         """Streams the turn's text and ends with its :class:`TurnResult`."""
         request = turn.request
         mark = self._mark(turn)
+        published = False
+        try:
+            async with aclosing(self._attempts(turn, mark)) as events:
+                async for event in events:
+                    if isinstance(event, TurnResult):
+                        published = event.turn > 0
+                    yield event
+        finally:
+            if turn.retention is not None and not published:
+                # Every turn keeps the conversation's KV alive: a published turn brings a fresh lease;
+                # otherwise (not retained, failed, aborted) the previous retention is renewed. Done
+                # after the turn, off the time to first token.
+                self._spawn(self._renew(request.tenant.name, turn.retention.conversation_id))
+
+    async def _attempts(
+        self, turn: PreparedTurn, mark: ConversationMark | None
+    ) -> AsyncGenerator[TextOut | TurnResult, None]:
+        request = turn.request
         failed: set[str] = set()
         allow_reuse = True
         for attempt in range(1, self._settings.max_attempts + 1):
@@ -544,8 +558,8 @@ class TurnRunner:
 
     async def _await_publication(self, mark: ConversationMark, engine_id: str) -> int:
         """The turn the registry holds once this turn's retention is published (0: not in time)."""
-        deadline = time.monotonic() + self._settings.publish_wait_seconds
-        delay = 0.002
+        started = time.monotonic()
+        deadline = started + self._settings.publish_wait_seconds
         while True:
             try:
                 record = await self._registry.get_retention(mark.tenant, mark.conversation_id)
@@ -553,6 +567,7 @@ class TurnRunner:
                 record = None
             if record is not None and record.turn >= mark.turn:
                 return record.turn
+            delay = 0.003 if time.monotonic() - started < 0.05 else 0.02
             if time.monotonic() + delay > deadline:
                 log.warning(
                     "the new retention did not appear in the registry in time; the next turn may recompute",
@@ -564,8 +579,8 @@ class TurnRunner:
                     },
                 )
                 return 0
+            # Publication takes an etcd write after the engine finished: poll often at first.
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
     async def aclose(self) -> None:
         for task in list(self._background):
