@@ -21,6 +21,7 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 from kvferry.common.ids import check_id
 from kvferry.registry import validation
+from kvferry.registry.cache import RetentionCache
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.errors import (
     Conflict,
@@ -47,6 +48,7 @@ from kvferry.registry.etcd import (
 )
 from kvferry.registry.keys import ConversationKey, KeyLayout
 from kvferry.registry.records import (
+    StoredRetention,
     decode_incarnation,
     decode_record,
     encode_incarnation,
@@ -67,6 +69,8 @@ _TXN_ATTEMPTS = 4
 _REAP_BATCH = 32
 _REAP_PAGE = 512
 _MAX_BACKOFF_SECONDS = 2.0
+# Records kept in memory to answer lookups and renewals in one etcd round trip.
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 
 
 def timestamp(seconds: float) -> Timestamp:
@@ -160,12 +164,19 @@ class RegistryStore:
     """Engines and retentions in etcd, with the registry's rules."""
 
     def __init__(
-        self, etcd: EtcdGateway, layout: KeyLayout, ttl: TtlPolicy, *, clock: Clock = time.time
+        self,
+        etcd: EtcdGateway,
+        layout: KeyLayout,
+        ttl: TtlPolicy,
+        *,
+        clock: Clock = time.time,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         self.etcd = etcd
         self.layout = layout
         self.ttl = ttl
         self._clock = clock
+        self._cache = RetentionCache(cache_bytes)
 
     # --- engines ----------------------------------------------------------------------------
 
@@ -436,7 +447,15 @@ class RegistryStore:
         )
         if not committed.succeeded:
             return None
-        return PublishedRetention(stored, superseded_turn, int(committed.header.revision), lease)
+        revision = int(committed.header.revision)
+        self._cache.put(
+            live_key,
+            StoredRetention(stored, incarnation),
+            lease,
+            revision,
+            len(operations[0].request_put.value),
+        )
+        return PublishedRetention(stored, superseded_turn, revision, lease)
 
     @staticmethod
     def _is_same_publish(current: resources.Retention, incoming: resources.Retention) -> bool:
@@ -447,55 +466,119 @@ class RegistryStore:
         )
 
     async def get_retention(self, tenant: str, conversation_id: str) -> FoundRetention:
-        """The conversation's live retention; NOT_FOUND unless its lease and its engine are both alive."""
+        """The conversation's live retention; NOT_FOUND unless its lease and its engine are both alive.
+
+        One round trip when this registry knows the record: a transaction compares the record's
+        revision and the engine's lease, and reads both only when either changed.
+        """
         conversation = validation.conversation_key(tenant, conversation_id)
-        response = await self.etcd.range(self.layout.live(conversation))
-        if not response.kvs:
+        live_key = self.layout.live(conversation)
+        cached = self._cache.get(live_key)
+        if cached is not None:
+            engine_key = self.layout.engine(cached.stored.retention.engine_id)
+            checked = await self.etcd.txn(
+                [
+                    cmp_mod_revision(live_key, cached.mod_revision),
+                    cmp_lease(engine_key, cached.stored.engine_incarnation),
+                ],
+                [],
+                [op_range(live_key), op_range(engine_key)],
+            )
+            if checked.succeeded:
+                return self._unexpired(conversation, cached.stored, int(checked.header.revision))
+            live_kvs = checked.responses[0].response_range.kvs
+            engine_kvs = checked.responses[1].response_range.kvs
+            revision = int(checked.header.revision)
+        else:
+            response = await self.etcd.range(live_key)
+            live_kvs, engine_kvs, revision = response.kvs, None, int(response.header.revision)
+        if not live_kvs:
+            self._cache.drop(live_key)
             raise self._no_retention(conversation)
-        stored = decode_record(response.kvs[0].value)
-        engine = await self.etcd.range(self.layout.engine(stored.retention.engine_id))
-        if not engine.kvs or engine.kvs[0].lease != stored.engine_incarnation:
+        live_kv = live_kvs[0]
+        stored = decode_record(live_kv.value)
+        self._cache.put(live_key, stored, int(live_kv.lease), int(live_kv.mod_revision), len(live_kv.value))
+        if (
+            engine_kvs is None
+            or cached is None
+            or cached.stored.retention.engine_id != stored.retention.engine_id
+        ):
+            engine = await self.etcd.range(self.layout.engine(stored.retention.engine_id))
+            engine_kvs, revision = engine.kvs, int(engine.header.revision)
+        if not engine_kvs or engine_kvs[0].lease != stored.engine_incarnation:
             raise NotFound(
                 f"conversation {conversation_id} of tenant {tenant} was retained on engine "
                 f"{stored.retention.engine_id}, which left the registry; recompute"
             )
+        return self._unexpired(conversation, stored, revision)
+
+    def _unexpired(
+        self, conversation: ConversationKey, stored: StoredRetention, revision: int
+    ) -> FoundRetention:
+        # etcd deletes an expired lease's keys up to ~0.5 s late; never hand out one past its end.
         if stored.retention.expire_time.ToNanoseconds() <= self._clock() * 1e9:
             raise self._no_retention(conversation)
-        return FoundRetention(stored.retention, int(engine.header.revision))
+        retention = resources.Retention()
+        retention.CopyFrom(stored.retention)
+        return FoundRetention(retention, revision)
 
     async def renew_retention(self, tenant: str, conversation_id: str) -> FoundRetention:
-        """Extends the retention's lease and records the new expiry (watchers see RENEWED)."""
+        """Extends the retention's lease and records the new expiry (watchers see RENEWED).
+
+        One round trip (a keep-alive and a guarded re-put, sent together) when this registry
+        knows the record; a read first otherwise.
+        """
         conversation = validation.conversation_key(tenant, conversation_id)
         live_key = self.layout.live(conversation)
+        cached = self._cache.get(live_key)
+        if cached is not None:
+            renewed = await self._renew_once(conversation, live_key, cached.stored, cached.lease)
+            if renewed is not None:
+                return renewed
+            self._cache.drop(live_key)
         response = await self.etcd.range(live_key)
         if not response.kvs:
             raise self._no_retention(conversation)
         kv = response.kvs[0]
-        stored = decode_record(kv.value)
-        # A keep-alive restores the granted TTL; the record says so. Both go out at once.
-        stored.retention.expire_time.CopyFrom(timestamp(self._clock() + stored.retention.ttl_seconds))
-        engine_key = self.layout.engine(stored.retention.engine_id)
-        record = encode_record(stored.retention, stored.engine_incarnation)
+        renewed = await self._renew_once(conversation, live_key, decode_record(kv.value), int(kv.lease))
+        if renewed is None:
+            raise NotFound(
+                f"conversation {conversation_id} of tenant {tenant} has no retention to renew: it was "
+                "superseded, released, or its engine left; recompute"
+            )
+        return renewed
+
+    async def _renew_once(
+        self, conversation: ConversationKey, live_key: bytes, stored: StoredRetention, lease: int
+    ) -> FoundRetention | None:
+        """Renews ``lease`` and re-puts the record if it still holds the conversation; else None."""
+        retention = resources.Retention()
+        retention.CopyFrom(stored.retention)
+        # A keep-alive restores the granted TTL; the record says so.
+        retention.expire_time.CopyFrom(timestamp(self._clock() + retention.ttl_seconds))
+        engine_key = self.layout.engine(retention.engine_id)
+        record = encode_record(retention, stored.engine_incarnation)
         outcomes: tuple[Any, ...] = await asyncio.gather(
-            self.etcd.keep_alive_once(kv.lease),
+            self.etcd.keep_alive_once(lease),
             self.etcd.txn(
-                [cmp_lease(live_key, kv.lease), cmp_lease(engine_key, stored.engine_incarnation)],
-                [op_put(live_key, record, kv.lease)],
+                [cmp_lease(live_key, lease), cmp_lease(engine_key, stored.engine_incarnation)],
+                [op_put(live_key, record, lease)],
             ),
             return_exceptions=True,
         )
         for outcome in outcomes:
             if isinstance(outcome, LeaseNotFound):
-                raise self._no_retention(conversation)
+                return None
             if isinstance(outcome, BaseException):
                 raise outcome
         update = outcomes[1]
         if not update.succeeded:
-            raise NotFound(
-                f"conversation {conversation_id} of tenant {tenant} has no retention to renew: it was "
-                "superseded, released, or its engine left; recompute"
-            )
-        return FoundRetention(stored.retention, int(update.header.revision))
+            return None
+        revision = int(update.header.revision)
+        self._cache.put(
+            live_key, StoredRetention(retention, stored.engine_incarnation), lease, revision, len(record)
+        )
+        return FoundRetention(retention, revision)
 
     async def release_retention(
         self, tenant: str, conversation_id: str, reason: resources.ReleaseReason.ValueType
@@ -518,6 +601,7 @@ class RegistryStore:
             except LeaseNotFound:
                 raise self._no_retention(conversation) from None
             if committed.succeeded:
+                self._cache.drop(live_key)
                 # The lease now holds only the tombstone; revoking it drops the tombstone too.
                 await self._best_effort(self.etcd.revoke(kv.lease), "revoke released lease")
                 return int(committed.header.revision)
