@@ -7,8 +7,11 @@ on; the gRPC and HTTP layers translate it through the tables below and nowhere e
 from __future__ import annotations
 
 import enum
+import logging
 
 import grpc
+
+log = logging.getLogger(__name__)
 
 
 class Failure(enum.Enum):
@@ -62,3 +65,12 @@ def invalid(message: str, *, param: str | None = None) -> RouterError:
 
 def unavailable(message: str) -> RouterError:
     return RouterError(Failure.UNAVAILABLE, message)
+
+
+def internal(error: BaseException, where: str) -> RouterError:
+    """A bug's report to the client: logged here with its traceback, named plainly there."""
+    log.error("internal error", exc_info=error, extra={"where": where})
+    return RouterError(
+        Failure.INTERNAL,
+        f"internal error in the router ({where}: {type(error).__name__}); see the router's log",
+    )

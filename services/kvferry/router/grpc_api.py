@@ -9,7 +9,7 @@ from typing import TypeVar
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from kvferry.router.cost import Reuse
-from kvferry.router.errors import GRPC_CODES, Failure, RouterError, invalid, unavailable
+from kvferry.router.errors import GRPC_CODES, Failure, RouterError, internal, invalid, unavailable
 from kvferry.router.registry_client import RegistryApi, RegistryUnavailable
 from kvferry.router.tenants import ApiKeys, Tenant
 from kvferry.router.turns import (
@@ -125,6 +125,8 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
                     )
         except RouterError as error:
             await self._abort(context, error)
+        except Exception as error:
+            await self._abort(context, internal(error, "Generate"))
 
     async def RenewConversation(
         self, request: router_pb2.RenewConversationRequest, context: grpc.aio.ServicerContext
@@ -139,6 +141,9 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
         except RouterError as error:
             await self._abort(context, error)
             raise AssertionError("unreachable") from None
+        except Exception as error:
+            await self._abort(context, internal(error, "conversation call"))
+            raise AssertionError("unreachable") from None
 
     async def CloseConversation(
         self, request: router_pb2.CloseConversationRequest, context: grpc.aio.ServicerContext
@@ -151,6 +156,9 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
             return router_pb2.CloseConversationResponse()
         except RouterError as error:
             await self._abort(context, error)
+            raise AssertionError("unreachable") from None
+        except Exception as error:
+            await self._abort(context, internal(error, "conversation call"))
             raise AssertionError("unreachable") from None
 
     async def GetConversation(
@@ -171,6 +179,9 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
             )
         except RouterError as error:
             await self._abort(context, error)
+            raise AssertionError("unreachable") from None
+        except Exception as error:
+            await self._abort(context, internal(error, "conversation call"))
             raise AssertionError("unreachable") from None
 
     @staticmethod

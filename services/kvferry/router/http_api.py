@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 
 from kvferry.router import validation
 from kvferry.router.engines import EngineTable
-from kvferry.router.errors import HTTP_STATUSES, Failure, RouterError, invalid
+from kvferry.router.errors import HTTP_STATUSES, Failure, RouterError, internal, invalid
 from kvferry.router.tenants import ApiKeys, Tenant
 from kvferry.router.turns import (
     ChatPrompt,
@@ -140,12 +140,13 @@ class HttpApi:
 
     def app(self) -> Starlette:
         return Starlette(
+            exception_handlers={Exception: _internal_error_response},
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
-            ]
+            ],
         )
 
     # -- endpoints ---------------------------------------------------------------------------
@@ -335,7 +336,9 @@ class HttpApi:
                 except StopAsyncIteration:
                     break
             yield b"data: [DONE]\n\n"
-        except RouterError as error:
+        except Exception as error:
+            if not isinstance(error, RouterError):
+                error = internal(error, "streaming")
             status, error_type = HTTP_STATUSES[error.failure]
             yield _sse(
                 {
@@ -350,6 +353,10 @@ class HttpApi:
         finally:
             # Also runs when the client disconnects: closing the turn aborts its engine requests.
             await events.aclose()
+
+
+async def _internal_error_response(request: Request, error: Exception) -> Response:
+    return error_response(internal(error, request.url.path))
 
 
 def _response_id(kind: str, turn: PreparedTurn) -> str:
