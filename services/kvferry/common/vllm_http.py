@@ -35,10 +35,22 @@ from typing import Any, Literal
 import httpx
 from kvferry.common.marks import MARK_KEY, ConversationMark
 
-# Inside the kvferry object of a *prefill* request that reuses a retention: when its lease
-# ends (unix seconds). The prefill engine's connector declines the pull when too little of the
-# lease is left to read safely.
+# Inside the kvferry object of a *prefill* request that reuses a retention: the latest time
+# (unix seconds) the prefill may start reading it. The prefill engine's connector declines the
+# pull (and recomputes) when less than its ``min_read_seconds`` is left. Pass
+# :func:`read_deadline`: never later than the lease end, and within a read window shorter than
+# the decode engine's release grace, so a retention released meanwhile is still intact (rule 1).
 LEASE_EXPIRE_KEY = "lease_expire_time"
+
+# Recommended read window (seconds); must stay below the connector's release_grace_seconds (30).
+DEFAULT_READ_WINDOW_SECONDS = 10.0
+
+
+def read_deadline(
+    lease_expire_time: float, now: float, window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
+) -> float:
+    """What to send as ``PrefillRequest.lease_expire_time`` for a retention handed out at ``now``."""
+    return min(lease_expire_time, now + window_seconds)
 
 
 class EngineHttpError(Exception):

