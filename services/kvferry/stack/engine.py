@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from kvferry.common import vllm_http
 from kvferry.common.etcd_process import free_port
+from kvferry.common.marks import ConversationMark
 from kvferry.connector.compat import kv_compatibility_hash, layout_from_model_dir
 from kvferry.connector.settings import KvferrySettings, settings_to_extra_config
 
@@ -315,3 +317,85 @@ def engine_pair(
         settings=decode_settings or base,
     )
     return prefill, decode
+
+
+# -- driving a prefill/decode pair without the router (tests, benchmarks) ----------------------------
+
+
+@dataclass(frozen=True)
+class DirectTurn:
+    """One turn run straight against a prefill and a decode engine."""
+
+    prefill: vllm_http.PrefillResult
+    decode: vllm_http.DecodeResult
+    # What the decode engine retained (from its non-streaming answer), ready for the next turn.
+    retained: vllm_http.RetainedKv | None
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return self.decode.token_ids
+
+
+async def direct_turn(
+    prefill: vllm_http.VllmEngineClient,
+    decode: vllm_http.VllmEngineClient,
+    token_ids: Sequence[int],
+    *,
+    mark: ConversationMark | None,
+    previous: vllm_http.RetainedKv | None = None,
+    max_tokens: int = 16,
+    block_size: int = 32,
+    request_id: str | None = None,
+    read_window_seconds: float = vllm_http.DEFAULT_READ_WINDOW_SECONDS,
+) -> DirectTurn:
+    """Prefill on P (pulling ``previous``'s prefix from D when it matches), then decode on D.
+
+    The caller vouches that ``token_ids`` extends ``previous``'s tokens (the router checks
+    digests); greedy decoding with ``ignore_eos`` so outputs are comparable across runs.
+    """
+    reuse = None
+    lease = None
+    if previous is not None:
+        reusable = vllm_http.max_reusable_tokens(len(token_ids), previous.num_tokens, block_size)
+        if reusable > 0:
+            reuse = previous.prefix(reusable)
+            lease = vllm_http.read_deadline(previous.lease_expire_time, time.time(), read_window_seconds)
+    started = time.perf_counter()
+    prefilled = await prefill.prefill(
+        vllm_http.PrefillRequest(
+            token_ids=tuple(token_ids),
+            mark=mark if reuse is not None else None,
+            reuse=reuse,
+            lease_expire_time=lease,
+            request_id=f"{request_id}-p" if request_id else None,
+        )
+    )
+    prefill_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    decoded = await decode.decode(
+        vllm_http.DecodeRequest(
+            token_ids=tuple(token_ids),
+            handoff=prefilled.handoff,
+            mark=mark,
+            sampling=vllm_http.Sampling(max_tokens=max_tokens, ignore_eos=True),
+            request_id=f"{request_id}-d" if request_id else None,
+        )
+    )
+    decode_seconds = time.perf_counter() - started
+    retained = None
+    blocks = decoded.retained.blocks if decoded.retained is not None else None
+    if mark is not None and blocks is not None and blocks.num_tokens:
+        retained = vllm_http.RetainedKv(
+            engine_id=blocks.engine_id,
+            engine_request_id=blocks.request_id,
+            block_ids=blocks.block_ids[0],
+            num_tokens=blocks.num_tokens,
+            nixl_host=blocks.host,
+            nixl_port=blocks.port,
+            block_size=block_size,
+            # Without a registry the connector's hard cap bounds it; a minute is plenty here.
+            lease_expire_time=time.time() + 60.0,
+        )
+    return DirectTurn(prefilled, decoded, retained, prefill_seconds, decode_seconds)
