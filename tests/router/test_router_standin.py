@@ -7,6 +7,7 @@ are in test_router_engines.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,7 +23,11 @@ from kvferry.bench.router import (
     standin_render_chat,
     standin_tokenize,
 )
+from kvferry.common.etcd_process import EtcdProcess
+from kvferry.registry.config import RegistryConfig
+from kvferry.registry.server import create_registry
 from kvferry.router.server import RunningRouter
+from kvferry.v1 import resources_pb2
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
@@ -620,3 +625,66 @@ async def test_a_turn_that_retains_nothing_renews_the_previous_retention(stack: 
         assert asyncio.get_running_loop().time() < deadline, "the retention was not renewed"
         await asyncio.sleep(0.05)
     assert after.turn == 1
+
+
+async def test_registry_down_serves_by_recompute_with_last_known_engines(
+    router_factory: RouterFactory, etcd: EtcdProcess
+) -> None:
+    """Rule 7: while the registry is away the router keeps its engines and serves every turn by
+    recompute; when the registry comes back the router reconnects by itself."""
+    config = RegistryConfig(
+        listen_address="127.0.0.1:0",
+        etcd_endpoints=(etcd.endpoint,),
+        key_prefix=f"/kvferry-router-down-{uuid.uuid4().hex[:8]}/",
+    )
+    registry = await create_registry(config)
+    port = registry.port
+    model = f"standin-{uuid.uuid4().hex[:6]}"
+    engines = [
+        StandInEngine(
+            f"p-{uuid.uuid4().hex[:6]}",
+            resources_pb2.ENGINE_ROLE_PREFILL,
+            model=model,
+            registry_address=registry.address,
+        ),
+        StandInEngine(
+            f"d-{uuid.uuid4().hex[:6]}",
+            resources_pb2.ENGINE_ROLE_DECODE,
+            model=model,
+            registry_address=registry.address,
+        ),
+    ]
+    for engine in engines:
+        await engine.start()
+    router = await router_factory(registry_address=registry.address, registry_timeout_seconds=0.5)
+    await wait_for_engines(router, {e.engine_id for e in engines})
+    stub = router_grpc.RouterServiceStub(grpc.aio.insecure_channel(router.grpc_address))
+    conv = f"down-{uuid.uuid4().hex[:6]}"
+    history = [("user", "while the registry is up " * 8)]
+    text, _, summary = await generate(stub, chat_request(conv, model, history))
+    assert summary.turn == 1
+    await registry.stop(grace_seconds=0)
+    try:
+        history += [("assistant", text), ("user", "and now it is down")]
+        _, _, summary = await generate(stub, chat_request(conv, model, history))
+        assert summary.reuse == router_pb2.REUSE_DECISION_NONE and summary.turn == 0
+        with pytest.raises(grpc.aio.AioRpcError) as unavailable:
+            await stub.RenewConversation(
+                router_pb2.RenewConversationRequest(conversation_id=conv), metadata=metadata(ACME)
+            )
+        assert unavailable.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "registry" in (unavailable.value.details() or "")
+    finally:
+        registry = await create_registry(dataclasses.replace(config, listen_address=f"127.0.0.1:{port}"))
+    try:
+        # Back: the retention of turn 1 is still there (its lease outlived the outage) and is reused.
+        deadline = asyncio.get_running_loop().time() + 10
+        while not router.watcher.connected:
+            assert asyncio.get_running_loop().time() < deadline, "router did not reconnect"
+            await asyncio.sleep(0.05)
+        _, _, summary = await generate(stub, chat_request(conv, model, history))
+        assert summary.reuse == router_pb2.REUSE_DECISION_PULL and summary.turn == 2
+    finally:
+        for engine in engines:
+            await engine.stop()
+        await registry.stop()
