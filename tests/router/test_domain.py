@@ -258,3 +258,22 @@ def test_key_pairs_flag_form() -> None:
     assert keys.authenticate("Bearer k2").name == "globex"
     with pytest.raises(TenantConfigError):
         parse_key_pairs("k1")
+
+
+def test_cost_policies_always_and_never() -> None:
+    slow_link = RateInputs(
+        prefill_tokens_per_second=1e6, transfer_bytes_per_second=1e6, kv_bytes_per_token=10_000
+    )
+    always = CostSettings(profile=PROFILE, policy="always")
+    assert choose_reuse(1000, lease_seconds_left=100, rates=slow_link, settings=always).reuse is Reuse.PULL
+    assert (
+        choose_reuse(1000, lease_seconds_left=100, rates=slow_link, settings=SETTINGS).reuse
+        is Reuse.RECOMPUTE
+    )
+    cheap = RateInputs(prefill_tokens_per_second=1e9, transfer_bytes_per_second=1e9, kv_bytes_per_token=1)
+    assert choose_reuse(1000, lease_seconds_left=100, rates=cheap, settings=always).reuse is Reuse.PULL
+    # "always" still keeps the threshold and the lease rule.
+    assert choose_reuse(10, lease_seconds_left=100, rates=cheap, settings=always).reuse is Reuse.RECOMPUTE
+    assert choose_reuse(1000, lease_seconds_left=0.5, rates=cheap, settings=always).reuse is Reuse.RECOMPUTE
+    never = CostSettings(profile=PROFILE, policy="never")
+    assert choose_reuse(1000, lease_seconds_left=100, rates=cheap, settings=never).reuse is Reuse.RECOMPUTE

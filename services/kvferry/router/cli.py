@@ -82,6 +82,14 @@ _FLAGS: list[tuple[str, str, type, object, str]] = [
         "lease time that must remain after an estimated pull, seconds (else recompute)",
     ),
     (
+        "--reuse-policy",
+        "KVFERRY_ROUTER_REUSE_POLICY",
+        str,
+        _DEFAULTS.reuse_policy,
+        "cost: pull a retained prefix when the cost model says it is cheaper; always: whenever the "
+        "threshold and the lease allow; never: always recompute",
+    ),
+    (
         "--default-max-tokens",
         "KVFERRY_ROUTER_DEFAULT_MAX_TOKENS",
         int,
@@ -101,6 +109,14 @@ _FLAGS: list[tuple[str, str, type, object, str]] = [
         float,
         _DEFAULTS.publish_wait_seconds,
         "after the last token, wait up to this long for the registry to show the turn's retention, seconds",
+    ),
+    (
+        "--read-window",
+        "KVFERRY_ROUTER_READ_WINDOW",
+        float,
+        _DEFAULTS.read_window_seconds,
+        "a prefill may start reading a retention at most this long after the router hands it out, "
+        "seconds; keep it below the decode engines' release_grace_seconds",
     ),
     (
         "--engine-connect-timeout",
@@ -162,9 +178,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         cost_profile=args.cost_profile,
         kv_recompute_threshold=args.kv_recompute_threshold,
         lease_margin_seconds=args.lease_margin,
+        reuse_policy=args.reuse_policy,
         default_max_tokens=args.default_max_tokens,
         max_attempts=args.max_attempts,
         publish_wait_seconds=args.publish_wait,
+        read_window_seconds=args.read_window,
         engine_connect_timeout_seconds=args.engine_connect_timeout,
         engine_read_timeout_seconds=args.engine_read_timeout,
         engine_max_connections=args.engine_max_connections,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Literal
 
 from kvferry.common.calibration import CostProfile
 
@@ -30,6 +31,9 @@ class CostSettings:
     lease_margin_seconds: float = 2.0
     # KV bytes per token when neither the engines nor the profile know it.
     fallback_kv_bytes_per_token: int = 0
+    # "cost": pull when cheaper; "always": pull whenever the threshold and the lease allow (A/B runs,
+    # tests); "never": always recompute.
+    policy: Literal["cost", "always", "never"] = "cost"
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ def choose_reuse(
 ) -> ReuseChoice:
     if matched_tokens <= 0:
         return ReuseChoice(Reuse.NONE, 0, "no retained block matches the prompt")
+    if settings.policy == "never":
+        return ReuseChoice(Reuse.RECOMPUTE, 0, "reuse policy is 'never'")
     if matched_tokens < settings.kv_recompute_threshold:
         return ReuseChoice(
             Reuse.RECOMPUTE,
@@ -79,7 +85,7 @@ def choose_reuse(
             pull_s,
             recompute_s,
         )
-    if pull_s >= recompute_s:
+    if pull_s >= recompute_s and settings.policy == "cost":
         return ReuseChoice(
             Reuse.RECOMPUTE,
             0,
@@ -90,7 +96,9 @@ def choose_reuse(
     return ReuseChoice(
         Reuse.PULL,
         matched_tokens,
-        f"pull ({pull_s * 1000:.1f} ms) beats recompute ({recompute_s * 1000:.1f} ms)",
+        f"pull ({pull_s * 1000:.1f} ms) beats recompute ({recompute_s * 1000:.1f} ms)"
+        if settings.policy == "cost"
+        else "reuse policy is 'always'",
         pull_s,
         recompute_s,
     )

@@ -12,6 +12,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import grpc
 import uvicorn
@@ -50,9 +51,14 @@ class RouterConfig:
     cost_profile: str = "cpu"
     kv_recompute_threshold: int = 64
     lease_margin_seconds: float = 2.0
+    # "cost" (pull when cheaper), "always" (pull whenever safe) or "never" (always recompute).
+    reuse_policy: str = "cost"
     default_max_tokens: int = 256
     max_attempts: int = 2
     publish_wait_seconds: float = 2.0
+    # A prefill may start reading a handed-out retention at most this long after; keep it below the
+    # decode engines' release_grace_seconds.
+    read_window_seconds: float = vllm_http.DEFAULT_READ_WINDOW_SECONDS
     # Engine HTTP: connect timeout, per-read timeout (a stalled stream fails after it), pool size.
     engine_connect_timeout_seconds: float = 3.0
     engine_read_timeout_seconds: float = 120.0
@@ -69,6 +75,16 @@ def cost_profile(name: str) -> CostProfile:
     if name in GPU_PROFILES:
         return GPU_PROFILES[name]
     raise ValueError(f"unknown cost profile {name!r}; known: {['cpu', *sorted(GPU_PROFILES)]}")
+
+
+def _reuse_policy(name: str) -> Literal["cost", "always", "never"]:
+    if name == "cost":
+        return "cost"
+    if name == "always":
+        return "always"
+    if name == "never":
+        return "never"
+    raise ValueError(f"unknown reuse policy {name!r}; use cost, always or never")
 
 
 def api_keys_from_config(config: RouterConfig) -> ApiKeys:
@@ -171,10 +187,12 @@ async def start_router(config: RouterConfig, *, api_keys: ApiKeys | None = None)
                 profile=cost_profile(config.cost_profile),
                 kv_recompute_threshold=config.kv_recompute_threshold,
                 lease_margin_seconds=config.lease_margin_seconds,
+                policy=_reuse_policy(config.reuse_policy),
             ),
             default_max_tokens=config.default_max_tokens,
             max_attempts=config.max_attempts,
             publish_wait_seconds=config.publish_wait_seconds,
+            read_window_seconds=config.read_window_seconds,
         ),
     )
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(watcher.run(), name="router-engine-watch")]

@@ -136,6 +136,9 @@ class TurnSettings:
     max_attempts: int = 2
     # How long to wait after the last token for the registry to show the new retention.
     publish_wait_seconds: float = 2.0
+    # How long after handing a retention out a prefill may still start reading it; must stay below
+    # the decode engines' release grace (rule 1), see vllm_http.read_deadline.
+    read_window_seconds: float = vllm_http.DEFAULT_READ_WINDOW_SECONDS
 
 
 class _EngineFailed(Exception):
@@ -407,7 +410,9 @@ class TurnRunner:
                     stats = prefill.stats
                     choice = choose_reuse(
                         match.tokens,
-                        lease_seconds_left=retention.expire_time - time.time(),
+                        lease_seconds_left=min(
+                            retention.expire_time - time.time(), self._settings.read_window_seconds
+                        ),
                         rates=RateInputs(
                             prefill_tokens_per_second=stats.prefill_tokens_per_second,
                             transfer_bytes_per_second=stats.transfer_bytes_per_second,
@@ -461,7 +466,11 @@ class TurnRunner:
                     token_ids=turn.token_ids,
                     mark=mark if reuse_blocks is not None else None,
                     reuse=reuse_blocks,
-                    lease_expire_time=turn.retention.expire_time if reuse_blocks and turn.retention else None,
+                    lease_expire_time=vllm_http.read_deadline(
+                        turn.retention.expire_time, time.time(), self._settings.read_window_seconds
+                    )
+                    if reuse_blocks is not None and turn.retention is not None
+                    else None,
                     request_id=f"{turn.request_id}-p{attempt}",
                 )
             )
