@@ -31,6 +31,7 @@ from kvferry.registry.records import (
     encode_record,
     encode_tombstone,
 )
+from kvferry.registry.server import HistoryCompactor
 from kvferry.registry.store import decode_page_token, encode_page_token
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
@@ -238,3 +239,12 @@ def test_help_documents_every_flag_and_its_environment_variable() -> None:
             continue
         assert action.help and "[env KVFERRY_" in action.help, action.dest
         assert action.option_strings[0] in text
+
+
+def test_history_is_compacted_only_past_the_time_kept() -> None:
+    compactor = HistoryCompactor(keep_seconds=60)
+    assert compactor.observe(0.0, 100) is None
+    assert compactor.observe(30.0, 200) is None
+    assert compactor.observe(60.0, 300) == 100  # the mark from 60 s ago
+    assert compactor.observe(95.0, 400) == 200
+    assert compactor.observe(96.0, 401) is None

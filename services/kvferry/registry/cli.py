@@ -74,6 +74,13 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         "[env KVFERRY_MAX_RETENTION_TTL_SECONDS]",
     )
     parser.add_argument(
+        "--etcd-history",
+        type=int,
+        default=int(_env(env, "KVFERRY_ETCD_HISTORY_SECONDS", _DEFAULTS.history_seconds)),
+        help="seconds of etcd history kept for watches to resume; older revisions are compacted "
+        "(0: leave compaction to etcd's --auto-compaction-*) [env KVFERRY_ETCD_HISTORY_SECONDS]",
+    )
+    parser.add_argument(
         "--log-level",
         default=_env(env, "KVFERRY_LOG_LEVEL", _DEFAULTS.log_level),
         choices=["debug", "info", "warning", "error"],
@@ -95,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> RegistryConfig:
             max_retention_ttl_seconds=args.max_retention_ttl,
         ),
         log_level=args.log_level,
+        history_seconds=args.etcd_history,
     )
 
 

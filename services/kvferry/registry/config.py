@@ -33,11 +33,16 @@ class RegistryConfig:
     key_prefix: str = "/kvferry/"
     ttl: TtlPolicy = field(default_factory=TtlPolicy)
     log_level: str = "info"
+    # etcd history kept for watches to resume after an outage; older revisions are compacted
+    # (every renewal writes a revision: without compaction etcd fills its quota). 0: never.
+    history_seconds: int = 600
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
             raise ValueError("at least one etcd endpoint is required (--etcd-endpoints)")
         if not self.key_prefix.endswith("/"):
             raise ValueError(f"key prefix {self.key_prefix!r} must end with '/'")
+        if self.history_seconds < 0:
+            raise ValueError("history seconds cannot be negative (0 turns compaction off)")
         if self.etcd_timeout_seconds <= 0:
             raise ValueError("the etcd timeout must be positive")

@@ -305,6 +305,14 @@ class EtcdGateway:
         response = await self.range(b"\0", limit=1, keys_only=True)
         return int(response.header.revision)
 
+    async def compact(self, revision: int) -> None:
+        """Drops history before ``revision`` (already-compacted revisions are not an error)."""
+        try:
+            await self._call("a compaction", self._kv.Compact, rpc.CompactionRequest(revision=revision))
+        except EtcdFailure as error:
+            if "compacted" not in str(error):
+                raise
+
     # --- leases -----------------------------------------------------------------------------
 
     async def grant(self, ttl_seconds: int) -> tuple[int, int]:
