@@ -63,9 +63,11 @@ def test_percentile_interpolates_like_numpy() -> None:
 
 
 def test_buckets_by_width() -> None:
-    assert bucket_of(2048, 2048) == 2048
-    assert bucket_of(4095, 2048) == 2048
-    assert bucket_of(16384, 2048) == 16384
+    assert bucket_of(2048, 2048) == 0
+    assert bucket_of(2049, 2048) == 2048
+    assert bucket_of(4096, 2048) == 2048
+    assert bucket_of(16384, 2048) == 14336
+    assert bucket_of(0, 2048) == 0
     assert bucket_label(2048, 2048) == "2k-4k"
     assert bucket_label(1000, 500) == "1000-1500"
     with pytest.raises(ValueError):

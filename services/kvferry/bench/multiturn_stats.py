@@ -92,10 +92,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def bucket_of(prompt_tokens: int, width: int) -> int:
-    """Lower edge of the prompt-length bucket holding ``prompt_tokens``."""
+    """Lower edge of the prompt-length bucket holding ``prompt_tokens``.
+
+    Buckets hold (low, low + width]: a conversation that ends exactly on a round target (16384)
+    shares the top bucket with the turns just before it instead of sitting alone in the next one.
+    """
     if width <= 0:
         raise ValueError("bucket width must be positive")
-    return prompt_tokens // width * width
+    return max(0, prompt_tokens - 1) // width * width
 
 
 def bucket_label(low: int, width: int) -> str:

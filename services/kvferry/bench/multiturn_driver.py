@@ -1,0 +1,501 @@
+"""Drives the turns of ``kvferry bench multiturn``: the three modes, engine counters, the gap sweep.
+
+Modes (each on its own conversations, alternating turn by turn):
+- ``reuse``: the kvferry router (SDK ``generate`` on one conversation id); between turns the agent
+  heartbeats the conversation (SDK ``keep_alive``) as it would while a tool runs.
+- ``recompute``: the same router, a fresh conversation id every turn (closed right after it): nothing
+  is found to reuse, the prefill engine computes the whole prompt.
+- ``vllm``: vLLM's own behaviour. The engines are driven directly (``kvferry.common.vllm_http``):
+  prefill on P, non-streaming decode on D without kvferry's mark, so D keeps the blocks for vLLM's fixed
+  ``decoder_kv_blocks_ttl`` and returns them in its response; the client passes them to P next turn.
+  No router state, no digest check, no heartbeat.
+
+Per turn, the engines' Prometheus counters are read before and after: the prefill engine's NIXL
+transfer time (its pull of the retained prefix from D), the decode engine's (its pull of the prompt's
+new KV from P) and the decode engine's own TTFT. Deltas are exact when turns do not overlap
+(``--parallel 1``, the default); otherwise they are marked ``exclusive: false``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from kvferry.bench.multiturn_stats import (
+    FIXED_TTL,
+    HEARTBEAT,
+    RECOMPUTE,
+    REUSE,
+    VLLM,
+    GapRecord,
+    TurnRecord,
+)
+from kvferry.bench.multiturn_workload import ConversationTokens, WorkloadSpec, plan_conversations, seeded_rng
+from kvferry.common import vllm_http
+from kvferry.sdk import Client, KeepAlive, SamplingParams, TurnSummary
+
+# Counters read from each engine's /metrics (summed over label sets).
+XFER_SECONDS = "vllm:nixl_xfer_time_seconds_sum"
+XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
+XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
+TTFT_SECONDS = "vllm:time_to_first_token_seconds_sum"
+TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+METRIC_NAMES = (XFER_SECONDS, XFER_COUNT, XFER_BYTES, TTFT_SECONDS, TTFT_COUNT)
+
+
+def metric_sums(text: str, names: Sequence[str] = METRIC_NAMES) -> dict[str, float]:
+    """Sum of each named series over its label sets, from Prometheus text format."""
+    wanted = set(names)
+    sums = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_and_labels, _, value = line.rpartition(" ")
+        name = name_and_labels.partition("{")[0]
+        if name in wanted:
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            if math.isfinite(number):
+                sums[name] += number
+    return sums
+
+
+@dataclass(frozen=True)
+class Engines:
+    prefill_url: str
+    decode_url: str
+    model: str
+
+
+class EngineCounters:
+    """Reads both engines' counters; ``None`` everywhere when the engines are not known."""
+
+    def __init__(self, engines: Engines | None) -> None:
+        self._engines = engines
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+
+    @property
+    def available(self) -> bool:
+        return self._engines is not None
+
+    async def read(self) -> tuple[dict[str, float], dict[str, float]] | None:
+        if self._engines is None:
+            return None
+        prefill, decode = await asyncio.gather(
+            self._http.get(f"{self._engines.prefill_url}/metrics"),
+            self._http.get(f"{self._engines.decode_url}/metrics"),
+        )
+        return metric_sums(prefill.text), metric_sums(decode.text)
+
+    async def settled_after(
+        self, before: tuple[dict[str, float], dict[str, float]] | None, *, expect_decode_ttft: bool
+    ) -> tuple[dict[str, float], dict[str, float]] | None:
+        """Counters after a turn, re-read briefly until the decode engine counted the turn's TTFT
+        (its stats reach /metrics with the engine's next output, a few ms after the answer)."""
+        after = await self.read()
+        if before is None or after is None or not expect_decode_ttft:
+            return after
+        for _ in range(20):
+            if after is None or after[1][TTFT_COUNT] > before[1][TTFT_COUNT]:
+                break
+            await asyncio.sleep(0.01)
+            after = await self.read()
+        return after
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def counter_deltas(
+    before: tuple[dict[str, float], dict[str, float]] | None,
+    after: tuple[dict[str, float], dict[str, float]] | None,
+) -> dict[str, float | None]:
+    """Per-turn figures from two counter readings (None where unknown)."""
+    if before is None or after is None:
+        return {"pull_ms": None, "pull_bytes": None, "handoff_ms": None, "decode_ttft_ms": None}
+    (p0, d0), (p1, d1) = before, after
+    ttft_count = d1[TTFT_COUNT] - d0[TTFT_COUNT]
+    return {
+        "pull_ms": (p1[XFER_SECONDS] - p0[XFER_SECONDS]) * 1000,
+        "pull_bytes": p1[XFER_BYTES] - p0[XFER_BYTES],
+        "handoff_ms": (d1[XFER_SECONDS] - d0[XFER_SECONDS]) * 1000,
+        "decode_ttft_ms": (d1[TTFT_SECONDS] - d0[TTFT_SECONDS]) * 1000 / ttft_count if ttft_count else None,
+    }
+
+
+@dataclass
+class Progress:
+    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
+
+    total: int
+    label: str
+    done: int = 0
+    started: float = field(default_factory=time.monotonic)
+    _last_plain: float = 0.0
+
+    def step(self, note: str = "") -> None:
+        self.done += 1
+        elapsed = time.monotonic() - self.started
+        width = 30
+        filled = int(width * self.done / max(self.total, 1))
+        eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
+        line = (
+            f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+            f"{elapsed:.0f}s eta {eta:.0f}s {note}"
+        )
+        if sys.stderr.isatty():
+            print(
+                f"\r{line[:150]:<150}",
+                end="" if self.done < self.total else "\n",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif self.done == self.total or time.monotonic() - self._last_plain > 5:
+            self._last_plain = time.monotonic()
+            print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class DriverSettings:
+    workload: WorkloadSpec
+    modes: tuple[str, ...]
+    parallel: int = 1
+    seed: int = 0
+
+
+class TurnDriver:
+    """Runs the main phase: every conversation of every mode, turns alternating between modes."""
+
+    def __init__(
+        self,
+        client: Client,
+        counters: EngineCounters,
+        vllm_engines: tuple[vllm_http.VllmEngineClient, vllm_http.VllmEngineClient] | None,
+        settings: DriverSettings,
+        *,
+        run_started: float,
+        on_turn: Callable[[TurnRecord], None] | None = None,
+    ) -> None:
+        if VLLM in settings.modes and vllm_engines is None:
+            raise ValueError("the vllm mode needs the engines' URLs")
+        self._client = client
+        self._counters = counters
+        self._vllm_engines = vllm_engines
+        self._settings = settings
+        self._run_started = run_started
+        self._on_turn = on_turn
+        self._inflight = 0
+        self.records: list[TurnRecord] = []
+        self.errors: list[str] = []
+
+    def schedule(self) -> list[tuple[str, int, int]]:
+        """(mode, conversation, turn) in run order: turn by turn, conversation by conversation, the
+        modes rotating who goes first so none always runs right after another's long prefill."""
+        spec = self._settings.workload
+        modes = self._settings.modes
+        order: list[tuple[str, int, int]] = []
+        for turn in range(spec.turns):
+            for conversation in range(spec.conversations):
+                shift = (turn + conversation) % len(modes)
+                for mode in modes[shift:] + modes[:shift]:
+                    order.append((mode, conversation, turn))
+        return order
+
+    async def run(self, progress: Progress | None = None) -> list[TurnRecord]:
+        spec = self._settings.workload
+        plans = plan_conversations(spec)
+        chains: dict[tuple[str, int], _Chain] = {}
+        for mode in self._settings.modes:
+            for plan in plans:
+                tokens = ConversationTokens(plan, seed=spec.seed, salt=mode, vocab_size=spec.vocab_size)
+                chains[(mode, plan.index)] = _Chain(mode=mode, tokens=tokens, conversation_id=_conv_id(mode))
+        order = self.schedule()
+        queue: asyncio.Queue[tuple[str, int, int]] = asyncio.Queue()
+        for step in order:
+            queue.put_nowait(step)
+
+        async def worker() -> None:
+            while True:
+                try:
+                    mode, conversation, _turn = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                chain = chains[(mode, conversation)]
+                # Locks are taken in queue order (no await between get_nowait and acquire of a free
+                # lock; waiters are FIFO), so a conversation's turns run in order.
+                async with chain.lock:
+                    record = await self._turn(chain)
+                if record is not None:
+                    self.records.append(record)
+                    if self._on_turn is not None:
+                        self._on_turn(record)
+                if progress is not None:
+                    note = (
+                        f"{mode} {record.prompt_tokens / 1000:.1f}k TTFT {record.ttft_ms:.0f}ms"
+                        if record
+                        else ""
+                    )
+                    progress.step(note)
+
+        try:
+            await asyncio.gather(*(worker() for _ in range(max(1, self._settings.parallel))))
+        finally:
+            await self._close(chains)
+        return self.records
+
+    async def _turn(self, chain: _Chain) -> TurnRecord | None:
+        prompt = list(chain.tokens.prompt())
+        turn = chain.tokens.next_turn
+        if chain.keep_alive is not None:
+            await chain.keep_alive.stop()
+            chain.keep_alive = None
+        self._inflight += 1
+        exclusive = self._inflight == 1
+        try:
+            before = await self._counters.read()
+            started = time.perf_counter()
+            if chain.mode == VLLM:
+                result = await self._vllm_turn(chain, prompt)
+            else:
+                result = await self._router_turn(chain, prompt)
+            after = await self._counters.settled_after(before, expect_decode_ttft=True)
+            exclusive = exclusive and self._inflight == 1
+        except Exception as error:  # a failed turn is reported, the run goes on
+            self.errors.append(f"{chain.mode} conversation {chain.tokens.plan.index} turn {turn}: {error}")
+            chain.tokens.add_reply([])
+            return None
+        finally:
+            self._inflight -= 1
+        chain.tokens.add_reply(list(result.reply_ids))
+        deltas = counter_deltas(before, after)
+        if chain.mode == REUSE and not chain.tokens.done:
+            # The agent runs its tool now: keep the conversation's KV alive until the next turn.
+            chain.keep_alive = self._client.keep_alive(chain.conversation_id)
+            await chain.keep_alive.__aenter__()
+        ttft_ms = result.ttft_ms
+        if ttft_ms is None:
+            decode_ttft = deltas["decode_ttft_ms"]
+            ttft_ms = result.prefill_ms + (decode_ttft or 0.0)
+        pull_ms = deltas["pull_ms"]
+        if pull_ms is not None and result.pulled_tokens == 0 and pull_ms < 0.5:
+            pull_ms = 0.0
+        pull_bytes = deltas["pull_bytes"]
+        return TurnRecord(
+            mode=chain.mode,
+            conversation=chain.tokens.plan.index,
+            turn=turn,
+            prompt_tokens=len(prompt),
+            ttft_ms=ttft_ms,
+            prefill_ms=result.prefill_ms,
+            pulled_tokens=result.pulled_tokens,
+            recomputed_tokens=len(prompt) - result.pulled_tokens,
+            pull_ms=pull_ms,
+            pull_bytes=int(pull_bytes) if pull_bytes is not None else None,
+            handoff_ms=deltas["handoff_ms"],
+            router_ttft_ms=result.router_ttft_ms,
+            reuse=result.reuse,
+            at_s=started - self._run_started,
+            exclusive=exclusive,
+        )
+
+    async def _router_turn(self, chain: _Chain, prompt: list[int]) -> _TurnResult:
+        spec = self._settings.workload
+        if chain.mode == REUSE:
+            return await router_turn(
+                self._client, chain.conversation_id, prompt, spec.reply_tokens, retain=True
+            )
+        # Recompute: a conversation the router has never seen, closed at once. (retain=False would
+        # leave the decode engine holding the blocks for vLLM's fixed decoder_kv_blocks_ttl: the
+        # connector leaves unmarked requests to vLLM.)
+        conversation_id = _conv_id(RECOMPUTE)
+        try:
+            return await router_turn(self._client, conversation_id, prompt, spec.reply_tokens, retain=True)
+        finally:
+            with contextlib.suppress(Exception):
+                await self._client.close_conversation(conversation_id)
+
+    async def _vllm_turn(self, chain: _Chain, prompt: list[int]) -> _TurnResult:
+        assert self._vllm_engines is not None
+        prefill_engine, decode_engine = self._vllm_engines
+        spec = self._settings.workload
+        started = time.perf_counter()
+        prefill = await prefill_engine.prefill(
+            vllm_http.PrefillRequest(token_ids=tuple(prompt), reuse=chain.vllm_blocks)
+        )
+        prefill_ms = (time.perf_counter() - started) * 1000
+        decode = await decode_engine.decode(
+            vllm_http.DecodeRequest(
+                token_ids=tuple(prompt),
+                handoff=prefill.handoff,
+                sampling=vllm_http.Sampling(max_tokens=spec.reply_tokens, ignore_eos=True),
+            )
+        )
+        cached = prefill.usage.cached_tokens if prefill.usage is not None else None
+        pulled = int(cached or 0) if chain.vllm_blocks is not None else 0
+        chain.vllm_blocks = decode.retained.blocks if decode.retained is not None else None
+        return _TurnResult(
+            ttft_ms=None,
+            prefill_ms=prefill_ms,
+            pulled_tokens=pulled,
+            reply_ids=decode.token_ids,
+            router_ttft_ms=None,
+            reuse="pull" if pulled else "none",
+        )
+
+    async def _close(self, chains: Mapping[tuple[str, int], _Chain]) -> None:
+        for chain in chains.values():
+            if chain.keep_alive is not None:
+                await chain.keep_alive.stop()
+            if chain.mode == REUSE:
+                with contextlib.suppress(Exception):
+                    await self._client.close_conversation(chain.conversation_id)
+
+
+@dataclass
+class _Chain:
+    mode: str
+    tokens: ConversationTokens
+    conversation_id: str
+    keep_alive: KeepAlive | None = None
+    # vLLM mode: the blocks D returned for this conversation's last turn.
+    vllm_blocks: vllm_http.RemoteBlocks | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(frozen=True)
+class _TurnResult:
+    # Client-side TTFT (None: derive it from the prefill call and D's own TTFT).
+    ttft_ms: float | None
+    prefill_ms: float
+    pulled_tokens: int
+    reply_ids: tuple[int, ...]
+    router_ttft_ms: float | None
+    reuse: str
+
+
+def _conv_id(mode: str) -> str:
+    return f"bench-{mode}-{uuid.uuid4().hex[:16]}"
+
+
+async def router_turn(
+    client: Client, conversation_id: str, prompt: list[int], reply_tokens: int, *, retain: bool
+) -> _TurnResult:
+    started = time.perf_counter()
+    stream = client.generate(
+        conversation_id,
+        prompt,
+        sampling=SamplingParams(max_tokens=reply_tokens, ignore_eos=True),
+        retain=retain,
+    )
+    ttft_ms: float | None = None
+    reply: list[int] = []
+    async for chunk in stream:
+        if chunk.token_ids and ttft_ms is None:
+            ttft_ms = (time.perf_counter() - started) * 1000
+        reply.extend(chunk.token_ids)
+    summary: TurnSummary | None = stream.summary
+    if summary is None:
+        raise RuntimeError("the router's stream ended without a summary")
+    return _TurnResult(
+        ttft_ms=ttft_ms if ttft_ms is not None else summary.ttft_ms,
+        prefill_ms=summary.prefill_ms,
+        pulled_tokens=summary.pulled_tokens,
+        reply_ids=tuple(reply),
+        router_ttft_ms=summary.ttft_ms,
+        reuse=summary.reuse.value,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The inter-turn gap sweep
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GapSettings:
+    gaps_s: tuple[float, ...]
+    per_gap: int
+    first_tokens: int
+    added_tokens: int
+    reply_tokens: int
+    seed: int
+    vocab_size: int
+    # Turns in flight at once (the waits overlap whatever this is).
+    parallel: int = 2
+
+
+async def gap_sweep(
+    client: Client, settings: GapSettings, progress: Progress | None = None
+) -> list[GapRecord]:
+    """Per gap and arm, ``per_gap`` two-turn conversations with that pause between the turns.
+
+    ``fixed_ttl``: nothing renews the retention during the pause (a fixed TTL, as vLLM's).
+    ``heartbeat``: the SDK's keep-alive renews it during the pause. A hit is a second turn that pulled.
+    """
+    gate = asyncio.Semaphore(settings.parallel)
+    records: list[GapRecord] = []
+
+    async def one(arm: str, gap: float, index: int) -> None:
+        rng = seeded_rng("gap", settings.seed, arm, gap, index)
+        first = [rng.randrange(300, settings.vocab_size) for _ in range(settings.first_tokens)]
+        conversation_id = f"bench-gap-{arm}-{uuid.uuid4().hex[:12]}"
+        async with gate:
+            result = await router_turn(client, conversation_id, first, settings.reply_tokens, retain=True)
+        if progress is not None:
+            progress.step(f"{arm} gap {gap:g}s: first turn")
+        second = [
+            *first,
+            *result.reply_ids,
+            *(rng.randrange(300, settings.vocab_size) for _ in range(settings.added_tokens)),
+        ]
+        if arm == HEARTBEAT:
+            async with client.keep_alive(conversation_id):
+                await asyncio.sleep(gap)
+        else:
+            await asyncio.sleep(gap)
+        async with gate:
+            try:
+                again = await router_turn(client, conversation_id, second, settings.reply_tokens, retain=True)
+            finally:
+                with contextlib.suppress(Exception):
+                    await client.close_conversation(conversation_id)
+        records.append(
+            GapRecord(
+                arm=arm,
+                gap_s=gap,
+                conversation=index,
+                hit=again.pulled_tokens > 0,
+                pulled_tokens=again.pulled_tokens,
+                prompt_tokens=len(second),
+                reuse=again.reuse,
+            )
+        )
+        if progress is not None:
+            progress.step(f"{arm} gap {gap:g}s: {'hit' if again.pulled_tokens else 'miss'}")
+
+    tasks = []
+    # Longest gaps first: their waits overlap the short ones' turns.
+    for gap in sorted(settings.gaps_s, reverse=True):
+        for index in range(settings.per_gap):
+            for arm in (FIXED_TTL, HEARTBEAT):
+                tasks.append(asyncio.create_task(one(arm, gap, index)))
+                await asyncio.sleep(0)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures and not records:
+        raise RuntimeError(f"every gap-sweep conversation failed, first: {failures[0]!r}")
+    return records
+
+
+def counters_note(counters: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in counters.items())
