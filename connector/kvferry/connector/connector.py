@@ -339,12 +339,14 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self.accounting.set_retained_blocks(self.table.held_blocks())
 
     def has_pending_push_work(self) -> bool:
-        # Keeps the engine stepping only while the connector has work due right now.
-        return (
-            super().has_pending_push_work()
-            or bool(self._worker_added or self._worker_released)
-            or self.table.has_due()
-        )
+        # The engine core asks this (through Scheduler.has_requests) on its own thread each time
+        # it looks for work, also right after the connector's timer woke it: due blocks are
+        # freed here, so an idle engine frees on time without taking a step (a step would make
+        # vLLM's worker spin ~1 s afterwards). The worker learns of it with the next real step;
+        # until then it keeps treating the request as retained, which is the safe side.
+        if self.table.has_due():
+            self._free_due()
+        return bool(super().has_pending_push_work())
 
     def shutdown(self) -> None:
         self._loop.stop()

@@ -11,6 +11,8 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
    request finishes normally and the scheduler sees no pending work (no busy loop).
 3. The engine core's input queue and its WAKEUP sentinel: found by walking up the stack when
    the scheduler builds the connector, used to wake an idle engine when retained blocks are due.
+   After a wake-up the engine core asks ``Scheduler.has_requests()`` on its own thread, which
+   asks the connector's ``has_pending_push_work()``: the connector frees there (no step taken).
 4. NIXL's agent config: vLLM builds its agent with the progress thread polling without delay
    (``pthrDelay = 0``), which spins a core per engine from start; the connector makes the
    thread sleep between polls (it still wakes for incoming traffic).

@@ -86,8 +86,10 @@ def measure_connector(connector: ConnectorKind, args: argparse.Namespace, workdi
     from kvferry.connector.settings import KvferrySettings
     from kvferry.stack.engine import engine_pair
 
-    # Retentions must outlive the measurement: an hour-long hard cap, no sidecar.
-    settings = KvferrySettings(max_retention_seconds=3600.0)
+    # Retentions must outlive the measurement: an hour-long hard cap, no sidecar, and a grace
+    # longer than the run, so superseded turns are not freed inside the window (each free wakes
+    # the engine for one step, after which vLLM's worker spins ~1 s: its shm queue's busy loop).
+    settings = KvferrySettings(max_retention_seconds=3600.0, release_grace_seconds=900.0)
     prefill, decode = engine_pair(workdir, settings=settings, connector=connector, prefix=f"idle-{connector}")
     print(f"[{connector}] starting engines (logs in {workdir}) ...", flush=True)
     prefill.start()
@@ -166,11 +168,15 @@ def _window(connector: str, phase: str, engines: tuple[Any, ...], args: argparse
         return out
 
     print(f"[{connector}] measuring '{phase}' for {args.idle_seconds:.0f} s ...", flush=True)
+    frees_before = sum(_count_frees(engine) for engine in engines)
     before, threads_before = cpu(), threads()
     started = time.monotonic()
     time.sleep(args.idle_seconds)
     after, threads_after = cpu(), threads()
     window = time.monotonic() - started
+    frees = sum(_count_frees(engine) for engine in engines) - frees_before
+    if frees:
+        print(f"    ({frees} retention(s) freed inside the window)")
     if args.threads:
         deltas = sorted(
             ((after_t - threads_before.get(k, 0.0), k) for k, after_t in threads_after.items()), reverse=True
@@ -189,6 +195,13 @@ def _window(connector: str, phase: str, engines: tuple[Any, ...], args: argparse
         )
         for engine, process in procs
     ]
+
+
+def _count_frees(engine: Any) -> int:
+    try:
+        return int(engine.log_path.read_text(errors="replace").count('"msg": "freed retained blocks"'))
+    except OSError:
+        return 0
 
 
 def _kind(proc: Any) -> str:
