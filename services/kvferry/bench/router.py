@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -710,7 +711,11 @@ def serve_standins(work_dir: str) -> None:
             for engine in engines:
                 await engine.start()
             print(json.dumps({"registry": registry.address}), flush=True)
-            await asyncio.Event().wait()
+            # etcd runs in its own session: stop it on SIGTERM rather than leave it behind.
+            stop = asyncio.Event()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+            await stop.wait()
         finally:
             etcd.stop()
 
