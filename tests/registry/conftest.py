@@ -21,6 +21,7 @@ async def isolated_registry(etcd: EtcdProcess) -> AsyncIterator[RegistryHandle]:
         etcd_endpoints=(etcd.endpoint,),
         key_prefix=f"/kvferry-isolated-{uuid.uuid4().hex[:8]}/",
         ttl=TEST_TTLS,
+        history_seconds=0,
     )
     running = await create_registry(config)
     handle = RegistryHandle(address=running.address, registry=running, config=config)

@@ -1,7 +1,7 @@
-"""etcd stops in the middle of a test and comes back: the registry fails fast, then recovers alone.
+"""etcd misbehaves: it stops in the middle of a test and comes back, or compacts its history.
 
-Uses an etcd process of its own (not the session's), stopped and restarted on the same ports
-and data directory.
+Each test uses an etcd process of its own (not the session's): stopping it or compacting its
+history would disturb every other test.
 """
 
 from __future__ import annotations
@@ -139,3 +139,26 @@ async def test_etcd_stop_and_start_fails_fast_then_recovers_without_restart(
 
 async def _health_is(handle: RegistryHandle, status: int) -> bool:
     return await _health(handle) == status
+
+
+async def test_compacted_history_does_not_stop_the_registry_or_its_watches(
+    own_etcd: EtcdProcess, outage_registry: RegistryHandle
+) -> None:
+    stub = outage_registry.stub()
+    engine_id, tenant, conversation = unique("engine"), unique("tenant"), unique("conv")
+    await register(stub, engine_id)
+    await publish(stub, retention(tenant, conversation, engine_id, turn=1))
+    await publish(stub, retention(tenant, conversation, engine_id, turn=2))
+    store = outage_registry.registry.store
+    await store.etcd.compact(await store.etcd.current_revision())
+    await store.etcd.compact(1)  # already compacted: not an error
+    assert (await get(stub, tenant, conversation)).retention.turn == 2
+    async with await EventStream.open(stub.WatchEngines(api.WatchEnginesRequest())) as engines:
+        assert (await engines.next()).engine.engine_id == engine_id
+    async with await EventStream.open(
+        stub.WatchRetentions(api.WatchRetentionsRequest(engine_id=engine_id))
+    ) as watch:
+        await stub.ReleaseRetention(
+            api.ReleaseRetentionRequest(tenant=tenant, conversation_id=conversation), timeout=5
+        )
+        assert (await watch.next()).reason == resources.RELEASE_REASON_RELEASED

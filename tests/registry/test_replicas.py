@@ -104,19 +104,3 @@ def test_the_cache_stays_within_its_byte_budget_evicting_the_least_recently_used
     assert cache.get(b"k0") is None
     cache.put(b"huge", stored, lease=1, mod_revision=1, encoded_size=10_000)  # never fits
     assert cache.get(b"huge") is None
-
-
-async def test_compacted_history_does_not_stop_a_replica_from_serving(
-    replicas: tuple[RegistryStore, RegistryStore],
-) -> None:
-    first, second = replicas
-    await first.register_engine(engine("e-4"), 60)
-    await first.publish_retention(retention("t", "c-4", "e-4", turn=1))
-    await second.publish_retention(retention("t", "c-4", "e-4", turn=2))
-    await first.etcd.compact(await first.etcd.current_revision())
-    await first.etcd.compact(1)  # already compacted: not an error
-    assert (await first.get_retention("t", "c-4")).retention.turn == 2
-    events = first.watch_engines()  # lists, then watches from the compacted store's revision
-    joined = await anext(events)
-    await events.aclose()  # type: ignore[attr-defined]
-    assert joined.engine.engine_id == "e-4"
