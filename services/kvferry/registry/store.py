@@ -21,6 +21,7 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 from kvferry.common.ids import check_id
 from kvferry.registry import validation
+from kvferry.registry.batching import TxnBatcher, TxnResult
 from kvferry.registry.cache import RetentionCache
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.errors import (
@@ -177,6 +178,9 @@ class RegistryStore:
         self.ttl = ttl
         self._clock = clock
         self._cache = RetentionCache(cache_bytes)
+        # The hot paths (publish, lookup, renew) share etcd calls when they arrive together.
+        self._reads = TxnBatcher(etcd)
+        self._writes = TxnBatcher(etcd)
 
     # --- engines ----------------------------------------------------------------------------
 
@@ -394,7 +398,7 @@ class RegistryStore:
         """One optimistic attempt; None when a concurrent change won and the caller should retry."""
         engine_key = self.layout.engine(retention.engine_id)
         live_key = self.layout.live(conversation)
-        snapshot = await self.etcd.txn([], [op_range(engine_key), op_range(live_key)])
+        snapshot = await self._reads.txn([], [op_range(engine_key), op_range(live_key)])
         engine_kvs = snapshot.responses[0].response_range.kvs
         live_kvs = snapshot.responses[1].response_range.kvs
         if not engine_kvs:
@@ -416,7 +420,7 @@ class RegistryStore:
                     self._is_same_publish(current.retention, retention)
                     and current.engine_incarnation == incarnation
                 ):
-                    return PublishedRetention(current.retention, 0, int(snapshot.header.revision))
+                    return PublishedRetention(current.retention, 0, snapshot.revision)
                 raise FailedPrecondition(
                     f"conversation {conversation.conversation_id} of tenant {conversation.tenant} "
                     f"already retains turn {current.retention.turn} "
@@ -442,12 +446,12 @@ class RegistryStore:
             op_put(live_key, encode_record(stored, incarnation), lease),
             op_put(index_key, encode_incarnation(incarnation), lease),
         ]
-        committed = await self.etcd.txn(
+        committed = await self._writes.txn(
             [cmp_lease(engine_key, incarnation), cmp_mod_revision(live_key, live_revision)], operations
         )
         if not committed.succeeded:
             return None
-        revision = int(committed.header.revision)
+        revision = committed.revision
         self._cache.put(
             live_key,
             StoredRetention(stored, incarnation),
@@ -476,7 +480,7 @@ class RegistryStore:
         cached = self._cache.get(live_key)
         if cached is not None:
             engine_key = self.layout.engine(cached.stored.retention.engine_id)
-            checked = await self.etcd.txn(
+            checked = await self._reads.txn(
                 [
                     cmp_mod_revision(live_key, cached.mod_revision),
                     cmp_lease(engine_key, cached.stored.engine_incarnation),
@@ -485,13 +489,13 @@ class RegistryStore:
                 [op_range(live_key), op_range(engine_key)],
             )
             if checked.succeeded:
-                return self._unexpired(conversation, cached.stored, int(checked.header.revision))
+                return self._unexpired(conversation, cached.stored, checked.revision)
             live_kvs = checked.responses[0].response_range.kvs
             engine_kvs = checked.responses[1].response_range.kvs
-            revision = int(checked.header.revision)
+            revision = checked.revision
         else:
-            response = await self.etcd.range(live_key)
-            live_kvs, engine_kvs, revision = response.kvs, None, int(response.header.revision)
+            read = await self._reads.txn([], [op_range(live_key)])
+            live_kvs, engine_kvs, revision = read.responses[0].response_range.kvs, None, read.revision
         if not live_kvs:
             self._cache.drop(live_key)
             raise self._no_retention(conversation)
@@ -503,8 +507,8 @@ class RegistryStore:
             or cached is None
             or cached.stored.retention.engine_id != stored.retention.engine_id
         ):
-            engine = await self.etcd.range(self.layout.engine(stored.retention.engine_id))
-            engine_kvs, revision = engine.kvs, int(engine.header.revision)
+            engine = await self._reads.txn([], [op_range(self.layout.engine(stored.retention.engine_id))])
+            engine_kvs, revision = engine.responses[0].response_range.kvs, engine.revision
         if not engine_kvs or engine_kvs[0].lease != stored.engine_incarnation:
             raise NotFound(
                 f"conversation {conversation_id} of tenant {tenant} was retained on engine "
@@ -560,7 +564,7 @@ class RegistryStore:
         record = encode_record(retention, stored.engine_incarnation)
         outcomes: tuple[Any, ...] = await asyncio.gather(
             self.etcd.keep_alive_once(lease),
-            self.etcd.txn(
+            self._writes.txn(
                 [cmp_lease(live_key, lease), cmp_lease(engine_key, stored.engine_incarnation)],
                 [op_put(live_key, record, lease)],
             ),
@@ -571,10 +575,10 @@ class RegistryStore:
                 return None
             if isinstance(outcome, BaseException):
                 raise outcome
-        update = outcomes[1]
+        update: TxnResult = outcomes[1]
         if not update.succeeded:
             return None
-        revision = int(update.header.revision)
+        revision = update.revision
         self._cache.put(
             live_key, StoredRetention(retention, stored.engine_incarnation), lease, revision, len(record)
         )
