@@ -57,6 +57,7 @@ class Listener:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.unpublished: list[RetentionReport] = []
+        self.gone: set[str] = set()
 
     def on_acknowledged(self, request_id: str, lease_expire_wall: float | None) -> None:
         self.calls.append(("ack", (request_id, lease_expire_wall)))
@@ -72,6 +73,9 @@ class Listener:
 
     def unpublished_reports(self) -> list[RetentionReport]:
         return self.unpublished
+
+    def still_retained(self, request_id: str) -> bool:
+        return request_id not in self.gone
 
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.calls]
@@ -173,6 +177,9 @@ async def test_calls_made_while_the_sidecar_is_away_are_delivered_when_it_return
     await asyncio.sleep(1.0)
     assert not link.connected
     link.evict(Eviction("acme", "c9", "r9"))
+    stale = RetentionReport(**{**REPORT.__dict__, "request_id": "r-freed"})
+    listener.gone.add("r-freed")
+    link.report(stale)
     sidecar = StandInSidecar()
     server = await _serve(sidecar, port)
     try:
@@ -180,6 +187,8 @@ async def test_calls_made_while_the_sidecar_is_away_are_delivered_when_it_return
         await _eventually(lambda: bool(sidecar.reports) and bool(sidecar.evictions), within=15.0)
         assert sidecar.reports[0].engine_request_id == "r1"
         assert sidecar.evictions[0].engine_request_id == "r9"
+        await asyncio.sleep(0.5)
+        assert [r.engine_request_id for r in sidecar.reports] == ["r1"], "a freed retention is not published"
     finally:
         await server.stop(None)
 

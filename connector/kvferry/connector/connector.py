@@ -381,6 +381,10 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     def unpublished_reports(self) -> list[RetentionReport]:
         return [self._report(entry) for entry in self.table.unpublished()]
 
+    def still_retained(self, request_id: str) -> bool:
+        entry = self.table.get(request_id)
+        return entry is not None and not entry.ended
+
     def _stats(self) -> tuple[int, StatsSnapshot]:
         return self.accounting.version, self.accounting.snapshot()
 

@@ -90,6 +90,8 @@ class ReleaseListener(Protocol):
 
     def unpublished_reports(self) -> list[RetentionReport]: ...
 
+    def still_retained(self, request_id: str) -> bool: ...
+
 
 class BackgroundLoop:
     """A daemon thread running one asyncio loop."""
@@ -316,6 +318,10 @@ class SidecarLink:
                 await self._wakeup.wait()
                 continue
             item = self._pending[0]
+            if isinstance(item, RetentionReport) and not self._listener.still_retained(item.request_id):
+                # Freed (or ended) before it could be published: nothing to announce any more.
+                self._pending.popleft()
+                continue
             try:
                 await self._call(item)
                 backoff = 0.5
