@@ -67,6 +67,9 @@ class EngineProcess:
     prefix_caching: bool | None = None
     extra_args: Sequence[str] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    # Tests and benchmarks: the engine gets SIGTERM if the launching thread dies (even by
+    # SIGKILL), so no engine outlives its test run. ``kvferry up`` leaves engines running.
+    die_with_parent: bool = False
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -200,6 +203,7 @@ class EngineProcess:
                 stdin=subprocess.DEVNULL,
                 cwd=REPO_ROOT,
                 start_new_session=True,
+                preexec_fn=_set_parent_death_signal if self.die_with_parent else None,
             )
 
     def wait_healthy(self, timeout_seconds: float = 300.0) -> None:
@@ -262,6 +266,14 @@ class EngineProcess:
             return "(no log)"
 
 
+def _set_parent_death_signal() -> None:
+    """In the child before exec: SIGTERM when the parent thread exits (Linux prctl)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     try:
         os.killpg(pid, sig)
@@ -297,6 +309,7 @@ def engine_pair(
     prefill_settings: KvferrySettings | None = None,
     decode_settings: KvferrySettings | None = None,
     prefix: str = "kvf",
+    die_with_parent: bool = True,
 ) -> tuple[EngineProcess, EngineProcess]:
     """A prefill engine on core 0 and a decode engine on core 1 (not started)."""
     base = settings or KvferrySettings()
@@ -307,6 +320,7 @@ def engine_pair(
         cpu_core=0,
         connector=connector,
         settings=prefill_settings or base,
+        die_with_parent=die_with_parent,
     )
     decode = EngineProcess(
         role="decode",
@@ -315,6 +329,7 @@ def engine_pair(
         cpu_core=1,
         connector=connector,
         settings=decode_settings or base,
+        die_with_parent=die_with_parent,
     )
     return prefill, decode
 
