@@ -211,6 +211,51 @@ async def _finish_handoff(
     )
 
 
+async def test_streamed_decode_matches_and_a_cancelled_stream_is_not_retained(
+    engine_pair: EnginePair,
+) -> None:
+    async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
+        prompt = tuple(await prefill.render_chat([vllm_http.ChatMessage("user", TEXTS[0])]))
+        sampling = vllm_http.Sampling(max_tokens=MAX_TOKENS, ignore_eos=True)
+        full = await direct_turn(
+            prefill,
+            decode,
+            prompt,
+            mark=ConversationMark("tests", _conversation_id("full"), 1),
+            max_tokens=MAX_TOKENS,
+        )
+        handoff = (await prefill.prefill(vllm_http.PrefillRequest(prompt))).handoff
+        streamed: list[int] = []
+        usage = None
+        request = vllm_http.DecodeRequest(
+            prompt, handoff, ConversationMark("tests", _conversation_id("st"), 1), sampling
+        )
+        async for chunk in decode.decode_stream(request):
+            streamed += chunk.token_ids
+            usage = chunk.usage or usage
+        assert tuple(streamed) == full.output_token_ids
+        assert usage is not None and usage.completion_tokens == MAX_TOKENS
+
+        # Stop reading after the first tokens: the client disconnects and vLLM aborts the request.
+        handoff = (await prefill.prefill(vllm_http.PrefillRequest(prompt))).handoff
+        cancelled = _conversation_id("cancel")
+        long_run = vllm_http.Sampling(max_tokens=2000, ignore_eos=True)
+        request = vllm_http.DecodeRequest(
+            prompt, handoff, ConversationMark("tests", cancelled, 1), long_run, request_id=cancelled
+        )
+        stream = decode.decode_stream(request)
+        async for _chunk in stream:
+            break
+        await stream.aclose()
+        for _ in range(100):
+            if not (await decode.metrics()).running_requests:
+                break
+            await asyncio.sleep(0.2)
+        assert (await decode.metrics()).running_requests == 0
+    retained = {e["conversation_id"] for e in engine_pair.decode.connector_events("retained")}
+    assert cancelled not in retained, "an aborted request is never retained"
+
+
 def _engine_cpu_seconds(pids: Sequence[int]) -> float:
     total = 0.0
     for pid in pids:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -540,7 +540,7 @@ class VllmEngineClient:
             usage=Usage.from_body(answer.get("usage")),
         )
 
-    async def decode_stream(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+    async def decode_stream(self, request: DecodeRequest) -> AsyncGenerator[DecodeChunk, None]:
         """Streams the decode engine's output. Stop iterating (or cancel) to abort it."""
         body = self._decode_body(request, stream=True)
         headers = _request_headers(request.request_id)
