@@ -66,7 +66,7 @@ class Conversation:
 
 
 TEXTS = [
-    "Explain how Python dataclasses generate __init__ and __eq__, with examples. " * 8,
+    "Explain how Python dataclasses generate __init__ and __eq__, with examples. " * 12,
     "Now compare them with named tuples and attrs classes in some detail.",
     "Summarise the trade-offs in a short list.",
 ]
@@ -90,7 +90,7 @@ async def test_prefill_pulls_the_history_from_decode_and_computes_only_the_suffi
         usage = turn.prefill.usage
         assert usage is not None and previous.retained is not None
         reusable = vllm_http.max_reusable_tokens(usage.prompt_tokens, previous.retained.num_tokens, 32)
-        assert reusable >= 32 * 8, "the test conversation should reuse a long prefix"
+        assert reusable >= 32 * 6, "the test conversation should reuse a long prefix"
         # P pulled exactly the block-aligned history from D and computed the rest.
         assert usage.cached_tokens == reusable
         expected_pulled += reusable
