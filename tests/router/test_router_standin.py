@@ -688,3 +688,34 @@ async def test_registry_down_serves_by_recompute_with_last_known_engines(
         for engine in engines:
             await engine.stop()
         await registry.stop()
+
+
+async def test_affinity_and_load_spread_with_two_decode_engines_and_a_killed_holder(
+    stack: Stack, standin_factory: StandInFactory
+) -> None:
+    second = await standin_factory("decode", model=stack.model)
+    await wait_for_engines(stack.router, {second.engine_id})
+    stub = stack.grpc_stub()
+    convs = [f"aff-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
+    histories: list[list[tuple[str, str]]] = [[("user", f"conversation {i} " * 12)] for i in range(2)]
+    holders: list[set[str]] = [set(), set()]
+    for turn in range(1, 4):
+        results = await asyncio.gather(
+            *(generate(stub, chat_request(c, stack.model, h)) for c, h in zip(convs, histories, strict=True))
+        )
+        for index, (text, _, summary) in enumerate(results):
+            holders[index].add(summary.decode_engine_id)
+            assert summary.turn == turn
+            if turn > 1:
+                assert summary.reuse == router_pb2.REUSE_DECISION_PULL
+            histories[index] += [("assistant", text), ("user", "more " * 4)]
+    # Each conversation stayed on one engine, and the two went to different engines.
+    assert all(len(h) == 1 for h in holders) and holders[0] != holders[1], holders
+    # Kill the first conversation's engine without a goodbye: its next turn is recomputed elsewhere.
+    (held,) = holders[0]
+    victim = stack.decode if held == stack.decode.engine_id else second
+    await victim.crash()
+    _, tokens, summary = await generate(stub, chat_request(convs[0], stack.model, histories[0]))
+    assert summary.decode_engine_id != victim.engine_id and summary.pulled_tokens == 0
+    prompt = standin_tokenize(standin_render_chat([{"role": r, "content": c} for r, c in histories[0]]))
+    assert tokens == standin_generate(prompt, 8)

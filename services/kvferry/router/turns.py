@@ -358,6 +358,9 @@ class TurnRunner:
                     },
                 )
                 failed.add(failure.engine_id)
+                if failure.role == "prefill" and plan.choice.pull_tokens and plan.holder is not None:
+                    # A prefill that fails while pulling may be the holder's fault (gone, unreachable).
+                    failed.add(plan.holder.engine_id)
                 allow_reuse = False
 
     def _mark(self, turn: PreparedTurn) -> ConversationMark | None:
@@ -440,10 +443,8 @@ class TurnRunner:
     async def _attempt(
         self, turn: PreparedTurn, plan: _Plan, mark: ConversationMark | None, attempt: int
     ) -> AsyncGenerator[TextOut | TurnResult, None]:
-        request = turn.request
-        prompt_len = len(turn.token_ids)
-        pull_tokens = plan.choice.pull_tokens
         reuse_blocks = None
+        pull_tokens = plan.choice.pull_tokens
         if pull_tokens and plan.holder is not None and turn.retention is not None:
             reuse_blocks = vllm_http.RetainedKv(
                 engine_id=plan.holder.engine_id,
@@ -455,11 +456,31 @@ class TurnRunner:
                 block_size=plan.holder.block_size,
                 lease_expire_time=turn.retention.expire_time,
             ).prefix(pull_tokens)
+        # Counted from the choice on (no await in between), so turns planned meanwhile see this one.
+        self._load.add_decode(plan.decode.engine_id, 1)
+        try:
+            async with aclosing(self._prefill_and_decode(turn, plan, mark, attempt, reuse_blocks)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self._load.add_decode(plan.decode.engine_id, -1)
+
+    async def _prefill_and_decode(
+        self,
+        turn: PreparedTurn,
+        plan: _Plan,
+        mark: ConversationMark | None,
+        attempt: int,
+        reuse_blocks: vllm_http.RemoteBlocks | None,
+    ) -> AsyncGenerator[TextOut | TurnResult, None]:
+        request = turn.request
         prefill_client = self._clients.get(plan.prefill)
         decode_client = self._clients.get(plan.decode)
-        prefill_started = time.perf_counter()
+        prompt_len = len(turn.token_ids)
+        pull_tokens = plan.choice.pull_tokens if reuse_blocks is not None else 0
         computed = prompt_len - pull_tokens
         self._load.add_prefill(plan.prefill.engine_id, computed)
+        prefill_started = time.perf_counter()
         try:
             prefilled = await prefill_client.prefill(
                 vllm_http.PrefillRequest(
@@ -488,7 +509,6 @@ class TurnRunner:
         usage: vllm_http.Usage | None = None
         finish_reason = ""
         ttft_ms = 0.0
-        self._load.add_decode(plan.decode.engine_id, 1)
         try:
             stream = decode_client.decode_stream(
                 vllm_http.DecodeRequest(
@@ -519,11 +539,11 @@ class TurnRunner:
                 )
         except (vllm_http.EngineUnavailableError, vllm_http.EngineHttpError) as error:
             self._raise_engine_error(plan.decode.engine_id, "decode", error)
-        finally:
-            self._load.add_decode(plan.decode.engine_id, -1)
         retained_turn = 0
+        finished = time.perf_counter()
+        polls = 0
         if mark is not None and finish_reason in ("stop", "length"):
-            retained_turn = await self._await_publication(mark, plan.decode.engine_id)
+            retained_turn, polls = await self._await_publication(mark, plan.decode.engine_id)
         result = TurnResult(
             model=turn.model,
             prompt_tokens=prompt_len,
@@ -555,6 +575,8 @@ class TurnRunner:
                 "decode_engine": plan.decode.engine_id,
                 "ttft_ms": round(ttft_ms, 2),
                 "prefill_ms": round(prefill_ms, 2),
+                "publish_wait_ms": round((time.perf_counter() - finished) * 1000, 2),
+                "publish_polls": polls,
             },
         )
         yield result
@@ -565,17 +587,20 @@ class TurnRunner:
             raise invalid(f"the {role} engine rejected the request: {error.message}") from None
         raise _EngineFailed(engine_id, role, error) from None
 
-    async def _await_publication(self, mark: ConversationMark, engine_id: str) -> int:
-        """The turn the registry holds once this turn's retention is published (0: not in time)."""
+    async def _await_publication(self, mark: ConversationMark, engine_id: str) -> tuple[int, int]:
+        """The turn the registry holds once this turn's retention is published (0: not in time), and
+        how many lookups that took."""
         started = time.monotonic()
         deadline = started + self._settings.publish_wait_seconds
+        polls = 0
         while True:
+            polls += 1
             try:
                 record = await self._registry.get_retention(mark.tenant, mark.conversation_id)
             except (RegistryUnavailable, RouterError):
                 record = None
             if record is not None and record.turn >= mark.turn:
-                return record.turn
+                return record.turn, polls
             delay = 0.003 if time.monotonic() - started < 0.05 else 0.02
             if time.monotonic() + delay > deadline:
                 log.warning(
@@ -587,7 +612,7 @@ class TurnRunner:
                         "waited_s": self._settings.publish_wait_seconds,
                     },
                 )
-                return 0
+                return 0, polls
             # Publication takes an etcd write after the engine finished: poll often at first.
             await asyncio.sleep(delay)
 

