@@ -80,4 +80,4 @@ async def test_one_callers_bad_lease_or_duplicate_key_does_not_fail_the_others(
         for i, outcome in enumerate(outcomes)
         if i != 1
     )
-    assert (await gateway.range(shared)).kvs[0].value == b"second"  # sent again one by one, in order
+    assert (await gateway.range(shared)).kvs[0].value == b"second"  # never in one batch, kept in order

@@ -6,8 +6,9 @@ transactions of one etcd transaction, each still judged by its own compares. A l
 out at once, unchanged, so an idle registry pays no delay. A gRPC call from Python costs about
 0.2 ms of CPU whatever it carries, and for writes one raft entry serves the whole batch.
 
-If etcd refuses a batch as a whole (a nested put names an expired lease, two calls touch the
-same key), each call is sent again on its own, so one caller's problem stays its own.
+Two calls that write the same key never share a batch (etcd refuses that). If etcd refuses a
+batch as a whole (say a nested put names an expired lease), each call is sent again on its own,
+so one caller's problem stays its own.
 """
 
 from __future__ import annotations
@@ -51,9 +52,26 @@ class TxnBatcher:
 
     async def _drain(self) -> None:
         while self._pending:
-            batch = self._pending[: self._max_batch]
-            del self._pending[: self._max_batch]
-            await self._send(batch)
+            await self._send(self._next_batch())
+
+    def _next_batch(self) -> list[tuple[Any, asyncio.Future[TxnResult]]]:
+        """Takes pending calls in order, leaving for later any that writes a key already taken
+        (etcd refuses a transaction that writes one key twice)."""
+        batch: list[tuple[Any, asyncio.Future[TxnResult]]] = []
+        deferred: list[tuple[Any, asyncio.Future[TxnResult]]] = []
+        written: set[bytes] = set()
+        for item in self._pending:
+            if len(batch) >= self._max_batch:
+                deferred.append(item)
+                continue
+            keys = _written_keys(item[0])
+            if keys & written:
+                deferred.append(item)
+                continue
+            written |= keys
+            batch.append(item)
+        self._pending = deferred
+        return batch
 
     async def _send(self, batch: list[tuple[Any, asyncio.Future[TxnResult]]]) -> None:
         if len(batch) == 1:
@@ -62,8 +80,8 @@ class TxnBatcher:
         try:
             response = await self._etcd.txn([], [op_txn(r.compare, r.success, r.failure) for r, _ in batch])
         except (LeaseNotFound, EtcdFailure):
-            for request, future in batch:
-                await self._send_alone(request, future)
+            # No two calls of a batch write the same key, so they may go out together again.
+            await asyncio.gather(*(self._send_alone(request, future) for request, future in batch))
             return
         except BaseException as error:
             for _, future in batch:
@@ -91,3 +109,14 @@ class TxnBatcher:
             future.set_result(
                 TxnResult(bool(response.succeeded), response.responses, int(response.header.revision))
             )
+
+
+def _written_keys(request: Any) -> set[bytes]:
+    keys: set[bytes] = set()
+    for operation in (*request.success, *request.failure):
+        kind = operation.WhichOneof("request")
+        if kind == "request_put":
+            keys.add(bytes(operation.request_put.key))
+        elif kind == "request_delete_range":
+            keys.add(bytes(operation.request_delete_range.key))
+    return keys
