@@ -102,6 +102,13 @@ def run(args: argparse.Namespace) -> int:
     for name, value in endpoints.items():
         print(f"  {name:<14} {value}")
     print(f"  {'logs':<14} {logs}/")
+    env_file = workdir / "env"
+    env_file.write_text(
+        f"export KVFERRY_ADDRESS={config.grpc_listen}\n"
+        f"export KVFERRY_HTTP_URL=http://{config.http_listen}/v1\n"
+        f"export KVFERRY_API_KEY={config.api_key}\n"
+    )
+    print(f"for the examples: `. {env_file}` (KVFERRY_ADDRESS, KVFERRY_HTTP_URL, KVFERRY_API_KEY)")
     print("stop it with `kvferry down`\n")
     if not args.no_demo:
         from kvferry.stack.demo import main as demo_main
