@@ -203,7 +203,8 @@ class EngineWatcher:
         self._max_backoff = max_backoff_seconds
         self.synced = asyncio.Event()
         self.connected = False
-        self._left_during_snapshot: set[str] | None = None
+        # One set per snapshot in flight: engines whose LEFT arrived while its list was being read.
+        self._left_during_snapshots: list[set[str]] = []
 
     async def run(self) -> None:
         resync = asyncio.create_task(self._resync_forever(), name="engine-table-resync")
@@ -246,11 +247,14 @@ class EngineWatcher:
                     log.warning("engine table resync failed", extra={"error": str(error)})
 
     async def _snapshot(self) -> None:
-        self._left_during_snapshot = set()
-        engines = await self._registry.list_engines()
+        left: set[str] = set()
+        self._left_during_snapshots.append(left)
+        try:
+            engines = await self._registry.list_engines()
+        finally:
+            self._left_during_snapshots.remove(left)
         # An engine whose LEFT event arrived while the list was in flight stays gone.
-        engines = [e for e in engines if e.engine_id not in self._left_during_snapshot]
-        self._left_during_snapshot = None
+        engines = [e for e in engines if e.engine_id not in left]
         gone = {e.engine_id for e in self._table.all()} - {e.engine_id for e in engines}
         self._table.replace_all(engines)
         for engine_id in gone:
@@ -266,8 +270,8 @@ class EngineWatcher:
         if event.kind == "left":
             if self._table.remove(event.engine_id) is not None:
                 self._forget(event.engine_id)
-            if self._left_during_snapshot is not None:
-                self._left_during_snapshot.add(event.engine_id)
+            for left in self._left_during_snapshots:
+                left.add(event.engine_id)
         elif event.engine is not None:
             if self._table.get(event.engine_id) is None:
                 log.info(
