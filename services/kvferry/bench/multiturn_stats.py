@@ -107,6 +107,8 @@ def bucket_label(low: int, width: int) -> str:
 
 
 def _k(tokens: int) -> str:
+    if tokens == 0:
+        return "0"
     return f"{tokens / 1024:g}k" if tokens % 512 == 0 else str(tokens)
 
 
