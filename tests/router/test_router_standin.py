@@ -719,3 +719,42 @@ async def test_affinity_and_load_spread_with_two_decode_engines_and_a_killed_hol
     assert summary.decode_engine_id != victim.engine_id and summary.pulled_tokens == 0
     prompt = standin_tokenize(standin_render_chat([{"role": r, "content": c} for r, c in histories[0]]))
     assert tokens == standin_generate(prompt, 8)
+
+
+async def test_traces_and_metrics(router_factory: RouterFactory, standin_factory: StandInFactory) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    model = f"standin-{uuid.uuid4().hex[:6]}"
+    prefill = await standin_factory("prefill", model=model)
+    decode = await standin_factory("decode", model=model)
+    router = await router_factory(span_exporter=exporter)
+    await wait_for_engines(router, {prefill.engine_id, decode.engine_id})
+    stub = router_grpc.RouterServiceStub(grpc.aio.insecure_channel(router.grpc_address))
+    conv = f"tr-{uuid.uuid4().hex[:6]}"
+    history = [("user", "trace me " * 20)]
+    text, _, _ = await generate(stub, chat_request(conv, model, history))
+    exporter.clear()
+    history += [("assistant", text), ("user", "again")]
+    _, _, summary = await generate(stub, chat_request(conv, model, history))
+    assert summary.reuse == router_pb2.REUSE_DECISION_PULL
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    server, turn = spans["kvferry.v1.RouterService/Generate"], spans["kvferry.turn"]
+    assert turn.parent is not None and turn.parent.span_id == server.context.span_id
+    lookups = [
+        s for s in exporter.get_finished_spans() if s.name == "kvferry.v1.RegistryService/GetRetention"
+    ]
+    assert lookups and all(s.parent is not None and s.parent.span_id == turn.context.span_id for s in lookups)
+    assert turn.attributes is not None
+    assert turn.attributes["kvferry.reuse_decision"] == "pull"
+    assert turn.attributes["kvferry.conversation"] == conv
+    assert turn.attributes["kvferry.tokens_pulled"] == summary.pulled_tokens
+    # The engines got the turn's trace context.
+    assert decode.counters.decode_headers[-1]["traceparent"].split("-")[1] == format(
+        turn.context.trace_id, "032x"
+    )
+    async with httpx.AsyncClient(base_url=router.http_url) as http:
+        scraped = (await http.get("/metrics")).text
+    assert 'kvferry_turns_total{reuse="pull"} 1.0' in scraped
+    assert f"kvferry_tokens_pulled_total {float(summary.pulled_tokens)}" in scraped
+    assert "kvferry_reuse_hits_total 1.0" in scraped

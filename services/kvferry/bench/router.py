@@ -94,6 +94,7 @@ class StandInCounters:
     # The kv_transfer_params of every prefill (tests inspect what the router sent).
     prefill_params: list[dict[str, Any]] = field(default_factory=list)
     decode_params: list[dict[str, Any]] = field(default_factory=list)
+    decode_headers: list[dict[str, str]] = field(default_factory=list)
 
 
 class StandInEngine:
@@ -277,6 +278,7 @@ class StandInEngine:
         request_id = request.headers.get("x-request-id") or f"standin-{time.monotonic_ns()}"
         if params.get("do_remote_decode"):
             return await self._prefill(prompt, params, request_id)
+        self.counters.decode_headers.append(dict(request.headers))
         return await self._decode(prompt, params, body, request_id)
 
     async def _prefill(self, prompt: list[int], params: dict[str, Any], request_id: str) -> Response:

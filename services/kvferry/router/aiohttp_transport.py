@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import httpx
+from kvferry.common import telemetry
 
 
 class _ResponseStream(httpx.AsyncByteStream):
@@ -66,11 +67,14 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             sock_read=timeouts.get("read"),
         )
         body = await request.aread()
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
+        # W3C trace context of the current span (the turn's), so engine spans join the turn's trace.
+        headers.extend(telemetry.trace_headers().items())
         try:
             response = await self._client().request(
                 request.method,
                 str(request.url),
-                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
+                headers=headers,
                 data=body or None,
                 timeout=timeout,
                 allow_redirects=False,

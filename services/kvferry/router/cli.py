@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvferry.common.logs import setup_logging
+from kvferry.common.telemetry import add_telemetry_arguments
 from kvferry.router.server import RouterConfig, start_router
 from kvferry.router.tenants import TenantConfigError
 
@@ -165,6 +166,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
             default=kind(raw) if raw is not None else default,
             help=f"{help_text} [env {env}]",
         )
+    add_telemetry_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -189,6 +191,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_body_bytes=args.max_body_bytes,
         # The service starts even with the registry away and syncs when it comes.
         startup_sync_seconds=3.0,
+        metrics_address=args.metrics_address or None,
+        otlp_endpoint=args.otlp_endpoint or None,
     )
 
 

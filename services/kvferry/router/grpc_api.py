@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from typing import TypeVar
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
-from kvferry.router.cost import Reuse
 from kvferry.router.errors import GRPC_CODES, Failure, RouterError, internal, invalid, unavailable
 from kvferry.router.registry_client import RegistryApi, RegistryUnavailable
+from kvferry.router.summary import summary_proto
 from kvferry.router.tenants import ApiKeys, Tenant
 from kvferry.router.turns import (
     ChatPrompt,
@@ -30,12 +31,6 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
-
-REUSE_TO_PROTO = {
-    Reuse.NONE: router_pb2.REUSE_DECISION_NONE,
-    Reuse.PULL: router_pb2.REUSE_DECISION_PULL,
-    Reuse.RECOMPUTE: router_pb2.REUSE_DECISION_RECOMPUTE,
-}
 
 
 def _timestamp(unix_seconds: float) -> Timestamp:
@@ -102,27 +97,15 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
         try:
             tenant = self._tenant(context)
             turn = await self._runner.prepare(turn_request_from_proto(request, tenant))
-            async for event in self._runner.execute(turn):
-                if isinstance(event, TextOut):
-                    yield router_pb2.GenerateResponse(
-                        delta=router_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
-                    )
-                else:
-                    yield router_pb2.GenerateResponse(
-                        summary=router_pb2.TurnSummary(
-                            prompt_tokens=event.prompt_tokens,
-                            completion_tokens=event.completion_tokens,
-                            pulled_tokens=event.pulled_tokens,
-                            recomputed_tokens=event.recomputed_tokens,
-                            ttft_ms=event.ttft_ms,
-                            prefill_ms=event.prefill_ms,
-                            reuse=REUSE_TO_PROTO[event.reuse],
-                            prefill_engine_id=event.prefill_engine_id,
-                            decode_engine_id=event.decode_engine_id,
-                            finish_reason=event.finish_reason,
-                            turn=event.turn,
+            # Closed explicitly when the client goes away: that aborts the engine requests at once.
+            async with aclosing(self._runner.execute(turn)) as events:
+                async for event in events:
+                    if isinstance(event, TextOut):
+                        yield router_pb2.GenerateResponse(
+                            delta=router_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
                         )
-                    )
+                    else:
+                        yield router_pb2.GenerateResponse(summary=summary_proto(event))
         except RouterError as error:
             await self._abort(context, error)
         except Exception as error:

@@ -29,6 +29,7 @@ from kvferry.router.turns import (
     TurnResult,
     TurnRunner,
 )
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -131,7 +132,9 @@ class HttpApi:
         engines: EngineTable,
         registry_connected: Callable[[], bool],
         max_body_bytes: int,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
+        self._metrics_registry = metrics_registry
         self._runner = runner
         self._keys = keys
         self._engines = engines
@@ -146,6 +149,7 @@ class HttpApi:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
             ],
         )
 
@@ -163,6 +167,12 @@ class HttpApi:
             },
             status_code=200 if ready else 503,
         )
+
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text (the same series as --metrics-address serves); no key needed, like /health."""
+        if self._metrics_registry is None:
+            return Response(status_code=404)
+        return Response(generate_latest(self._metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         try:

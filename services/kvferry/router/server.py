@@ -16,7 +16,7 @@ from typing import Literal
 
 import grpc
 import uvicorn
-from kvferry.common import vllm_http
+from kvferry.common import telemetry, vllm_http
 from kvferry.common.calibration import CPU_DEFAULT, GPU_PROFILES, CostProfile
 from kvferry.common.grpc_server import start_server
 from kvferry.router.cost import CostSettings
@@ -24,10 +24,14 @@ from kvferry.router.engine_clients import EngineClients
 from kvferry.router.engines import EngineTable, LoadTracker
 from kvferry.router.grpc_api import SERVICE_NAME, RouterServicer
 from kvferry.router.http_api import HttpApi
+from kvferry.router.observe import TurnTelemetry
 from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
 from kvferry.router.tenants import ApiKeys, load_tenants, parse_key_pairs
 from kvferry.router.turns import TurnRunner, TurnSettings
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export import SpanExporter
+from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,10 @@ class RouterConfig:
     engine_resync_seconds: float = 30.0
     # start_router waits this long for the first engine table (0: don't wait).
     startup_sync_seconds: float = 10.0
+    # Prometheus /metrics on its own address (also always at the HTTP API's /metrics); None: off.
+    metrics_address: str | None = None
+    # OTLP/gRPC collector for traces; None: tracing off (trace context still passes through).
+    otlp_endpoint: str | None = None
 
 
 def cost_profile(name: str) -> CostProfile:
@@ -129,6 +137,9 @@ class RunningRouter:
     _runner: TurnRunner
     _clients: EngineClients
     _channel: grpc.aio.Channel
+    metrics: telemetry.Metrics
+    _tracer_provider: trace.TracerProvider
+    _metrics_server: telemetry.MetricsServer | None = None
     _stopped: bool = field(default=False)
 
     @property
@@ -156,15 +167,28 @@ class RunningRouter:
         await self._runner.aclose()
         await self._clients.aclose()
         await self._channel.close()
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+        await asyncio.to_thread(telemetry.shutdown_tracing, self._tracer_provider)
 
 
-async def start_router(config: RouterConfig, *, api_keys: ApiKeys | None = None) -> RunningRouter:
+async def start_router(
+    config: RouterConfig,
+    *,
+    api_keys: ApiKeys | None = None,
+    span_exporter: SpanExporter | None = None,
+) -> RunningRouter:
     """Starts a router in the running event loop and returns once both servers listen.
 
-    ``api_keys`` overrides the keys named in ``config`` (tests pass a table directly).
+    ``api_keys`` overrides the keys named in ``config`` (tests pass a table directly);
+    ``span_exporter`` (e.g. an ``InMemorySpanExporter``) turns tracing on for tests.
     """
     keys = api_keys if api_keys is not None else api_keys_from_config(config)
-    channel = grpc.aio.insecure_channel(config.registry_address)
+    metrics = telemetry.create_metrics(CollectorRegistry(auto_describe=True))
+    provider = telemetry.setup_tracing("kvferry-router", config.otlp_endpoint, exporter=span_exporter)
+    channel = grpc.aio.insecure_channel(
+        config.registry_address, interceptors=telemetry.tracing_client_interceptors(provider)
+    )
     registry = GrpcRegistry(channel, timeout_seconds=config.registry_timeout_seconds)
     engines = EngineTable()
     load = LoadTracker()
@@ -194,6 +218,7 @@ async def start_router(config: RouterConfig, *, api_keys: ApiKeys | None = None)
             publish_wait_seconds=config.publish_wait_seconds,
             read_window_seconds=config.read_window_seconds,
         ),
+        telemetry=TurnTelemetry(provider, metrics),
     )
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(watcher.run(), name="router-engine-watch")]
     if config.startup_sync_seconds > 0:
@@ -207,7 +232,14 @@ async def start_router(config: RouterConfig, *, api_keys: ApiKeys | None = None)
 
     servicer = RouterServicer(runner=runner, keys=keys, registry=registry)
     grpc_server, grpc_port, _health = await start_server(
-        config.grpc_listen, [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)]
+        config.grpc_listen,
+        [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)],
+        interceptors=[telemetry.TracingServerInterceptor(provider, metrics=metrics)],
+    )
+    metrics_server = (
+        await telemetry.serve_metrics(metrics.registry, config.metrics_address)
+        if config.metrics_address
+        else None
     )
 
     http_host, http_port = _split_host_port(config.http_listen)
@@ -224,6 +256,7 @@ async def start_router(config: RouterConfig, *, api_keys: ApiKeys | None = None)
         engines=engines,
         registry_connected=lambda: watcher.connected,
         max_body_bytes=config.max_body_bytes,
+        metrics_registry=metrics.registry,
     ).app()
     http_server = _EmbeddedUvicorn(
         uvicorn.Config(
@@ -265,4 +298,7 @@ async def start_router(config: RouterConfig, *, api_keys: ApiKeys | None = None)
         _runner=runner,
         _clients=clients,
         _channel=channel,
+        metrics=metrics,
+        _tracer_provider=provider,
+        _metrics_server=metrics_server,
     )

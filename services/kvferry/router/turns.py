@@ -38,9 +38,14 @@ from kvferry.router.engines import (
     pick_prefill_engine,
 )
 from kvferry.router.errors import Failure, RouterError, invalid, unavailable
+from kvferry.router.observe import TurnTelemetry
 from kvferry.router.prefix import NO_MATCH, PrefixMatch, match_retained_prefix
 from kvferry.router.registry_client import RegistryApi, RegistryUnavailable, RetentionRecord
+from kvferry.router.summary import summary_proto
 from kvferry.router.tenants import Tenant
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +117,8 @@ class TurnResult:
     # The conversation's turn now retained (0: none).
     turn: int
     request_id: str
+    # Prompt tokens the retention was proven to hold (whether pulled or not).
+    matched_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,8 @@ class PreparedTurn:
     # False when the registry did not answer: this turn neither reuses nor retains.
     registry_ok: bool
     started: float
+    # The turn's span (ended when the turn's stream ends).
+    span: Span = trace.INVALID_SPAN
 
 
 @dataclass(frozen=True)
@@ -160,7 +169,9 @@ class TurnRunner:
         clients: EngineClients,
         registry: RegistryApi,
         settings: TurnSettings,
+        telemetry: TurnTelemetry | None = None,
     ) -> None:
+        self.telemetry = telemetry or TurnTelemetry()
         self._engines = engines
         self._load = load
         self._clients = clients
@@ -191,7 +202,22 @@ class TurnRunner:
         return model
 
     async def prepare(self, request: TurnRequest) -> PreparedTurn:
+        """Everything before the engines: may raise :class:`RouterError`. Opens the turn's span, which
+        :meth:`execute` ends."""
         started = time.perf_counter()
+        span = self.telemetry.start_turn(request.conversation_id)
+        try:
+            with trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
+                prepared = await self._prepare(request, started)
+        except BaseException as error:
+            self.telemetry.turn_failed(span, error)
+            span.end()
+            raise
+        return dataclasses.replace(prepared, span=span)
+
+    async def _prepare(self, request: TurnRequest, started: float) -> PreparedTurn:
         model = self.resolve_model(request.model, request.tenant)
         request_id = f"kvf-{uuid.uuid4().hex[:20]}"
         lookup = (
@@ -281,6 +307,7 @@ class TurnRunner:
         try:
             return await self._registry.get_retention(tenant, conversation_id), True
         except RegistryUnavailable as error:
+            self.telemetry.registry_error("get_retention")
             log.warning(
                 "registry unavailable: serving the turn by recompute",
                 extra={"conversation_id": conversation_id, "error": str(error)},
@@ -291,6 +318,7 @@ class TurnRunner:
         try:
             await self._registry.renew_retention(tenant, conversation_id)
         except (RegistryUnavailable, RouterError) as error:
+            self.telemetry.registry_error("renew_retention")
             log.warning(
                 "retention renewal failed", extra={"conversation_id": conversation_id, "error": str(error)}
             )
@@ -307,13 +335,34 @@ class TurnRunner:
         request = turn.request
         mark = self._mark(turn)
         published = False
+        span_context = trace.set_span_in_context(turn.span)
         try:
             async with aclosing(self._attempts(turn, mark)) as events:
-                async for event in events:
+                while True:
+                    # The turn's span is current while the turn's own code runs (its registry and engine
+                    # calls nest under it), never across a yield into the caller's code.
+                    token = otel_context.attach(span_context)
+                    try:
+                        event = await anext(events)
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        otel_context.detach(token)
                     if isinstance(event, TurnResult):
                         published = event.turn > 0
+                        self.telemetry.turn_done(
+                            turn.span,
+                            summary_proto(event),
+                            looked_up=bool(request.conversation_id) and turn.registry_ok,
+                            hit=event.matched_tokens > 0,
+                        )
                     yield event
+        except BaseException as error:
+            if not isinstance(error, GeneratorExit | asyncio.CancelledError):
+                self.telemetry.turn_failed(turn.span, error)
+            raise
         finally:
+            turn.span.end()
             if turn.retention is not None and not published:
                 # Every turn keeps the conversation's KV alive: a published turn brings a fresh lease;
                 # otherwise (not retained, failed, aborted) the previous retention is renewed. Done
@@ -558,6 +607,7 @@ class TurnRunner:
             finish_reason=finish_reason,
             turn=retained_turn,
             request_id=turn.request_id,
+            matched_tokens=plan.match.tokens,
         )
         log.info(
             "turn done",
