@@ -836,6 +836,7 @@ async def _run_level(
     model: str,
 ) -> LevelResult:
     from kvferry.common import vllm_http
+    from kvferry.router.aiohttp_transport import AiohttpTransport
     from kvferry.v1 import router_service_pb2 as router_pb2
     from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
@@ -843,8 +844,13 @@ async def _run_level(
     stub = router_grpc.RouterServiceStub(channel)
     metadata = (("authorization", f"Bearer {BENCH_API_KEY}"),)
     pair = engines[0]
-    prefill = vllm_http.VllmEngineClient(pair.prefill_url, model, max_connections=concurrency * 2 + 8)
-    decode = vllm_http.VllmEngineClient(pair.decode_url, model, max_connections=concurrency * 2 + 8)
+    # The same client stack the router uses (vllm_http over aiohttp), so only the router differs.
+    prefill = vllm_http.VllmEngineClient(
+        pair.prefill_url, model, transport=AiohttpTransport(max_connections=concurrency * 2 + 8)
+    )
+    decode = vllm_http.VllmEngineClient(
+        pair.decode_url, model, transport=AiohttpTransport(max_connections=concurrency * 2 + 8)
+    )
     timings: list[TurnTiming] = []
     run_id = f"{path}-{concurrency}-{time.monotonic_ns()}"
 
