@@ -758,3 +758,14 @@ async def test_traces_and_metrics(router_factory: RouterFactory, standin_factory
     assert 'kvferry_turns_total{reuse="pull"} 1.0' in scraped
     assert f"kvferry_tokens_pulled_total {float(summary.pulled_tokens)}" in scraped
     assert "kvferry_reuse_hits_total 1.0" in scraped
+
+
+async def test_start_fails_cleanly_on_a_busy_port(router_factory: RouterFactory) -> None:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError):
+            await router_factory(http_listen=f"127.0.0.1:{port}")

@@ -220,71 +220,87 @@ async def start_router(
         ),
         telemetry=TurnTelemetry(provider, metrics),
     )
-    tasks: list[asyncio.Task[None]] = [asyncio.create_task(watcher.run(), name="router-engine-watch")]
-    if config.startup_sync_seconds > 0:
-        try:
-            await asyncio.wait_for(watcher.synced.wait(), config.startup_sync_seconds)
-        except TimeoutError:
-            log.warning(
-                "no engine table from the registry yet; serving anyway and retrying in the background",
-                extra={"registry": config.registry_address},
-            )
+    tasks: list[asyncio.Task[None]] = []
+    grpc_server: grpc.aio.Server | None = None
+    metrics_server: telemetry.MetricsServer | None = None
+    sock: socket.socket | None = None
+    try:
+        tasks.append(asyncio.create_task(watcher.run(), name="router-engine-watch"))
+        if config.startup_sync_seconds > 0:
+            try:
+                await asyncio.wait_for(watcher.synced.wait(), config.startup_sync_seconds)
+            except TimeoutError:
+                log.warning(
+                    "no engine table from the registry yet; serving anyway and retrying in the background",
+                    extra={"registry": config.registry_address},
+                )
 
-    servicer = RouterServicer(runner=runner, keys=keys, registry=registry)
-    grpc_server, grpc_port, _health = await start_server(
-        config.grpc_listen,
-        [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)],
-        interceptors=[telemetry.TracingServerInterceptor(provider, metrics=metrics)],
-    )
-    metrics_server = (
-        await telemetry.serve_metrics(metrics.registry, config.metrics_address)
-        if config.metrics_address
-        else None
-    )
-
-    http_host, http_port = _split_host_port(config.http_listen)
-    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
-    # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((http_host, http_port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    app = HttpApi(
-        runner=runner,
-        keys=keys,
-        engines=engines,
-        registry_connected=lambda: watcher.connected,
-        max_body_bytes=config.max_body_bytes,
-        metrics_registry=metrics.registry,
-    ).app()
-    http_server = _EmbeddedUvicorn(
-        uvicorn.Config(
-            app,
-            lifespan="off",
-            log_config=None,
-            access_log=False,
-            server_header=False,
-            date_header=False,
-            timeout_graceful_shutdown=2,
+        servicer = RouterServicer(runner=runner, keys=keys, registry=registry)
+        grpc_server, grpc_port, _health = await start_server(
+            config.grpc_listen,
+            [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)],
+            interceptors=[telemetry.TracingServerInterceptor(provider, metrics=metrics)],
         )
-    )
-    tasks.append(asyncio.create_task(http_server.serve(sockets=[sock]), name="router-http"))
-    while not http_server.started:
-        if tasks[-1].done():
-            tasks[-1].result()
-            raise RuntimeError("the HTTP server stopped during start")
-        await asyncio.sleep(0.005)
-    grpc_host, _ = _split_host_port(config.grpc_listen)
-    log.info(
-        "router serving",
-        extra={
-            "grpc": f"{grpc_host}:{grpc_port}",
-            "http": f"http://{http_host}:{sock.getsockname()[1]}",
-            "registry": config.registry_address,
-            "engines": len(engines),
-        },
-    )
+        if config.metrics_address:
+            metrics_server = await telemetry.serve_metrics(metrics.registry, config.metrics_address)
+
+        http_host, http_port = _split_host_port(config.http_listen)
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+        # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((http_host, http_port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        app = HttpApi(
+            runner=runner,
+            keys=keys,
+            engines=engines,
+            registry_connected=lambda: watcher.connected,
+            max_body_bytes=config.max_body_bytes,
+            metrics_registry=metrics.registry,
+        ).app()
+        http_server = _EmbeddedUvicorn(
+            uvicorn.Config(
+                app,
+                lifespan="off",
+                log_config=None,
+                access_log=False,
+                server_header=False,
+                date_header=False,
+                timeout_graceful_shutdown=2,
+            )
+        )
+        tasks.append(asyncio.create_task(http_server.serve(sockets=[sock]), name="router-http"))
+        while not http_server.started:
+            if tasks[-1].done():
+                tasks[-1].result()
+                raise RuntimeError("the HTTP server stopped during start")
+            await asyncio.sleep(0.005)
+        grpc_host, _ = _split_host_port(config.grpc_listen)
+        log.info(
+            "router serving",
+            extra={
+                "grpc": f"{grpc_host}:{grpc_port}",
+                "http": f"http://{http_host}:{sock.getsockname()[1]}",
+                "registry": config.registry_address,
+                "engines": len(engines),
+            },
+        )
+    except BaseException:
+        # A start that fails half-way leaves nothing running.
+        for task in tasks:
+            task.cancel()
+        if grpc_server is not None:
+            await grpc_server.stop(0)
+        if metrics_server is not None:
+            await metrics_server.stop()
+        if sock is not None:
+            sock.close()
+        await clients.aclose()
+        await channel.close()
+        raise
+
     return RunningRouter(
         grpc_host=grpc_host,
         grpc_port=grpc_port,
