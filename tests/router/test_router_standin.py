@@ -769,3 +769,29 @@ async def test_start_fails_cleanly_on_a_busy_port(router_factory: RouterFactory)
         port = busy.getsockname()[1]
         with pytest.raises(OSError):
             await router_factory(http_listen=f"127.0.0.1:{port}")
+
+
+async def test_non_streaming_client_that_leaves_aborts_the_decode(stack: Stack) -> None:
+    stack.decode.decode_token_delay_seconds = 0.05
+    try:
+        before = stack.decode.counters.aborted_requests
+        async with httpx.AsyncClient(base_url=stack.router.http_url, timeout=0.5) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": stack.model,
+                        "messages": [{"role": "user", "content": "x"}],
+                        "max_tokens": 200,
+                    },
+                    headers={
+                        "Authorization": f"Bearer {ACME}",
+                        "X-Conversation-Id": f"nl-{uuid.uuid4().hex[:6]}",
+                    },
+                )
+        deadline = asyncio.get_running_loop().time() + 3
+        while stack.decode.counters.aborted_requests == before:
+            assert asyncio.get_running_loop().time() < deadline, "the decode ran on after the client left"
+            await asyncio.sleep(0.02)
+    finally:
+        stack.decode.decode_token_delay_seconds = 0.0

@@ -8,6 +8,8 @@ request is a one-off turn: nothing is looked up or retained. Errors use OpenAI's
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -234,7 +236,19 @@ class HttpApi:
                 media_type="text/event-stream",
                 headers={**headers, "cache-control": "no-cache"},
             )
-        return await self._collect(kind, turn, first, events, headers)
+        # A client that goes away before the whole answer is ready aborts the turn, as in streaming.
+        collect = asyncio.ensure_future(self._collect(kind, turn, first, events, headers))
+        disconnected = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnected.cancel()
+        if not collect.done():
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+            return Response(status_code=499)  # nobody reads it: the client closed the connection
+        return collect.result()
 
     async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -367,6 +381,12 @@ class HttpApi:
 
 async def _internal_error_response(request: Request, error: Exception) -> Response:
     return error_response(internal(error, request.url.path))
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the request body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _response_id(kind: str, turn: PreparedTurn) -> str:
