@@ -26,6 +26,7 @@ import os
 import random
 import resource
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -81,7 +82,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return asyncio.run(_main(args))
+    return asyncio.run(_main_until_signalled(args))
+
+
+async def _main_until_signalled(args: argparse.Namespace) -> int:
+    """Runs the bench; SIGTERM or SIGINT stops it and still stops the etcd and registry it started."""
+    main = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, main.cancel if main else (lambda: None))
+    try:
+        return await _main(args)
+    except asyncio.CancelledError:
+        print("bench interrupted; what it started is stopped", file=sys.stderr)
+        return 130
 
 
 # --- measurement --------------------------------------------------------------------------------
@@ -440,6 +454,8 @@ async def hold(
                 await workload.publish(worker, names[index], 1, ttl)
             except Exception:
                 publish_errors += 1
+            if index and index % 10_000 == 0:
+                print(f"hold: {index} published after {time.monotonic() - started:.0f}s", flush=True)
 
     publish_usage: dict[str, float] = {}
     started = time.monotonic()
