@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-import psutil  # type: ignore[import-untyped]
+import psutil
 import pytest
 from kvferry.common import vllm_http
 from kvferry.common.marks import ConversationMark

@@ -142,7 +142,7 @@ async def _conversations(prefill_url: str, decode_url: str, model: str, args: ar
 
 
 def _window(connector: str, phase: str, engines: tuple[Any, ...], args: argparse.Namespace) -> list[Sample]:
-    import psutil  # type: ignore[import-untyped]
+    import psutil
 
     procs: dict[tuple[str, str], psutil.Process] = {}
     for engine in engines:
