@@ -535,22 +535,29 @@ class ReleaseRetentionRequest(_message.Message):
     TENANT_FIELD_NUMBER: _builtins.int
     CONVERSATION_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    ENGINE_REQUEST_ID_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """Tenant owning the conversation."""
     conversation_id: _builtins.str
     """Conversation to release."""
     reason: _resources_pb2.ReleaseReason.ValueType
     """Why (RELEASED by default; EVICTED from an engine's budget)."""
+    engine_request_id: _builtins.str
+    """When set, release only if the live retention has this engine request id; otherwise
+    FAILED_PRECONDITION (e.g. a newer turn was published meanwhile). The check and the release are
+    one etcd transaction. Unset: release whatever turn is live.
+    """
     def __init__(
         self,
         *,
         tenant: _builtins.str = ...,
         conversation_id: _builtins.str = ...,
         reason: _resources_pb2.ReleaseReason.ValueType = ...,
+        engine_request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "reason", b"reason", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "engine_request_id", b"engine_request_id", "reason", b"reason", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -150,7 +150,7 @@ class RegistryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseRetention(self, request, context):
-        """Ends a retention at once.
+        """Ends a retention at once; with `engine_request_id`, only if that request is still the live one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

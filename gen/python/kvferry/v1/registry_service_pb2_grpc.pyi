@@ -52,7 +52,7 @@ class RegistryServiceStub:
     RenewRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionRequest, _registry_service_pb2.RenewRetentionResponse]
     """Extends a retention's lease (heartbeat while the agent is busy)."""
     ReleaseRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.ReleaseRetentionRequest, _registry_service_pb2.ReleaseRetentionResponse]
-    """Ends a retention at once."""
+    """Ends a retention at once; with `engine_request_id`, only if that request is still the live one."""
     WatchRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]
     """Streams every retention of one engine that ends, and why, and renewals of live ones."""
 
@@ -80,7 +80,7 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     RenewRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionRequest, _registry_service_pb2.RenewRetentionResponse]  # type: ignore[assignment]
     """Extends a retention's lease (heartbeat while the agent is busy)."""
     ReleaseRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.ReleaseRetentionRequest, _registry_service_pb2.ReleaseRetentionResponse]  # type: ignore[assignment]
-    """Ends a retention at once."""
+    """Ends a retention at once; with `engine_request_id`, only if that request is still the live one."""
     WatchRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]  # type: ignore[assignment]
     """Streams every retention of one engine that ends, and why, and renewals of live ones."""
 
@@ -159,7 +159,7 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_service_pb2.ReleaseRetentionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_registry_service_pb2.ReleaseRetentionResponse, _abc.Awaitable[_registry_service_pb2.ReleaseRetentionResponse]]:
-        """Ends a retention at once."""
+        """Ends a retention at once; with `engine_request_id`, only if that request is still the live one."""
 
     @_abc_1.abstractmethod
     def WatchRetentions(
