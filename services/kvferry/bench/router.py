@@ -899,14 +899,14 @@ async def _run_level(
         rng = random.Random(index)
         for conversation in range(conversations_per_client):
             conv = f"{run_id}-{index}-{conversation}"
-            tokens = [rng.randrange(1000, 20000) for _ in range(args.prompt_tokens)]
+            tokens = [rng.randrange(100, 4000) for _ in range(args.prompt_tokens)]
             for _ in range(args.turns):
                 if path == "direct":
                     timing, out = await direct_turn(tokens)
                 else:
                     timing, out = await router_turn(conv, tokens, retain=path == "router")
                 timings.append(timing)
-                tokens = tokens + out + [rng.randrange(1000, 20000) for _ in range(args.turn_tokens)]
+                tokens = tokens + out + [rng.randrange(100, 4000) for _ in range(args.turn_tokens)]
             if path == "router":
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await stub.CloseConversation(
