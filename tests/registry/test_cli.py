@@ -8,6 +8,7 @@ import signal
 import sys
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvferry.common.etcd_process import EtcdProcess, free_port
@@ -22,8 +23,13 @@ pytestmark = pytest.mark.timeout(60)
 async def test_the_registry_command_serves_health_and_the_api_then_stops_on_sigterm(
     etcd: EtcdProcess,
 ) -> None:
-    port = free_port()
-    environ = dict(os.environ, KVFERRY_ETCD_ENDPOINTS=etcd.endpoint, KVFERRY_DEFAULT_ENGINE_TTL_SECONDS="7")
+    port, metrics_port = free_port(), free_port()
+    environ = dict(
+        os.environ,
+        KVFERRY_ETCD_ENDPOINTS=etcd.endpoint,
+        KVFERRY_DEFAULT_ENGINE_TTL_SECONDS="7",
+        KVFERRY_METRICS_ADDRESS=f"127.0.0.1:{metrics_port}",
+    )
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -53,6 +59,11 @@ async def test_the_registry_command_serves_health_and_the_api_then_stops_on_sigt
             assert registered.ttl_seconds == 7  # the default came from the environment
             listed = await RegistryServiceStub(channel).ListEngines(api.ListEnginesRequest(), timeout=5)
             assert [e.engine_id for e in listed.engines] == ["cli-engine"]
+        async with httpx.AsyncClient(timeout=5) as client:
+            scraped = await client.get(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert scraped.status_code == 200
+        assert 'kvferry_lease_renewals_total{kind="engine"} 0.0' in scraped.text
+        assert 'method="RegisterEngine"' in scraped.text
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 10) == 0
         assert process.stderr is not None

@@ -10,6 +10,7 @@ import asyncio
 import os
 from collections.abc import Mapping
 
+from kvferry.common import telemetry
 from kvferry.common.logs import setup_logging
 from kvferry.registry.config import RegistryConfig, TtlPolicy
 
@@ -86,6 +87,13 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         choices=["debug", "info", "warning", "error"],
         help="log level; logs are JSON lines on stderr [env KVFERRY_LOG_LEVEL]",
     )
+    telemetry.add_telemetry_arguments(parser)
+    if environ is not None:
+        # The shared flags read os.environ; an injected environment (tests) wins here too.
+        parser.set_defaults(
+            metrics_address=env.get("KVFERRY_METRICS_ADDRESS"),
+            otlp_endpoint=env.get("KVFERRY_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> RegistryConfig:
@@ -103,6 +111,8 @@ def config_from_args(args: argparse.Namespace) -> RegistryConfig:
         ),
         log_level=args.log_level,
         history_seconds=args.etcd_history,
+        metrics_address=args.metrics_address or None,
+        otlp_endpoint=args.otlp_endpoint or None,
     )
 
 

@@ -36,6 +36,10 @@ class RegistryConfig:
     # etcd history kept for watches to resume after an outage; older revisions are compacted
     # (every renewal writes a revision: without compaction etcd fills its quota). 0: never.
     history_seconds: int = 600
+    # Prometheus /metrics on this host:port (port 0: any free one); None: not served.
+    metrics_address: str | None = None
+    # OTLP/gRPC collector for traces; None: tracing off (incoming trace context is still passed on).
+    otlp_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:

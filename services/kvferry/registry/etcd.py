@@ -229,14 +229,24 @@ class _KeepAliveStream:
             self._reader = None
 
 
+def _ignore_error(op: str) -> None:
+    pass
+
+
 class EtcdGateway:
-    """etcd's KV, Lease and Watch calls with deadlines and registry errors."""
+    """etcd's KV, Lease and Watch calls with deadlines and registry errors.
+
+    ``on_error(op)`` is told of every failed call (``op``: etcd's RPC name, e.g. ``txn``,
+    ``lease_keepalive``); outcomes that are answers, not failures (an unknown lease, compacted
+    history), are not reported.
+    """
 
     # Renewals spread over a few keep-alive streams, since etcd serves one stream sequentially.
     KEEPALIVE_STREAMS = 4
 
-    def __init__(self, settings: EtcdSettings) -> None:
+    def __init__(self, settings: EtcdSettings, *, on_error: Callable[[str], None] = _ignore_error) -> None:
         self.settings = settings
+        self._on_error = on_error
         host, port = grpc_target(settings.endpoints)
         self._client = aetcd.Client(host=host, port=port, timeout=None, options=dict(_CHANNEL_OPTIONS))
         self._kv: Any = None
@@ -283,11 +293,17 @@ class EtcdGateway:
             return LeaseNotFound(error.details())
         return EtcdFailure(f"etcd refused {what}: {code.name}: {error.details()}")
 
-    async def _call(self, what: str, method: Any, request: Any) -> Any:
+    def _failed(self, op: str, error: Exception) -> Exception:
+        """Counts ``error`` against ``op`` when it is a failure, and returns it for raising."""
+        if isinstance(error, (EtcdUnavailable, EtcdFailure)):
+            self._on_error(op)
+        return error
+
+    async def _call(self, op: str, what: str, method: Any, request: Any) -> Any:
         try:
             return await method(request, timeout=self.settings.timeout_seconds)
         except grpc.aio.AioRpcError as error:
-            raise self._translate(error, what) from None
+            raise self._failed(op, self._translate(error, what)) from None
 
     # --- KV ---------------------------------------------------------------------------------
 
@@ -295,40 +311,52 @@ class EtcdGateway:
         self, key: bytes, range_end: bytes = b"", *, limit: int = 0, keys_only: bool = False
     ) -> Any:
         request = rpc.RangeRequest(key=key, range_end=range_end, limit=limit, keys_only=keys_only)
-        return await self._call("a read", self._kv.Range, request)
+        return await self._call("range", "a read", self._kv.Range, request)
 
     async def txn(self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()) -> Any:
         request = rpc.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
-        return await self._call("a transaction", self._kv.Txn, request)
+        return await self._call("txn", "a transaction", self._kv.Txn, request)
 
     async def current_revision(self) -> int:
         response = await self.range(b"\0", limit=1, keys_only=True)
         return int(response.header.revision)
 
+    async def count(self, key: bytes, range_end: bytes) -> int:
+        """How many keys lie in ``[key, range_end)``; etcd counts them without sending them."""
+        request = rpc.RangeRequest(key=key, range_end=range_end, count_only=True)
+        response = await self._call("range", "a count", self._kv.Range, request)
+        return int(response.count)
+
     async def compact(self, revision: int) -> None:
         """Drops history before ``revision`` (already-compacted revisions are not an error)."""
         try:
-            await self._call("a compaction", self._kv.Compact, rpc.CompactionRequest(revision=revision))
-        except EtcdFailure as error:
-            if "compacted" not in str(error):
-                raise
+            await self._kv.Compact(
+                rpc.CompactionRequest(revision=revision), timeout=self.settings.timeout_seconds
+            )
+        except grpc.aio.AioRpcError as rpc_error:
+            error = self._translate(rpc_error, "a compaction")
+            if isinstance(error, EtcdFailure) and "compacted" in str(error):
+                return
+            raise self._failed("compact", error) from None
 
     # --- leases -----------------------------------------------------------------------------
 
     async def grant(self, ttl_seconds: int) -> tuple[int, int]:
         """A fresh lease: (lease id, granted TTL in seconds)."""
         response = await self._call(
-            "a lease grant", self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl_seconds)
+            "lease_grant", "a lease grant", self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl_seconds)
         )
         if response.error:
-            raise EtcdFailure(f"etcd refused a lease of {ttl_seconds} s: {response.error}")
+            raise self._failed(
+                "lease_grant", EtcdFailure(f"etcd refused a lease of {ttl_seconds} s: {response.error}")
+            )
         return int(response.ID), int(response.TTL)
 
     async def revoke(self, lease_id: int) -> int:
         """Revokes a lease (deleting its keys); returns the revision. Unknown leases are ignored."""
         try:
             response = await self._call(
-                "a lease revoke", self._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id)
+                "lease_revoke", "a lease revoke", self._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id)
             )
         except LeaseNotFound:
             return 0
@@ -338,7 +366,10 @@ class EtcdGateway:
         """Renews a lease once: (remaining TTL in seconds, revision). Raises LeaseNotFound when gone."""
         stream = self._keepalives[self._next_keepalive % len(self._keepalives)]
         self._next_keepalive += 1
-        response = await stream.renew(lease_id, self.settings.timeout_seconds)
+        try:
+            response = await stream.renew(lease_id, self.settings.timeout_seconds)
+        except (EtcdUnavailable, EtcdFailure) as error:
+            raise self._failed("lease_keepalive", error) from None
         if response.TTL <= 0:
             raise LeaseNotFound(f"lease {lease_id:x} not found")
         return int(response.TTL), int(response.header.revision)
@@ -371,13 +402,17 @@ class EtcdGateway:
                 try:
                     response = await call.read()
                 except grpc.aio.AioRpcError as error:
-                    raise self._translate(error, "a watch") from None
+                    raise self._failed("watch", self._translate(error, "a watch")) from None
                 if response is grpc.aio.EOF:
-                    raise EtcdUnavailable(f"etcd at {self.endpoints_text} closed a watch stream")
+                    raise self._failed(
+                        "watch", EtcdUnavailable(f"etcd at {self.endpoints_text} closed a watch stream")
+                    )
                 if response.compact_revision:
                     raise RevisionCompacted(int(response.compact_revision))
                 if response.canceled:
-                    raise EtcdFailure(f"etcd canceled a watch: {response.cancel_reason}")
+                    raise self._failed(
+                        "watch", EtcdFailure(f"etcd canceled a watch: {response.cancel_reason}")
+                    )
                 if response.events:
                     yield response
         finally:

@@ -25,6 +25,7 @@ from typing import Any
 from kvferry.registry.errors import EtcdFailure, EtcdUnavailable
 from kvferry.registry.etcd import EVENT_DELETE, EVENT_PUT, EtcdGateway, RevisionCompacted, prefix_end
 from kvferry.registry.keys import ConversationKey, KeyLayout
+from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.records import decode_record, decode_tombstone
 from kvferry.registry.store import Backoff, Clock
 from kvferry.v1 import registry_service_pb2 as registry
@@ -82,10 +83,13 @@ class Subscription:
 class RetentionEventHub:
     """Starts its etcd watch with the first subscriber and keeps it until closed."""
 
-    def __init__(self, etcd: EtcdGateway, layout: KeyLayout, clock: Clock) -> None:
+    def __init__(
+        self, etcd: EtcdGateway, layout: KeyLayout, clock: Clock, *, metrics: RegistryMetrics | None = None
+    ) -> None:
         self._etcd = etcd
         self._layout = layout
         self._clock = clock
+        self._metrics = metrics if metrics is not None else RegistryMetrics()
         self._subscribers: dict[str, set[Subscription]] = {}
         self._task: asyncio.Task[None] | None = None
         self._start_lock = asyncio.Lock()
@@ -182,10 +186,14 @@ class RetentionEventHub:
             return  # a first publish: nothing ended, nothing renewed
         previous = decode_record(prev_kv.value).retention
         if event.type == EVENT_DELETE:
-            reason, end_time = tombstones.get(
-                (layout.conversation_of_live(key), revision),
-                (resources.RELEASE_REASON_EXPIRED, self._clock()),
-            )
+            tombstone = tombstones.get((layout.conversation_of_live(key), revision))
+            if tombstone is None:
+                reason, end_time = resources.RELEASE_REASON_EXPIRED, self._clock()
+                # No replica's transaction ended it (etcd did): the replica telling the engine counts it.
+                if previous.engine_id in self._subscribers:
+                    self._metrics.released(reason)
+            else:
+                reason, end_time = tombstone
             self._publish(
                 RetentionEvent(registry.RETENTION_EVENT_TYPE_ENDED, previous, reason, end_time, revision)
             )

@@ -17,21 +17,26 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2
+from kvferry.common import telemetry
 from kvferry.common.grpc_server import start_server
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.errors import EtcdUnavailable, RegistryError
-from kvferry.registry.etcd import EtcdGateway, EtcdSettings
+from kvferry.registry.etcd import EtcdGateway, EtcdSettings, prefix_end
 from kvferry.registry.events import RetentionEventHub
 from kvferry.registry.keys import KeyLayout
+from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.service import RegistryServicer
 from kvferry.registry.store import Clock, RegistryStore
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
+from opentelemetry import trace
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = registry.DESCRIPTOR.services_by_name["RegistryService"].full_name
 _HEALTH_PROBE_SECONDS = 2.0
+# The live engines / retentions gauges: two count-only reads per refresh.
+_LIVE_COUNT_SECONDS = 5.0
 
 
 @dataclass
@@ -45,11 +50,21 @@ class Registry:
     hub: RetentionEventHub
     etcd: EtcdGateway
     health: health.aio.HealthServicer
+    metrics: RegistryMetrics
+    tracer_provider: trace.TracerProvider
+    # Serving /metrics when ``metrics_address`` was configured.
+    metrics_server: telemetry.MetricsServer | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # Shut down (flushing spans) on stop only when create_registry built it.
+    _owns_tracing: bool = False
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_server.port if self.metrics_server is not None else None
 
     async def stop(self, grace_seconds: float = 1.0) -> None:
         await self.server.stop(grace_seconds)
@@ -60,6 +75,10 @@ class Registry:
                 await task
         await self.hub.close()
         await self.etcd.close()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+        if self._owns_tracing:
+            await asyncio.to_thread(telemetry.shutdown_tracing, self.tracer_provider)
 
 
 async def _probe_etcd(etcd: EtcdGateway, health_servicer: health.aio.HealthServicer) -> None:
@@ -83,6 +102,20 @@ async def _probe_etcd(etcd: EtcdGateway, health_servicer: health.aio.HealthServi
                 )
             serving = ok
         await asyncio.sleep(_HEALTH_PROBE_SECONDS)
+
+
+async def _count_live(etcd: EtcdGateway, layout: KeyLayout, metrics: RegistryMetrics) -> None:
+    """Keeps the live engines / retentions gauges current (count-only reads; etcd sends no records)."""
+    while True:
+        try:
+            engines, retentions = await asyncio.gather(
+                etcd.count(layout.engines, prefix_end(layout.engines)),
+                etcd.count(layout.live_retentions, prefix_end(layout.live_retentions)),
+            )
+            metrics.set_live(engines, retentions)
+        except RegistryError as error:
+            log.debug("live counts not refreshed", extra={"error": str(error)})
+        await asyncio.sleep(_LIVE_COUNT_SECONDS)
 
 
 @dataclass
@@ -115,27 +148,60 @@ async def _compact_history(etcd: EtcdGateway, keep_seconds: int) -> None:
             log.warning("etcd compaction skipped", extra={"error": str(error)})
 
 
-async def create_registry(config: RegistryConfig, *, clock: Clock = time.time) -> Registry:
+async def create_registry(
+    config: RegistryConfig,
+    *,
+    clock: Clock = time.time,
+    metrics: RegistryMetrics | None = None,
+    tracer_provider: trace.TracerProvider | None = None,
+) -> Registry:
     """Starts a registry on ``config.listen_address`` (``host:0`` picks a free port).
 
-    It does not wait for etcd: calls fail with UNAVAILABLE until etcd answers.
+    It does not wait for etcd: calls fail with UNAVAILABLE until etcd answers. ``metrics`` and
+    ``tracer_provider`` (tests inject an in-memory exporter) default to fresh ones built from
+    ``config`` (``metrics_address``, ``otlp_endpoint``).
     """
+    metrics = metrics if metrics is not None else RegistryMetrics()
+    owns_tracing = tracer_provider is None
+    provider = (
+        tracer_provider
+        if tracer_provider is not None
+        else telemetry.setup_tracing("kvferry-registry", config.otlp_endpoint)
+    )
     etcd = EtcdGateway(
-        EtcdSettings(endpoints=config.etcd_endpoints, timeout_seconds=config.etcd_timeout_seconds)
+        EtcdSettings(endpoints=config.etcd_endpoints, timeout_seconds=config.etcd_timeout_seconds),
+        on_error=metrics.etcd_error,
     )
     await etcd.connect()
     layout = KeyLayout(config.key_prefix)
-    store = RegistryStore(etcd, layout, config.ttl, clock=clock)
-    hub = RetentionEventHub(etcd, layout, clock)
+    store = RegistryStore(etcd, layout, config.ttl, clock=clock, metrics=metrics)
+    hub = RetentionEventHub(etcd, layout, clock, metrics=metrics)
     servicer = RegistryServicer(store, hub)
-    server, port, health_servicer = await start_server(
-        config.listen_address,
-        [(registry_grpc.add_RegistryServiceServicer_to_server, servicer, SERVICE_NAME)],
-    )
+    metrics_server: telemetry.MetricsServer | None = None
+    server: grpc.aio.Server | None = None
+    try:
+        if config.metrics_address is not None:
+            metrics_server = await telemetry.serve_metrics(metrics.registry, config.metrics_address)
+        server, port, health_servicer = await start_server(
+            config.listen_address,
+            [(registry_grpc.add_RegistryServiceServicer_to_server, servicer, SERVICE_NAME)],
+            interceptors=[telemetry.TracingServerInterceptor(provider, metrics=metrics.shared)],
+        )
+    except BaseException:
+        # Whatever started before the failure (a port taken, say) must not outlive it.
+        if server is not None:
+            await server.stop(None)
+        if metrics_server is not None:
+            await metrics_server.stop()
+        await etcd.close()
+        if owns_tracing:
+            await asyncio.to_thread(telemetry.shutdown_tracing, provider)
+        raise
     host = config.listen_address.rpartition(":")[0] or "127.0.0.1"
     tasks = [
         asyncio.create_task(store.run_reaper(), name="registry-reaper"),
         asyncio.create_task(_probe_etcd(etcd, health_servicer), name="registry-etcd-probe"),
+        asyncio.create_task(_count_live(etcd, layout, metrics), name="registry-live-counts"),
     ]
     if config.history_seconds:
         tasks.append(
@@ -143,9 +209,28 @@ async def create_registry(config: RegistryConfig, *, clock: Clock = time.time) -
         )
     log.info(
         "registry serving",
-        extra={"address": f"{host}:{port}", "etcd": etcd.endpoints_text, "key_prefix": config.key_prefix},
+        extra={
+            "address": f"{host}:{port}",
+            "etcd": etcd.endpoints_text,
+            "key_prefix": config.key_prefix,
+            "metrics_port": metrics_server.port if metrics_server is not None else None,
+            "tracing": bool(config.otlp_endpoint) or not owns_tracing,
+        },
     )
-    return Registry(server, port, host, store, hub, etcd, health_servicer, tasks)
+    return Registry(
+        server,
+        port,
+        host,
+        store,
+        hub,
+        etcd,
+        health_servicer,
+        metrics,
+        provider,
+        metrics_server,
+        tasks,
+        owns_tracing,
+    )
 
 
 async def serve(config: RegistryConfig) -> None:

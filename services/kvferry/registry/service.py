@@ -168,7 +168,7 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
         self, request: registry.ReleaseRetentionRequest, context: grpc.aio.ServicerContext
     ) -> registry.ReleaseRetentionResponse:
         revision = await self._store.release_retention(
-            request.tenant, request.conversation_id, request.reason
+            request.tenant, request.conversation_id, request.reason, request.engine_request_id
         )
         return registry.ReleaseRetentionResponse(header=_header(revision))
 

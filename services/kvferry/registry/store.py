@@ -48,6 +48,7 @@ from kvferry.registry.etcd import (
     prefix_end,
 )
 from kvferry.registry.keys import ConversationKey, KeyLayout
+from kvferry.registry.metrics import LEASE_ENGINE, LEASE_RETENTION, RegistryMetrics
 from kvferry.registry.records import (
     StoredRetention,
     decode_incarnation,
@@ -172,11 +173,13 @@ class RegistryStore:
         *,
         clock: Clock = time.time,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        metrics: RegistryMetrics | None = None,
     ) -> None:
         self.etcd = etcd
         self.layout = layout
         self.ttl = ttl
         self._clock = clock
+        self._metrics = metrics if metrics is not None else RegistryMetrics()
         self._cache = RetentionCache(cache_bytes)
         # The hot paths (publish, lookup, renew) share etcd calls when they arrive together.
         self._reads = TxnBatcher(etcd)
@@ -222,6 +225,7 @@ class RegistryStore:
             ttl_left, revision = await self.etcd.keep_alive_once(kv.lease)
         except LeaseNotFound:
             raise self._engine_not_registered(engine_id) from None
+        self._metrics.lease_renewed(LEASE_ENGINE)
         if stats is not None:
             engine = _parse_engine(kv.value)
             engine.stats.CopyFrom(stats)
@@ -367,6 +371,8 @@ class RegistryStore:
             for _ in range(_TXN_ATTEMPTS):
                 published = await self._try_publish(retention, conversation, grant)
                 if published is not None:
+                    if published.superseded_turn:
+                        self._metrics.released(resources.RELEASE_REASON_SUPERSEDED)
                     return published
         finally:
             await self._drop_unused_lease(grant, published)
@@ -578,6 +584,7 @@ class RegistryStore:
         update: TxnResult = outcomes[1]
         if not update.succeeded:
             return None
+        self._metrics.lease_renewed(LEASE_RETENTION)
         revision = update.revision
         self._cache.put(
             live_key, StoredRetention(retention, stored.engine_incarnation), lease, revision, len(record)
@@ -585,31 +592,60 @@ class RegistryStore:
         return FoundRetention(retention, revision)
 
     async def release_retention(
-        self, tenant: str, conversation_id: str, reason: resources.ReleaseReason.ValueType
+        self,
+        tenant: str,
+        conversation_id: str,
+        reason: resources.ReleaseReason.ValueType,
+        engine_request_id: str = "",
     ) -> int:
-        """Ends the retention now (watchers see ENDED with ``reason``); returns the revision."""
+        """Ends the retention now (watchers see ENDED with ``reason``); returns the revision.
+
+        With ``engine_request_id``, only if the live record is that request (else FailedPrecondition):
+        the record is checked here and the deletion is guarded by that record's revision, so a turn
+        published after the check fails the transaction and is checked again, never released.
+        """
         reason = validation.release_reason(reason)
         conversation = validation.conversation_key(tenant, conversation_id)
+        if engine_request_id:
+            validation.require_id("engine_request_id", engine_request_id)
         live_key = self.layout.live(conversation)
+        response = await self.etcd.range(live_key)
+        live_kvs = response.kvs
         for _ in range(_TXN_ATTEMPTS):
-            response = await self.etcd.range(live_key)
-            if not response.kvs:
+            if not live_kvs:
                 raise self._no_retention(conversation)
-            kv = response.kvs[0]
+            kv = live_kvs[0]
             stored = decode_record(kv.value)
+            if engine_request_id and stored.retention.engine_request_id != engine_request_id:
+                raise self._other_request_live(conversation, stored.retention, engine_request_id)
             try:
                 committed = await self.etcd.txn(
                     [cmp_mod_revision(live_key, kv.mod_revision)],
                     self._end_operations(conversation, stored.retention.engine_id, kv.lease, reason),
+                    # Lost the race (a renewal, a newer turn): judge the record that won, no extra read.
+                    [op_range(live_key)],
                 )
             except LeaseNotFound:
                 raise self._no_retention(conversation) from None
             if committed.succeeded:
                 self._cache.drop(live_key)
+                self._metrics.released(reason)
                 # The lease now holds only the tombstone; revoking it drops the tombstone too.
                 await self._best_effort(self.etcd.revoke(kv.lease), "revoke released lease")
                 return int(committed.header.revision)
+            live_kvs = committed.responses[0].response_range.kvs
         raise Conflict(f"conversation {conversation_id} changed concurrently while releasing; retry")
+
+    @staticmethod
+    def _other_request_live(
+        conversation: ConversationKey, live: resources.Retention, engine_request_id: str
+    ) -> FailedPrecondition:
+        return FailedPrecondition(
+            f"conversation {conversation.conversation_id} of tenant {conversation.tenant} now retains "
+            f"engine request {live.engine_request_id} (turn {live.turn} on engine {live.engine_id}), not "
+            f"{engine_request_id}; nothing was released. A newer turn replaced the one you meant: leave it, "
+            "or release without engine_request_id to end whatever turn is live"
+        )
 
     def _end_operations(
         self,
@@ -675,6 +711,7 @@ class RegistryStore:
                 except LeaseNotFound:
                     results.append(False)
         ended = [kv.lease for (kv, _, _), ok in zip(entries, results, strict=True) if ok]
+        self._metrics.released(resources.RELEASE_REASON_ENGINE_GONE, len(ended))
         await asyncio.gather(
             *(self._best_effort(self.etcd.revoke(lease), "revoke reaped lease") for lease in ended)
         )

@@ -1,0 +1,59 @@
+"""The registry's Prometheus series: the shared ``kvferry_*`` ones it owns (docs/observability.md) plus
+its own ``kvferry_registry_*`` gauges, in one ``CollectorRegistry`` per registry (tests run several in
+one process).
+
+Counting rules that keep sums across registry replicas exact:
+
+- releases are counted by the replica whose etcd transaction ended the retention (RELEASED, EVICTED,
+  SUPERSEDED, ENGINE_GONE: every ending is one guarded transaction that only one replica wins);
+- EXPIRED has no such transaction (etcd ends the lease): it is counted by the replica that reports the
+  ending to the engine's watcher (a sidecar holds one WatchRetentions stream, on one replica);
+- the live gauges count what etcd holds, so every replica reports the same cluster-wide figure.
+"""
+
+from __future__ import annotations
+
+from kvferry.common import telemetry
+from kvferry.v1 import resources_pb2 as resources
+from prometheus_client import CollectorRegistry, Gauge
+
+# The etcd calls the gateway makes, as ``op`` labels of kvferry_etcd_errors_total (etcd's RPC names).
+ETCD_OPS = ("range", "txn", "compact", "lease_grant", "lease_revoke", "lease_keepalive", "watch")
+# What a renewed lease keeps alive, as ``kind`` labels of kvferry_lease_renewals_total.
+LEASE_ENGINE = "engine"
+LEASE_RETENTION = "retention"
+
+
+class RegistryMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.shared = telemetry.create_metrics(registry if registry is not None else CollectorRegistry())
+        self.registry = self.shared.registry
+        self.live_engines = Gauge(
+            "kvferry_registry_live_engines",
+            "Engines registered in etcd (cluster-wide; refreshed every few seconds).",
+            registry=self.registry,
+        )
+        self.live_retentions = Gauge(
+            "kvferry_registry_live_retentions",
+            "Live retention records in etcd (cluster-wide; refreshed every few seconds).",
+            registry=self.registry,
+        )
+        # Closed label sets start at zero so rates exist before the first event.
+        for op in ETCD_OPS:
+            self.shared.etcd_errors.labels(op=op)
+        for kind in (LEASE_ENGINE, LEASE_RETENTION):
+            self.shared.lease_renewals.labels(kind=kind)
+
+    def etcd_error(self, op: str) -> None:
+        self.shared.etcd_errors.labels(op=op).inc()
+
+    def lease_renewed(self, kind: str) -> None:
+        self.shared.lease_renewals.labels(kind=kind).inc()
+
+    def released(self, reason: resources.ReleaseReason.ValueType, count: int = 1) -> None:
+        if count > 0:
+            self.shared.releases.labels(reason=telemetry.release_reason_label(reason)).inc(count)
+
+    def set_live(self, engines: int, retentions: int) -> None:
+        self.live_engines.set(engines)
+        self.live_retentions.set(retentions)
