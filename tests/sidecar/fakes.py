@@ -127,12 +127,23 @@ class FakeRegistry:
         return found
 
     async def release_retention(
-        self, tenant: str, conversation_id: str, reason: resources_pb2.ReleaseReason.ValueType
+        self,
+        tenant: str,
+        conversation_id: str,
+        reason: resources_pb2.ReleaseReason.ValueType,
+        *,
+        engine_request_id: str = "",
     ) -> None:
         self._enter("release_retention")
-        found = self.retentions.pop((tenant, conversation_id), None)
+        found = self.retentions.get((tenant, conversation_id))
         if found is None:
             raise RegistryError(grpc.StatusCode.NOT_FOUND, "no live retention")
+        if engine_request_id and found.engine_request_id != engine_request_id:
+            raise RegistryError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"now retains engine request {found.engine_request_id}, not {engine_request_id}",
+            )
+        del self.retentions[(tenant, conversation_id)]
         self.emit(
             registry_pb2.WatchRetentionsResponse(
                 type=registry_pb2.RETENTION_EVENT_TYPE_ENDED, retention=found, reason=reason

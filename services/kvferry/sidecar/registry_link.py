@@ -73,8 +73,16 @@ class RegistryApi(Protocol):
     async def get_retention(self, tenant: str, conversation_id: str) -> resources_pb2.Retention: ...
 
     async def release_retention(
-        self, tenant: str, conversation_id: str, reason: resources_pb2.ReleaseReason.ValueType
-    ) -> None: ...
+        self,
+        tenant: str,
+        conversation_id: str,
+        reason: resources_pb2.ReleaseReason.ValueType,
+        *,
+        engine_request_id: str = "",
+    ) -> None:
+        """Ends the retention; with ``engine_request_id``, only if that request is still the live one
+        (else FAILED_PRECONDITION)."""
+        ...
 
     def watch_retentions(self, engine_id: str) -> RetentionStream: ...
 
@@ -171,10 +179,15 @@ class GrpcRegistry:
         return response.retention
 
     async def release_retention(
-        self, tenant: str, conversation_id: str, reason: resources_pb2.ReleaseReason.ValueType
+        self,
+        tenant: str,
+        conversation_id: str,
+        reason: resources_pb2.ReleaseReason.ValueType,
+        *,
+        engine_request_id: str = "",
     ) -> None:
         request = registry_pb2.ReleaseRetentionRequest(
-            tenant=tenant, conversation_id=conversation_id, reason=reason
+            tenant=tenant, conversation_id=conversation_id, reason=reason, engine_request_id=engine_request_id
         )
         await self._call("release_retention", self._stub.ReleaseRetention, request)
 

@@ -160,15 +160,27 @@ class RetentionPublisher:
                 raise SidecarError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is required")
         self._metrics.evictions.inc()
         try:
+            # The lookup keeps other engines' retentions out of reach (the guard names only the
+            # request) and spares a write when there is nothing of ours to end.
             live = await self._registry.get_retention(tenant, conversation_id)
             if live.engine_request_id != engine_request_id or live.engine_id != self.engine_id:
                 return False
-            # Not atomic with the check above: ReleaseRetention has no guard on the request id.
+            # The registry re-checks the request inside its release transaction, so a newer turn
+            # published since the lookup is refused (FAILED_PRECONDITION), never evicted.
             await self._registry.release_retention(
-                tenant, conversation_id, resources_pb2.RELEASE_REASON_EVICTED
+                tenant,
+                conversation_id,
+                resources_pb2.RELEASE_REASON_EVICTED,
+                engine_request_id=engine_request_id,
             )
         except RegistryError as err:
             if err.code is grpc.StatusCode.NOT_FOUND:
+                return False
+            if err.code is grpc.StatusCode.FAILED_PRECONDITION:
+                log.info(
+                    "retention not evicted: a newer turn replaced it",
+                    extra={"conversation_id": conversation_id, "engine_request_id": engine_request_id},
+                )
                 return False
             if err.code in _PASSED_ON:
                 raise SidecarError(err.code, f"the registry refused the eviction: {err.message}") from err
