@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from kvferry.bench.multiturn_stats import (
@@ -181,3 +182,16 @@ def test_schema_problems_are_named() -> None:
     report = _report()
     report["schema"] = "other/v0"
     assert validate_report(report) == ["schema is 'other/v0', expected 'kvferry.bench.multiturn/v1'"]
+
+
+def test_plots_from_a_report(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from kvferry.bench.multiturn_plots import write_plots
+
+    written = write_plots(_report(), tmp_path, "multiturn")
+    assert [p.name for p in written] == [
+        "multiturn-ttft_vs_length.png",
+        "multiturn-prefill_breakdown.png",
+        "multiturn-hit_rate_vs_gap.png",
+    ]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)

@@ -70,52 +70,18 @@ def write_plots(report: Mapping[str, Any], out_dir: Path, stem: str) -> list[Pat
     written.append(_save(fig, out_dir / f"{stem}-ttft_vs_length.png"))
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(max(8, len(buckets) * 1.3), 5))
     modes = [m for m in MODES if m in report["modes"]]
-    width = 0.8 / max(len(modes), 1)
-    for i, bucket in enumerate(buckets):
-        for j, mode in enumerate(modes):
-            stats = bucket["modes"].get(mode)
-            if not stats:
-                continue
-            x = i + (j - (len(modes) - 1) / 2) * width
-            pull = stats.get("pull_p50_ms") or 0.0
-            compute = stats.get("compute_p50_ms")
-            if compute is None:
-                compute = stats["prefill_p50_ms"]
-            decode_side = max(0.0, stats["ttft_p50_ms"] - stats["prefill_p50_ms"])
-            ax.bar(
-                x,
-                compute,
-                width,
-                color=_COLORS[mode],
-                alpha=0.9,
-                label=f"{_LABELS[mode]}: prefill compute" if i == 0 else None,
-            )
-            ax.bar(
-                x,
-                pull,
-                width,
-                bottom=compute,
-                color="gold",
-                edgecolor=_COLORS[mode],
-                label="KV pull D->P" if i == 0 and j == 0 else None,
-            )
-            ax.bar(
-                x,
-                decode_side,
-                width,
-                bottom=compute + pull,
-                color="lightgray",
-                edgecolor=_COLORS[mode],
-                label="decode side (P->D KV, first token, relay)" if i == 0 and j == 0 else None,
-            )
-    ax.set_xticks(range(len(buckets)), [b["label"] for b in buckets])
-    ax.set_xlabel("prompt-length bucket (tokens)")
-    ax.set_ylabel("ms (p50 of each part)")
-    ax.set_title(f"Where the TTFT goes\n{title}", fontsize=10)
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
+    zoomed = [m for m in modes if m != "recompute"]
+    panels = [(modes, "all modes")] + (
+        [(zoomed, "with reuse, zoomed in")] if zoomed and zoomed != modes else []
+    )
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(max(8, len(buckets) * 1.2) * len(panels), 5.5), squeeze=False
+    )
+    for ax, (shown, subtitle) in zip(axes[0], panels, strict=True):
+        _breakdown(ax, buckets, shown)
+        ax.set_title(f"Where the TTFT goes: {subtitle}", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     written.append(_save(fig, out_dir / f"{stem}-prefill_breakdown.png"))
     plt.close(fig)
 
@@ -146,6 +112,54 @@ def write_plots(report: Mapping[str, Any], out_dir: Path, stem: str) -> list[Pat
         written.append(_save(fig, out_dir / f"{stem}-hit_rate_vs_gap.png"))
         plt.close(fig)
     return written
+
+
+def _breakdown(ax: Any, buckets: list[dict[str, Any]], modes: list[str]) -> None:
+    """Stacked bars per bucket and mode: prefill compute, KV pull D->P, decode side."""
+    width = 0.8 / max(len(modes), 1)
+    for i, bucket in enumerate(buckets):
+        for j, mode in enumerate(modes):
+            stats = bucket["modes"].get(mode)
+            if not stats:
+                continue
+            x = i + (j - (len(modes) - 1) / 2) * width
+            pull = stats.get("pull_p50_ms") or 0.0
+            compute = stats.get("compute_p50_ms")
+            if compute is None:
+                compute = stats["prefill_p50_ms"]
+            decode_side = max(0.0, stats["ttft_p50_ms"] - stats["prefill_p50_ms"])
+            first = i == 0
+            ax.bar(
+                x,
+                compute,
+                width,
+                color=_COLORS[mode],
+                alpha=0.9,
+                label=f"{_LABELS[mode]}: prefill compute" if first else None,
+            )
+            ax.bar(
+                x,
+                pull,
+                width,
+                bottom=compute,
+                color="gold",
+                edgecolor=_COLORS[mode],
+                label="KV pull D->P" if first and j == 0 else None,
+            )
+            ax.bar(
+                x,
+                decode_side,
+                width,
+                bottom=compute + pull,
+                color="lightgray",
+                edgecolor=_COLORS[mode],
+                label="decode side (P->D KV, first token, relay)" if first and j == 0 else None,
+            )
+    ax.set_xticks(range(len(buckets)), [b["label"] for b in buckets])
+    ax.set_xlabel("prompt-length bucket (tokens)")
+    ax.set_ylabel("ms (p50 of each part)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
 
 
 def _save(fig: Any, path: Path) -> Path:
