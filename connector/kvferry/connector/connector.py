@@ -11,8 +11,8 @@ Load it with ``--kv-transfer-config``::
 
 vLLM's role split is kept: :class:`KvferryScheduler` runs in the engine core (scheduler) process,
 :class:`KvferryWorker` in the worker process, and :class:`KvferryConnectorMetadata` (vLLM's
-metadata plus the retained-request ids) is the only thing passed between them. NIXL transfers
-stay vLLM's. What kvferry changes:
+metadata plus the retained-request ids and per-request pull options) is the only thing passed
+between them. What kvferry changes:
 
 - decode engine: a finished request marked with kvferry's mark keeps its blocks, held by the
   connector through the block pool (the request itself finishes normally, so an engine holding
@@ -21,7 +21,9 @@ stay vLLM's. What kvferry changes:
 - prefill engine: declines a pull whose read deadline is too near, and counts pulled versus
   computed tokens.
 - both: report to the local sidecar (retentions, evictions, engine stats) from a background
-  thread; NIXL's progress thread sleeps between polls instead of spinning.
+  thread; NIXL's progress thread sleeps between polls instead of spinning; vLLM's READs (D->P
+  and P->D pulls) are posted as the fewest, largest descriptors the block ids and KV layout
+  allow (``coalesce_pulls``, kvferry.connector.nixl_pulls), each pull logged as ``kv pull``.
 
 Unmarked requests behave exactly as with vLLM's NixlConnector.
 """
@@ -40,6 +42,7 @@ from kvferry.common.vllm_http import RemoteBlocks, lease_expire_time_from_params
 from kvferry.connector import vllm_internals
 from kvferry.connector.accounting import Accounting, StatsSnapshot, pull_allowed
 from kvferry.connector.compat import KvLayout, kv_compatibility_hash
+from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullOptions, PullRecord
 from kvferry.connector.retention import EndReason, RetainedEntry, RetentionTable
 from kvferry.connector.settings import KvferrySettings, SettingsError, parse_settings
 from kvferry.connector.sidecar_link import BackgroundLoop, DueTimer, Eviction, RetentionReport, SidecarLink
@@ -73,6 +76,8 @@ _REMOTE_KEYS = (
 )
 # Released ids stay known to the worker this long, so late read notices are still recognised.
 _FORGET_AFTER_SECONDS = 600.0
+# Per-request pull options the worker keeps at most (a request whose pull never starts is dropped).
+_MAX_PULL_OPTIONS = 1024
 
 
 def _setup_logging() -> None:
@@ -102,21 +107,28 @@ def engine_layout(vllm_config: VllmConfig) -> KvLayout:
 
 
 class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
-    """vLLM's NIXL metadata plus which requests kvferry retains (scheduler -> worker)."""
+    """vLLM's NIXL metadata plus which requests kvferry retains and per-request pull options
+    (scheduler -> worker)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.retained_added: list[str] = []
         self.retained_released: list[str] = []
+        self.pull_options: dict[str, PullOptions] = {}
 
     @classmethod
     def extend(
-        cls, base: NixlConnectorMetadata, added: list[str], released: list[str]
+        cls,
+        base: NixlConnectorMetadata,
+        added: list[str],
+        released: list[str],
+        pull_options: dict[str, PullOptions] | None = None,
     ) -> KvferryConnectorMetadata:
         meta = cls()
         meta.__dict__.update(base.__dict__)
         meta.retained_added = added
         meta.retained_released = released
+        meta.pull_options = pull_options or {}
         return meta
 
 
@@ -148,6 +160,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._held: dict[str, list[Any]] = {}
         self._worker_added: list[str] = []
         self._worker_released: list[str] = []
+        self._pull_options: dict[str, PullOptions] = {}
         self._waker = vllm_internals.EngineWaker(vllm_internals.find_engine_core_input_queue())
         self._loop = BackgroundLoop("kvferry-connector")
         self._timer = DueTimer(self._loop, self.table.next_due, self._waker.wake)
@@ -208,6 +221,15 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     ) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         self.accounting.on_allocated(request.request_id, num_external_tokens, time.monotonic())
+        try:
+            options = PullOptions.from_params(request.kv_transfer_params)
+        except ValueError as bad:
+            logger.warning(
+                "ignoring malformed pull options", extra={"request_id": request.request_id, "error": str(bad)}
+            )
+            options = None
+        if options is not None:
+            self._pull_options[request.request_id] = options
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
@@ -220,6 +242,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         mark = self._mark(request)
+        self._pull_options.pop(request.request_id, None)
         delay_free, params = super().request_finished(request, block_ids)
         self.accounting.on_finished(request.request_id, time.monotonic())
         if (
@@ -314,7 +337,9 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         base = super().build_connector_meta(scheduler_output)
         assert isinstance(base, NixlConnectorMetadata)
         self._free_due()
-        meta = KvferryConnectorMetadata.extend(base, self._worker_added, self._worker_released)
+        # Options travel with the step that asks the worker to pull (reqs_to_recv).
+        options = {r: self._pull_options.pop(r) for r in base.reqs_to_recv if r in self._pull_options}
+        meta = KvferryConnectorMetadata.extend(base, self._worker_added, self._worker_released, options)
         self._worker_added, self._worker_released = [], []
         return meta
 
@@ -390,7 +415,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 
 
 class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
-    """Worker half: vLLM's NIXL worker with a quiet progress thread and retained-read filtering."""
+    """Worker half: vLLM's NIXL worker with a quiet progress thread, retained-read filtering and
+    coalesced pulls (kvferry.connector.nixl_pulls)."""
 
     def __init__(
         self,
@@ -407,8 +433,16 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             super().__init__(vllm_config, engine_id, kv_cache_config)
         self._retained: set[str] = set()
         self._released_at: dict[str, float] = {}
+        self._pull_options: dict[str, PullOptions] = {}
         agent: Any = getattr(self, "nixl_wrapper")  # noqa: B009 - set by vLLM's __init__
-        self.nixl_wrapper: Any = vllm_internals.NotificationFilter(agent, self._knows)
+        transfer = vllm_config.kv_transfer_config
+        self.pulls = PullCoalescer(
+            agent,
+            enabled=settings.coalesce_pulls,
+            reader_role=str(transfer.kv_role) if transfer is not None else "",
+            on_pull=self._pulled,
+        )
+        self.nixl_wrapper: Any = vllm_internals.NotificationFilter(self.pulls, self._knows)
 
     def _knows(self, request_id: str) -> bool:
         return request_id in self._retained or request_id in self._released_at
@@ -423,7 +457,31 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             if self._released_at:
                 cutoff = now - _FORGET_AFTER_SECONDS
                 self._released_at = {r: t for r, t in self._released_at.items() if t >= cutoff}
+            self._pull_options.update(metadata.pull_options)
+            while len(self._pull_options) > _MAX_PULL_OPTIONS:
+                self._pull_options.pop(next(iter(self._pull_options)))
         super().start_load_kv(metadata)
+
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        # vLLM posts this request's READs inside: tell the coalescer whose they are.
+        options = self._pull_options.get(req_id)
+        local_ids, remote_ids = vllm_internals.pull_block_ids(meta)
+        self.pulls.set_context(
+            PullContext(
+                request_id=req_id,
+                coalesce=options.coalesce if options else None,
+                digest=options.digest if options else False,
+                local_block_ids=local_ids,
+                remote_block_ids=remote_ids,
+            )
+        )
+        try:
+            super()._read_blocks_for_req(req_id, meta)
+        finally:
+            self.pulls.set_context(None)
+
+    def _pulled(self, record: PullRecord) -> None:
+        self._pull_options.pop(record.request_id, None)
 
 
 class KvferryConnector(NixlPullConnector):  # type: ignore[misc]

@@ -62,6 +62,10 @@ class KvferrySettings:
     # Salt of the block digest chain (the engine's KV compatibility hash). When given it must
     # match the hash the connector computes from the engine's config (a mismatch fails start).
     kv_compatibility_hash: str = ""
+    # Post each KV pull (D->P and P->D) as the fewest, largest NIXL descriptors its block ids
+    # and the KV layout allow, instead of vLLM's one per region x block (docs/coalesced-pulls.md).
+    # False keeps vLLM's own descriptors (for comparison).
+    coalesce_pulls: bool = True
 
     def validate(self) -> None:
         problems: list[str] = []

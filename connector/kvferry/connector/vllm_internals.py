@@ -18,6 +18,10 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
    thread sleep between polls (it still wakes for incoming traffic).
 5. NIXL notifications: a prefill's "done reading" notice for a retained request is dropped
    before vLLM sees it (vLLM would log it as an unknown request: it frees on that notice).
+6. NIXL transfers: the worker's agent is wrapped (``kvferry.connector.nixl_pulls``) so that the
+   descriptor lists vLLM prepares are seen and its ``make_prepped_xfer`` READs are posted as
+   coalesced descriptors; the worker's ``_read_blocks_for_req(req_id, meta)`` is wrapped to name
+   the request (and its block ids, ``meta.local_physical_block_ids`` / ``meta.remote.block_ids``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def check_vllm() -> str:
         NixlPullConnectorScheduler,
         NixlPullConnectorWorker,
     )
+    from vllm.distributed.nixl_utils import NixlWrapper
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.engine import EngineCoreRequestType
     from vllm.v1.engine.core import EngineCore
@@ -71,10 +76,12 @@ def check_vllm() -> str:
     for owner, names in (
         (BlockPool, ("touch", "free_blocks")),
         (NixlPullConnectorScheduler, ("request_finished", "build_connector_meta", "has_pending_push_work")),
-        (NixlPullConnectorWorker, ("start_load_kv", "_get_new_notifs")),
+        (NixlPullConnectorWorker, ("start_load_kv", "_get_new_notifs", "_read_blocks_for_req")),
         (EngineCore, ("step",)),
     ):
         missing += [f"{owner.__name__}.{n}" for n in names if not hasattr(owner, n)]
+    if NixlWrapper is not None:
+        missing += [f"nixl_agent.{n}" for n in _NIXL_AGENT_CALLS if not hasattr(NixlWrapper, n)]
     if not hasattr(EngineCoreRequestType, "WAKEUP"):
         missing.append("EngineCoreRequestType.WAKEUP")
     source = inspect.getsource(NixlPullConnectorScheduler.__mro__[1].__init__)
@@ -269,6 +276,37 @@ class NotificationFilter:
                 self.reads_seen += 1
             return True
         return False
+
+
+# -- 6. Coalesced pulls ----------------------------------------------------------------------------
+
+# The NIXL agent calls the pull coalescer watches or makes (nixl's nixl_agent API).
+_NIXL_AGENT_CALLS = (
+    "get_reg_descs",
+    "register_memory",
+    "get_xfer_descs",
+    "prep_xfer_dlist",
+    "make_prepped_xfer",
+    "initialize_xfer",
+    "get_xfer_telemetry",
+    "release_xfer_handle",
+)
+
+
+def pull_block_ids(meta: Any) -> tuple[list[int], list[int]]:
+    """(local, remote) block ids of a pull's first KV-cache group, from vLLM's ReqMeta.
+
+    Statistics only (runs of consecutive ids); empty lists when vLLM's fields are not there.
+    """
+    local_groups = getattr(meta, "local_physical_block_ids", None) or getattr(meta, "local_block_ids", None)
+    remote = getattr(meta, "remote", None)
+    remote_groups = getattr(remote, "block_ids", None) if remote is not None else None
+    try:
+        local = [int(b) for b in local_groups[0]] if local_groups else []
+        remote_ids = [int(b) for b in remote_groups[0]] if remote_groups else []
+    except (TypeError, ValueError, IndexError):
+        return [], []
+    return local, remote_ids
 
 
 def filter_known(ids: Collection[str], known: Callable[[str], bool]) -> list[str]:

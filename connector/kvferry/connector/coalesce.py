@@ -1,0 +1,197 @@
+"""Planning coalesced KV pulls: the fewest, largest NIXL descriptors that move the same bytes.
+
+Pure (numpy, no NIXL, no vLLM). vLLM describes a pull as two index lists into descriptor lists
+it prepared once per engine: one descriptor per KV region (layer, or layer x K/V) x block, the
+i-th local descriptor receiving the i-th remote one. NIXL merges neighbours only when their
+indices are consecutive on both sides *and* each prepared list is dense (descriptor length ==
+block stride), so vLLM's pulls stay one descriptor per region x block whenever
+
+- the block ids run backwards (vLLM's free queue hands freed blocks out tail first), or
+- the layout is not dense per region: K and V halves of one block interleaved (vLLM 0.25's
+  FLASH_ATTN, blocks first), or all layers of a block stored together (cross-layer layouts).
+
+:func:`plan_pull` works on the bytes instead: it sorts the (destination, source) pairs by
+destination address and joins each pair with the next when both sides continue in memory, on
+the same device and, where known, in the same registered memory range. The result moves
+exactly the bytes vLLM's pair list moves (every byte of every pair, each to the same place) as
+one descriptor per maximal run, whatever the layout: a layer x K/V region per run of blocks,
+or a whole layer, or all layers of a run where memory allows. Runs that are not contiguous on
+both sides stay separate, down to vLLM's own per-block descriptors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+Rows = npt.NDArray[np.uint64]
+Indices = npt.NDArray[np.int64]
+
+# Columns of a descriptor row, as NIXL's Nx3 arrays have them.
+ADDRESS, LENGTH, DEVICE = 0, 1, 2
+
+
+class PlanError(ValueError):
+    """The pair list cannot be coalesced safely; the caller posts vLLM's own descriptors."""
+
+
+@dataclass(frozen=True)
+class DescriptorList:
+    """A prepared descriptor list: one row (address, length, device id) per descriptor.
+
+    ``segments`` (optional, one id per row): rows with different ids lie in different registered
+    memory ranges, so no descriptor may span them. None when the caller does not know.
+    """
+
+    rows: Rows
+    segments: npt.NDArray[np.int64] | None = None
+
+    @classmethod
+    def of(cls, rows: object, segments: object = None) -> DescriptorList:
+        array = np.asarray(rows, dtype=np.uint64)
+        if array.ndim != 2 or array.shape[1] != 3:
+            raise PlanError(f"descriptor rows must be N x 3 (address, length, device), got {array.shape}")
+        seg = None if segments is None else np.asarray(segments, dtype=np.int64)
+        if seg is not None and seg.shape != (array.shape[0],):
+            raise PlanError("one segment id per descriptor row is needed")
+        return cls(rows=array, segments=seg)
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """Descriptors to post: ``local[i]`` receives ``remote[i]`` (same length)."""
+
+    local: Rows
+    remote: Rows
+    # Descriptors vLLM listed for the same pull (one per region x block).
+    listed: int
+    total_bytes: int
+
+    @property
+    def descriptors(self) -> int:
+        return int(self.local.shape[0])
+
+
+def plan_pull(
+    local: DescriptorList,
+    local_indices: Sequence[int] | npt.NDArray[np.integer],
+    remote: DescriptorList,
+    remote_indices: Sequence[int] | npt.NDArray[np.integer],
+) -> PullPlan:
+    """The coalesced form of vLLM's pull ``local[local_indices[i]] <- remote[remote_indices[i]]``.
+
+    Raises :class:`PlanError` where coalescing could change what lands where (mismatched
+    lengths, overlapping destinations, indices out of range): the caller then posts vLLM's list.
+    """
+    li = _indices(local_indices, len(local), "local")
+    ri = _indices(remote_indices, len(remote), "remote")
+    if li.shape != ri.shape:
+        raise PlanError(f"{li.size} local but {ri.size} remote descriptors")
+    empty = np.empty((0, 3), dtype=np.uint64)
+    if li.size == 0:
+        return PullPlan(local=empty, remote=empty, listed=0, total_bytes=0)
+    lrows = local.rows[li]
+    rrows = remote.rows[ri]
+    if not np.array_equal(lrows[:, LENGTH], rrows[:, LENGTH]):
+        raise PlanError("a local and a remote descriptor of one pair differ in length")
+    # Destinations are distinct blocks, so their order is free: sorting by destination puts each
+    # pair next to the only pair it could continue into.
+    order = np.argsort(lrows[:, ADDRESS], kind="stable")
+    lrows, rrows = lrows[order], rrows[order]
+    lend = lrows[:, ADDRESS] + lrows[:, LENGTH]
+    if np.any(lrows[1:, ADDRESS] < lend[:-1]):
+        raise PlanError("two destinations overlap")
+    joins = (
+        (lrows[1:, ADDRESS] == lend[:-1])
+        & (rrows[1:, ADDRESS] == rrows[:-1, ADDRESS] + rrows[:-1, LENGTH])
+        & (lrows[1:, DEVICE] == lrows[:-1, DEVICE])
+        & (rrows[1:, DEVICE] == rrows[:-1, DEVICE])
+    )
+    for side, indices in ((local, li), (remote, ri)):
+        if side.segments is not None:
+            seg = side.segments[indices][order]
+            joins &= seg[1:] == seg[:-1]
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.add.reduceat(lrows[:, LENGTH], starts).astype(np.uint64)
+    out_local = np.stack([lrows[starts, ADDRESS], lengths, lrows[starts, DEVICE]], axis=1)
+    out_remote = np.stack([rrows[starts, ADDRESS], lengths, rrows[starts, DEVICE]], axis=1)
+    return PullPlan(
+        local=np.ascontiguousarray(out_local, dtype=np.uint64),
+        remote=np.ascontiguousarray(out_remote, dtype=np.uint64),
+        listed=int(li.size),
+        total_bytes=int(lengths.sum()),
+    )
+
+
+def _indices(values: Sequence[int] | npt.NDArray[np.integer], size: int, side: str) -> Indices:
+    array = np.asarray(values, dtype=np.int64).reshape(-1)
+    if array.size and (array.min() < 0 or array.max() >= size):
+        raise PlanError(f"{side} descriptor index out of range (list of {size})")
+    return array
+
+
+def segments_of(rows: Rows, ranges: Sequence[tuple[int, int]]) -> npt.NDArray[np.int64]:
+    """For each descriptor row, the index of the registered range ``(start, length)`` holding it.
+
+    -1 where no single range holds the whole descriptor (such rows never join another).
+    """
+    if not ranges:
+        return np.full(rows.shape[0], -1, dtype=np.int64)
+    ordered = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    starts = np.asarray([ranges[i][0] for i in ordered], dtype=np.uint64)
+    ends = np.asarray([ranges[i][0] + ranges[i][1] for i in ordered], dtype=np.uint64)
+    ids = np.asarray(ordered, dtype=np.int64)
+    addresses = rows[:, ADDRESS]
+    slot = np.searchsorted(starts, addresses, side="right").astype(np.int64) - 1
+    found = slot >= 0
+    safe = np.where(found, slot, 0)
+    inside = found & (addresses + rows[:, LENGTH] <= ends[safe])
+    result = np.where(inside, ids[safe], -1)
+    # Rows outside every range get distinct negative ids so that they never join.
+    outside = np.flatnonzero(~inside)
+    result[outside] = -1 - np.arange(outside.size, dtype=np.int64)
+    return result
+
+
+@dataclass(frozen=True)
+class BlockRuns:
+    """How consecutive a pull's block ids are (a block id pair: local[i] receives remote[i])."""
+
+    blocks: int
+    # Runs NIXL can merge from vLLM's order: both ids step +1 from one pair to the next.
+    runs_as_listed: int
+    # Runs kvferry merges: pairs sorted by local id, both ids step +1 (backward runs on both
+    # sides count as runs too).
+    runs_sorted: int
+
+    @property
+    def mean_run_blocks(self) -> float:
+        return self.blocks / self.runs_sorted if self.runs_sorted else 0.0
+
+
+def block_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> BlockRuns:
+    if len(local_ids) != len(remote_ids):
+        raise ValueError("local and remote block id lists differ in length")
+    pairs = list(zip(local_ids, remote_ids, strict=True))
+    if not pairs:
+        return BlockRuns(blocks=0, runs_as_listed=0, runs_sorted=0)
+
+    def runs(seq: list[tuple[int, int]]) -> int:
+        return 1 + sum(1 for (l0, r0), (l1, r1) in itertools.pairwise(seq) if (l1, r1) != (l0 + 1, r0 + 1))
+
+    return BlockRuns(blocks=len(pairs), runs_as_listed=runs(pairs), runs_sorted=runs(sorted(pairs)))
+
+
+def consecutive_fraction(block_ids: Sequence[int]) -> float:
+    """Share of neighbouring ids in ``block_ids`` that step by +1 (1.0: one ascending run)."""
+    if len(block_ids) < 2:
+        return 1.0
+    steps = sum(1 for a, b in itertools.pairwise(block_ids) if b == a + 1)
+    return steps / (len(block_ids) - 1)
