@@ -20,6 +20,8 @@ from kvferry.bench.multiturn_stats import (
     bucket_of,
     build_report,
     check_targets,
+    combine_reports,
+    combined_markdown,
     percentile,
     summarize_buckets,
     summarize_gaps,
@@ -195,3 +197,18 @@ def test_plots_from_a_report(tmp_path: Path) -> None:
         "multiturn-hit_rate_vs_gap.png",
     ]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+
+
+def test_combine_takes_medians_over_runs() -> None:
+    first, second, third = _report(), _report(), _report()
+    second["buckets"][0]["modes"][REUSE]["ttft_p50_ms"] = 300.0  # type: ignore[index]
+    third["buckets"][0]["modes"][REUSE]["ttft_p50_ms"] = 100.0  # type: ignore[index]
+    combined = combine_reports([first, second, third])
+    assert combined["runs"] == 3
+    assert combined["buckets"][0]["modes"][REUSE]["ttft_p50_ms"] == 200.0
+    assert combined["targets"]["ratio"]["median"] == pytest.approx(0.15)
+    assert combined["gaps"] == [{"arm": HEARTBEAT, "gap_s": 5.0, "hits": 3, "turns": 3}]
+    table = combined_markdown(combined)
+    assert "Median of 3 runs" in table and "| 2k-4k | reuse | 200 |" in table
+    with pytest.raises(ValueError):
+        combine_reports([])

@@ -124,6 +124,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--decode-url", default="", help="with --router: the decode engine's HTTP URL")
     stack.add_argument("--model", default="", help="with --router: the served model name")
     parser.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="print the median over these multiturn.json files as Markdown and exit (runs nothing)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path("bench-out/multiturn"),
@@ -172,6 +179,12 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.combine:
+        from kvferry.bench.multiturn_stats import combine_reports, combined_markdown
+
+        reports = [json.loads(path.read_text()) for path in args.combine]
+        print(combined_markdown(combine_reports(reports)))
+        return 0
     preset = _preset(args)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     unknown = [m for m in modes if m not in MODES]

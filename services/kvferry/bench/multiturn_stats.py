@@ -452,3 +452,95 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
         if key not in report["gap_sweep"]:
             problems.append(f"gap_sweep lacks {key!r}")
     return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Several runs: the median of each figure (``kvferry bench multiturn --combine a.json b.json ...``)
+# ---------------------------------------------------------------------------------------------
+
+COMBINED_FIELDS = ("ttft_p50_ms", "ttft_p90_ms", "prefill_p50_ms", "compute_p50_ms", "pull_p50_ms",
+                   "handoff_p50_ms", "mean_pulled_tokens", "mean_recomputed_tokens")  # fmt: skip
+
+
+def combine_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Median over runs of every bucket figure, target value and gap hit count."""
+    if not reports:
+        raise ValueError("no reports to combine")
+    buckets: dict[str, dict[str, dict[str, list[float]]]] = {}
+    order: list[str] = []
+    for report in reports:
+        for bucket in report["buckets"]:
+            if bucket["label"] not in buckets:
+                order.append(bucket["label"])
+            per_mode = buckets.setdefault(bucket["label"], {})
+            for mode, stats in bucket["modes"].items():
+                fields = per_mode.setdefault(mode, {})
+                for name in COMBINED_FIELDS:
+                    if stats.get(name) is not None:
+                        fields.setdefault(name, []).append(float(stats[name]))
+                fields.setdefault("turns", []).append(float(stats["turns"]))
+    targets: dict[str, list[float]] = {}
+    for report in reports:
+        for target in report["targets"]:
+            if target["value"] is not None:
+                targets.setdefault(target["name"], []).append(float(target["value"]))
+    gaps: dict[tuple[str, float], list[tuple[int, int]]] = {}
+    for report in reports:
+        for row in report["gap_sweep"].get("summary", []):
+            gaps.setdefault((row["arm"], row["gap_s"]), []).append((row["hits"], row["turns"]))
+    return {
+        "runs": len(reports),
+        "buckets": [
+            {
+                "label": label,
+                "modes": {
+                    mode: {name: percentile(values, 50) for name, values in fields.items()}
+                    for mode, fields in sorted(buckets[label].items(), key=lambda item: _mode_order(item[0]))
+                },
+            }
+            for label in order
+        ],
+        "targets": {
+            name: {"median": percentile(v, 50), "min": min(v), "max": max(v), "values": v}
+            for name, v in targets.items()
+        },
+        "gaps": [
+            {"arm": arm, "gap_s": gap, "hits": sum(h for h, _ in rows), "turns": sum(t for _, t in rows)}
+            for (arm, gap), rows in sorted(gaps.items())
+        ],
+    }
+
+
+def combined_markdown(combined: Mapping[str, Any]) -> str:
+    """The combined figures as Markdown tables (docs/benchmark.md)."""
+    lines = [
+        f"Median of {combined['runs']} runs (each figure: the median over runs of that run's p50).",
+        "",
+        "| bucket | mode | TTFT p50 | TTFT p90 | prefill | compute | KV pull D->P | decode side | P->D KV "
+        "| pulled | computed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for bucket in combined["buckets"]:
+        for mode, s in bucket["modes"].items():
+
+            def f(name: str, s: Mapping[str, float] = s) -> str:
+                value = s.get(name)
+                return "-" if value is None or not math.isfinite(value) else f"{value:.0f}"
+
+            decode_side = s["ttft_p50_ms"] - s["prefill_p50_ms"]
+            lines.append(
+                f"| {bucket['label']} | {mode} | {f('ttft_p50_ms')} | {f('ttft_p90_ms')} "
+                f"| {f('prefill_p50_ms')} "
+                f"| {f('compute_p50_ms')} | {f('pull_p50_ms')} | {decode_side:.0f} | {f('handoff_p50_ms')} "
+                f"| {f('mean_pulled_tokens')} | {f('mean_recomputed_tokens')} |"
+            )
+    lines += ["", "| target | median | min | max |", "|---|---:|---:|---:|"]
+    for name, t in combined["targets"].items():
+        lines.append(f"| {name} | {t['median']:.3g} | {t['min']:.3g} | {t['max']:.3g} |")
+    lines += ["", "| gap (s) | fixed TTL hits | heartbeat hits |", "|---:|---:|---:|"]
+    by_gap: dict[float, dict[str, str]] = {}
+    for row in combined["gaps"]:
+        by_gap.setdefault(row["gap_s"], {})[row["arm"]] = f"{row['hits']}/{row['turns']}"
+    for gap, arms in sorted(by_gap.items()):
+        lines.append(f"| {gap:g} | {arms.get(FIXED_TTL, '-')} | {arms.get(HEARTBEAT, '-')} |")
+    return "\n".join(lines)
