@@ -449,6 +449,8 @@ class _QuietUvicorn(uvicorn.Server):
 # ------------------------------------------------------------------------------------------------
 
 
+# Path -> reuse policy of the router process that serves it ("" : no router, the engines directly).
+PATHS = {"direct": "", "router": "cost", "router-noreuse": "never", "router-noretain": "cost"}
 BENCH_API_KEY = "bench-key"
 BENCH_TENANT = "bench"
 STANDIN_MODEL = "standin-model"
@@ -530,9 +532,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--paths",
-        default="direct,router,router-noretain",
-        help="what to time: direct (engines called by the bench), router (full path with retention), "
-        "router-noretain (router, retain=false: the same engine work as direct)",
+        default="direct,router,router-noreuse",
+        help="what to time: direct (the engines called as the router calls them: prefill, then a "
+        "streamed decode marked for retention; no reuse), router (the full path: lookup, pull, "
+        "retention), router-noreuse (a router with --reuse-policy never: the same engine work as "
+        "direct), router-noretain (retain=false; stand-ins only: real decode engines then hold the "
+        "blocks for vLLM's decoder_kv_blocks_ttl)",
     )
     parser.add_argument(
         "--pin-router", type=int, default=-1, help="pin the router process to this CPU (-1: no)"
@@ -560,31 +565,41 @@ def run(args: argparse.Namespace) -> int:
             registry_address = args.registry
         else:
             registry_address = _start_services(work, processes, args.engines)
-        grpc_port, http_port = free_port(), free_port()
-        with open(work / "router.log", "ab") as router_log:
-            router = subprocess.Popen(
-                [
-                    sys.executable,
-                    *(["-m", "cProfile", "-o", args.profile_router] if args.profile_router else []),
-                    "-m",
-                    "kvferry.cli.main",
-                    "router",
-                    f"--registry={registry_address}",
-                    f"--grpc-listen=127.0.0.1:{grpc_port}",
-                    f"--http-listen=127.0.0.1:{http_port}",
-                    f"--api-keys={BENCH_API_KEY}={BENCH_TENANT}",
-                    f"--publish-wait={args.publish_wait}",
-                    "--log-level=warning",
-                ],
-                stdout=router_log,
-                stderr=subprocess.STDOUT,
-            )
-        processes.append(router)
-        if args.pin_router >= 0:
-            import os
+        paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+        unknown = set(paths) - set(PATHS)
+        if unknown:
+            print(f"unknown paths {sorted(unknown)}; known: {sorted(PATHS)}")
+            return 2
+        # One router process per reuse policy the paths need ("router-noreuse" runs --reuse-policy never).
+        routers: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
+        for policy in sorted({PATHS[p] for p in paths if PATHS[p]}):
+            grpc_port, http_port = free_port(), free_port()
+            with open(work / f"router-{policy}.log", "ab") as router_log:
+                proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        *(["-m", "cProfile", "-o", args.profile_router] if args.profile_router else []),
+                        "-m",
+                        "kvferry.cli.main",
+                        "router",
+                        f"--registry={registry_address}",
+                        f"--grpc-listen=127.0.0.1:{grpc_port}",
+                        f"--http-listen=127.0.0.1:{http_port}",
+                        f"--api-keys={BENCH_API_KEY}={BENCH_TENANT}",
+                        f"--publish-wait={args.publish_wait}",
+                        f"--reuse-policy={policy}",
+                        "--log-level=warning",
+                    ],
+                    stdout=router_log,
+                    stderr=subprocess.STDOUT,
+                )
+            processes.append(proc)
+            if args.pin_router >= 0:
+                import os
 
-            os.sched_setaffinity(router.pid, {args.pin_router})
-        results = asyncio.run(_measure(args, registry_address, f"127.0.0.1:{grpc_port}", router))
+                os.sched_setaffinity(proc.pid, {args.pin_router})
+            routers[policy] = (f"127.0.0.1:{grpc_port}", proc)
+        results = asyncio.run(_measure(args, registry_address, paths, routers))
     finally:
         for proc in reversed(processes):
             proc.terminate()
@@ -600,26 +615,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _measure(
-    args: argparse.Namespace, registry_address: str, router_address: str, router: Any
+    args: argparse.Namespace,
+    registry_address: str,
+    paths: list[str],
+    routers: dict[str, tuple[str, Any]],
 ) -> dict[str, Any]:
-    await _wait_for_router(router_address, router)
+    for address, proc in routers.values():
+        await _wait_for_router(address, proc)
     engines = await _engines_for_direct_path(registry_address, args.model)
     model = engines[0].model
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     rows: list[dict[str, Any]] = []
-    channel = grpc.aio.insecure_channel(router_address)
+    channels = {policy: grpc.aio.insecure_channel(address) for policy, (address, _) in routers.items()}
     try:
         for concurrency in levels:
             for path in paths:
-                cpu_before = _process_cpu_seconds(router.pid)
-                level = await _run_level(args, path, concurrency, channel, engines, model)
-                if path != "direct":
-                    level.router_cpu_s = _process_cpu_seconds(router.pid) - cpu_before
+                policy = PATHS[path]
+                proc = routers[policy][1] if policy else None
+                cpu_before = _process_cpu_seconds(proc.pid) if proc else 0.0
+                level = await _run_level(args, path, concurrency, channels.get(policy), engines, model)
+                if proc is not None:
+                    level.router_cpu_s = _process_cpu_seconds(proc.pid) - cpu_before
                 rows.append(level.summary())
                 print(json.dumps(rows[-1]), flush=True)
     finally:
-        await channel.close()
+        for channel in channels.values():
+            await channel.close()
     return {
         "engines": args.engines,
         "model": model,
@@ -831,7 +852,7 @@ async def _run_level(
     args: argparse.Namespace,
     path: str,
     concurrency: int,
-    channel: grpc.aio.Channel,
+    channel: grpc.aio.Channel | None,
     engines: list[_DirectEngines],
     model: str,
 ) -> LevelResult:
@@ -841,7 +862,7 @@ async def _run_level(
     from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
     conversations_per_client = max(1, -(-args.samples // (concurrency * args.turns)))
-    stub = router_grpc.RouterServiceStub(channel)
+    stub = router_grpc.RouterServiceStub(channel) if channel is not None else None
     metadata = (("authorization", f"Bearer {BENCH_API_KEY}"),)
     pair = engines[0]
     # The same client stack the router uses (vllm_http over aiohttp), so only the router differs.
@@ -855,6 +876,7 @@ async def _run_level(
     run_id = f"{path}-{concurrency}-{time.monotonic_ns()}"
 
     async def router_turn(conv: str, tokens: list[int], retain: bool) -> tuple[TurnTiming, list[int]]:
+        assert stub is not None
         request = router_pb2.GenerateRequest(
             conversation_id=conv,
             model=model,
@@ -875,7 +897,9 @@ async def _run_level(
                 pulled = event.summary.pulled_tokens
         return TurnTiming(ttft, time.perf_counter() - started, pulled), out
 
-    async def direct_turn(tokens: list[int]) -> tuple[TurnTiming, list[int]]:
+    async def direct_turn(conv: str, turn: int, tokens: list[int]) -> tuple[TurnTiming, list[int]]:
+        # Marked like the router's decodes, so the connector governs the blocks as it would for them.
+        mark = ConversationMark(tenant=f"{BENCH_TENANT}-direct", conversation_id=conv, turn=turn)
         started = time.perf_counter()
         prefilled = await prefill.prefill(vllm_http.PrefillRequest(token_ids=tuple(tokens)))
         ttft = 0.0
@@ -884,6 +908,7 @@ async def _run_level(
             vllm_http.DecodeRequest(
                 token_ids=tuple(tokens),
                 handoff=prefilled.handoff,
+                mark=mark,
                 sampling=vllm_http.Sampling(max_tokens=args.max_tokens, ignore_eos=True),
             )
         )
@@ -900,14 +925,14 @@ async def _run_level(
         for conversation in range(conversations_per_client):
             conv = f"{run_id}-{index}-{conversation}"
             tokens = [rng.randrange(100, 4000) for _ in range(args.prompt_tokens)]
-            for _ in range(args.turns):
+            for turn in range(1, args.turns + 1):
                 if path == "direct":
-                    timing, out = await direct_turn(tokens)
+                    timing, out = await direct_turn(conv, turn, tokens)
                 else:
-                    timing, out = await router_turn(conv, tokens, retain=path == "router")
+                    timing, out = await router_turn(conv, tokens, retain=path != "router-noretain")
                 timings.append(timing)
                 tokens = tokens + out + [rng.randrange(100, 4000) for _ in range(args.turn_tokens)]
-            if path == "router":
+            if stub is not None:
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await stub.CloseConversation(
                         router_pb2.CloseConversationRequest(conversation_id=conv),
@@ -916,10 +941,11 @@ async def _run_level(
                     )
 
     # One warm-up turn per path opens connections and fills caches.
+    warmup = [1000 + i for i in range(args.prompt_tokens)]
     if path == "direct":
-        await direct_turn([1000 + i for i in range(args.prompt_tokens)])
+        await direct_turn(f"{run_id}-warmup", 1, warmup)
     else:
-        await router_turn(f"{run_id}-warmup", [1000 + i for i in range(args.prompt_tokens)], retain=False)
+        await router_turn(f"{run_id}-warmup", warmup, retain=path != "router-noretain")
     started = time.perf_counter()
     try:
         await asyncio.gather(*(client(i) for i in range(concurrency)))

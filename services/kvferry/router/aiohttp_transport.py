@@ -79,8 +79,11 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 timeout=timeout,
                 allow_redirects=False,
             )
-        except TimeoutError as error:
+        except aiohttp.ConnectionTimeoutError as error:
             raise httpx.ConnectTimeout(f"connecting to {request.url} timed out", request=request) from error
+        except TimeoutError as error:
+            # No response head within the read timeout (a prefill that takes too long).
+            raise httpx.ReadTimeout(f"no answer from {request.url} in time", request=request) from error
         except aiohttp.ClientConnectionError as error:
             raise httpx.ConnectError(f"connecting to {request.url}: {error}", request=request) from error
         except aiohttp.ClientError as error:
