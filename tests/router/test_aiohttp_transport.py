@@ -1,0 +1,81 @@
+"""The router's aiohttp transport under vllm_http: engine failures surface as the httpx errors vllm_http
+turns into EngineUnavailableError (a refused connection, an engine that never answers, a cut stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import pytest
+from kvferry.common import vllm_http
+from kvferry.router.aiohttp_transport import AiohttpTransport
+
+
+def client(url: str, read_timeout: float = 0.3) -> vllm_http.VllmEngineClient:
+    return vllm_http.VllmEngineClient(
+        url,
+        "m",
+        timeouts=vllm_http.HttpTimeouts(connect=0.5, read=read_timeout),
+        transport=AiohttpTransport(max_connections=4),
+    )
+
+
+async def test_refused_connection_is_unavailable() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with client(f"http://127.0.0.1:{port}") as engine:
+        with pytest.raises(vllm_http.EngineUnavailableError):
+            await engine.prefill(vllm_http.PrefillRequest(token_ids=(1, 2, 3)))
+
+
+async def test_engine_that_never_answers_times_out_as_unavailable() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            await reader.read(65536)
+            await asyncio.sleep(5)
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with client(f"http://127.0.0.1:{port}") as engine:
+            with pytest.raises(vllm_http.EngineUnavailableError) as failed:
+                await engine.prefill(vllm_http.PrefillRequest(token_ids=(1, 2, 3)))
+            assert "ReadTimeout" in str(failed.value)
+    finally:
+        server.close()
+
+
+async def test_stream_cut_mid_way_is_unavailable() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        event = b'data: {"choices":[{"text":"a"}]}\n\n'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            + f"{len(event):x}\r\n".encode()
+            + event
+            + b"\r\n"
+        )
+        await writer.drain()
+        writer.transport.abort()
+
+    server = await asyncio.start_server(cut, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    handoff = vllm_http.KvHandoff(
+        do_remote_prefill=True,
+        do_remote_decode=False,
+        blocks=vllm_http.RemoteBlocks(engine_id="p", request_id="r", block_ids=((1,),), host="h", port=1),
+    )
+    try:
+        async with client(f"http://127.0.0.1:{port}") as engine:
+            chunks = []
+            with pytest.raises(vllm_http.EngineUnavailableError):
+                async for chunk in engine.decode_stream(
+                    vllm_http.DecodeRequest(token_ids=(1,), handoff=handoff)
+                ):
+                    chunks.append(chunk)
+            assert [c.text for c in chunks] == ["a"]
+    finally:
+        server.close()
