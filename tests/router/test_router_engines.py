@@ -10,6 +10,7 @@ Run under the engine lock::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import pytest_asyncio
 from kvferry.common.vllm_http import EngineMetrics
 from kvferry.router.server import RouterConfig, RunningRouter, start_router
 from kvferry.sidecar.app import Sidecar
+from kvferry.sidecar.config import SidecarConfig
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
@@ -90,6 +92,19 @@ async def until(condition: Callable[[], bool], within: float) -> None:
         await asyncio.sleep(0.05)
 
 
+async def start_sidecar(config: SidecarConfig) -> SidecarHandle:
+    """Starts a sidecar; one that fails to start is stopped again (a half-started gRPC server would
+    otherwise hang the test process at exit)."""
+    sidecar = Sidecar(config)
+    try:
+        await sidecar.start()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await sidecar.stop()
+        raise
+    return SidecarHandle(sidecar)
+
+
 def knows(router: RunningRouter, engine_ids: set[str]) -> Callable[[], bool]:
     return lambda: engine_ids <= {e.engine_id for e in router.engines.all()}
 
@@ -102,23 +117,23 @@ def pulled_total(metrics: EngineMetrics) -> float:
 async def routed(engine_pair: EnginePair, registry: RegistryHandle) -> AsyncIterator[Routed]:
     """Sidecars on the engines' sidecar addresses (the connectors link up by themselves) and two
     router replicas; returns once a marked turn's retention shows in the registry."""
-    sidecars = []
-    for engine in (engine_pair.prefill, engine_pair.decode):
-        sidecar = Sidecar(
-            sidecar_test_config(
-                registry_address=registry.address,
-                engine_url=engine.http_url,
-                engine_id=engine.engine_id,
-                role=engine.role,
-                nixl_port=engine.nixl_port,
-                kv_compatibility_hash=engine.kv_compatibility_hash,
-                listen=engine.sidecar_address,
-            )
-        )
-        await sidecar.start()
-        sidecars.append(SidecarHandle(sidecar))
+    sidecars: list[SidecarHandle] = []
     routers: list[RunningRouter] = []
     try:
+        for engine in (engine_pair.prefill, engine_pair.decode):
+            sidecars.append(
+                await start_sidecar(
+                    sidecar_test_config(
+                        registry_address=registry.address,
+                        engine_url=engine.http_url,
+                        engine_id=engine.engine_id,
+                        role=engine.role,
+                        nixl_port=engine.nixl_port,
+                        kv_compatibility_hash=engine.kv_compatibility_hash,
+                        listen=engine.sidecar_address,
+                    )
+                )
+            )
         for handle in sidecars:
             await handle.wait_registered(within=60)
         for _ in range(2):

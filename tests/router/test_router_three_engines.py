@@ -23,7 +23,6 @@ import pytest
 import pytest_asyncio
 from kvferry.common.etcd_process import free_port
 from kvferry.router.server import RouterConfig, RunningRouter, start_router
-from kvferry.sidecar.app import Sidecar
 from kvferry.stack.engine import EngineProcess
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
@@ -32,7 +31,7 @@ from tests.fixtures.engines import BLOCK_SIZE, ENGINE_SETTINGS, UNMARKED_DECODE_
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
 from tests.fixtures.sidecar import SidecarHandle, sidecar_test_config
-from tests.router.test_router_engines import SYSTEM, chat, generate
+from tests.router.test_router_engines import SYSTEM, chat, generate, start_sidecar
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(1200)]
 
@@ -77,19 +76,19 @@ async def three(
             (extra, sidecar_address),
         ]
         for process, address in targets:
-            sidecar = Sidecar(
-                sidecar_test_config(
-                    registry_address=registry.address,
-                    engine_url=process.http_url,
-                    engine_id=process.engine_id,
-                    role=process.role,
-                    nixl_port=process.nixl_port,
-                    kv_compatibility_hash=process.kv_compatibility_hash,
-                    listen=address,
+            handles.append(
+                await start_sidecar(
+                    sidecar_test_config(
+                        registry_address=registry.address,
+                        engine_url=process.http_url,
+                        engine_id=process.engine_id,
+                        role=process.role,
+                        nixl_port=process.nixl_port,
+                        kv_compatibility_hash=process.kv_compatibility_hash,
+                        listen=address,
+                    )
                 )
             )
-            await sidecar.start()
-            handles.append(SidecarHandle(sidecar))
         for handle in handles:
             await handle.wait_registered(within=60)
         router = await start_router(
