@@ -51,7 +51,8 @@ class Pair:
     local: Side
     records: list[PullRecord]
     handles: dict[str, tuple[object, object]]
-    holder_name: str
+    # What nixl's add_remote_agent returned (bytes), as vLLM passes it on.
+    holder_name: str | bytes
 
     def prepare(self, layout: str) -> tuple[object, object]:
         if layout not in self.handles:
@@ -146,8 +147,9 @@ def pair() -> Iterator[Pair]:
         agent = side.agent
         ranges = [(c.ctypes.data, c.nbytes, 0, "") for c in side.caches]
         agent.register_memory(agent.get_reg_descs(ranges, "DRAM"))  # type: ignore[attr-defined]
-    reader.add_remote_agent(holder.agent.get_agent_metadata())  # type: ignore[attr-defined]
-    yield Pair(reader, holder, local, records, {}, holder_name)
+    remote_name = reader.add_remote_agent(holder.agent.get_agent_metadata())  # type: ignore[attr-defined]
+    assert remote_name in (holder_name, holder_name.encode())
+    yield Pair(reader, holder, local, records, {}, remote_name)
 
 
 CASES = {

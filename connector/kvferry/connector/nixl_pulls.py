@@ -49,7 +49,8 @@ from kvferry.connector.coalesce import (
 
 logger = logging.getLogger("kvferry.connector.pulls")
 
-LOCAL_AGENT_NAMES = frozenset({"NIXL_INIT_AGENT", ""})
+# How vLLM names the local side when it prepares a list (NIXL takes str or bytes names).
+LOCAL_AGENT_NAMES = frozenset({"NIXL_INIT_AGENT", "", b"NIXL_INIT_AGENT", b""})
 # Rows of lists handed to get_xfer_descs and not yet prepared (vLLM prepares right away).
 _MAX_PENDING_LISTS = 8
 
@@ -173,7 +174,8 @@ class PullCounters:
 class _Prepped:
     rows: npt.NDArray[np.uint64]
     memory_type: str
-    agent_name: str
+    # As vLLM passed it: nixl's add_remote_agent returns the remote's name as bytes.
+    agent_name: str | bytes
 
     @property
     def local(self) -> bool:
@@ -258,7 +260,7 @@ class PullCoalescer:
                     pending.pop(next(iter(pending)))
         return result
 
-    def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, *args: Any, **kwargs: Any) -> Any:
+    def prep_xfer_dlist(self, agent_name: str | bytes, xfer_list: Any, *args: Any, **kwargs: Any) -> Any:
         handle = self._agent.prep_xfer_dlist(agent_name, xfer_list, *args, **kwargs)
         with self._lock:
             entry = self._seen.pending_lists.pop(id(xfer_list), None)
@@ -269,7 +271,7 @@ class PullCoalescer:
                 rows = _rows_of(xfer_list)
                 mem_type = str(kwargs.get("mem_type") or (args[0] if args else "") or "")
             if rows is not None and rows.ndim == 2 and rows.shape[1] == 3:
-                self._seen.prepped[id(handle)] = (handle, _Prepped(rows, mem_type, str(agent_name)))
+                self._seen.prepped[id(handle)] = (handle, _Prepped(rows, mem_type, agent_name))
         return handle
 
     def release_dlist_handle(self, handle: Any) -> Any:
