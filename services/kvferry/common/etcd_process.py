@@ -56,6 +56,8 @@ class EtcdProcess:
     def start(self, timeout_seconds: float = 20.0) -> None:
         """Starts etcd (reusing the same ports and data on a restart) and waits until it answers."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.client_port = self.client_port or free_port()
         self.peer_port = self.peer_port or free_port()
         client_url = f"http://127.0.0.1:{self.client_port}"
