@@ -160,7 +160,6 @@ def _assert_counts(plain: Pull, coalesced: Pull) -> None:
     # kvferry's: one descriptor per region and run of blocks consecutive on both sides.
     assert coalesced["posted_descriptors"] == coalesced["nixl_descriptors"]
     assert coalesced["nixl_descriptors"] == coalesced.regions * coalesced["block_runs_sorted"]
-    assert coalesced["nixl_descriptors"] <= plain["nixl_descriptors"]
 
 
 async def _compare_reads(pair: EnginePair, prompt: list[int], turn: DirectTurn) -> tuple[Pull, Pull]:

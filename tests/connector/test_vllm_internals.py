@@ -115,3 +115,49 @@ def test_nixl_progress_thread_sleeps_between_polls() -> None:
     from nixl._api import nixl_agent
 
     assert type(nixl_agent.__init__.__globals__["nixlBind"]).__name__ != "_DelayedAgentBindings"
+
+
+def test_vllm_hands_out_recently_freed_blocks_in_reverse() -> None:
+    # Why pulls fragment: without prefix caching vLLM frees a request's blocks tail first to the
+    # front of the free queue, so the next request gets them in descending order.
+    pool = _block_pool(16)
+    pool.enable_caching = False
+    first = pool.get_new_blocks(5)
+    assert [b.block_id for b in first] == [1, 2, 3, 4, 5]
+    pool.free_blocks(reversed(first))  # as SingleTypeKVCacheManager.free does
+    assert [b.block_id for b in pool.get_new_blocks(7)] == [5, 4, 3, 2, 1, 6, 7]
+
+
+def test_order_new_blocks_sorts_only_the_fresh_tail() -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    pool = _block_pool(32)
+    pool.enable_caching = False
+    pool.free_blocks(reversed(pool.get_new_blocks(6)))
+    hits = pool.get_new_blocks(2)  # stand-ins for prefix-cache hits shared with another request
+    pool.touch(hits)
+    fresh = pool.get_new_blocks(8)
+    table = [*hits, *fresh]
+    hit_ids = [b.block_id for b in hits]
+    assert [b.block_id for b in fresh] == [4, 3, 2, 1, 7, 8, 9, 10]
+    blocks = KVCacheBlocks((table,))
+    assert vi.order_new_blocks(blocks) == 8
+    assert blocks.blocks[0] is table  # the scheduler's own list, reordered in place
+    assert hit_ids == [6, 5]
+    assert [b.block_id for b in table] == [6, 5, 1, 2, 3, 4, 7, 8, 9, 10]
+    assert vi.order_new_blocks(blocks) == 0  # already in order
+    assert vi.order_new_blocks(KVCacheBlocks(([], []))) == 0  # several groups: left alone
+
+
+class _Block:
+    def __init__(self, block_id: int, *, block_hash: object = None, ref_cnt: int = 1, is_null: bool = False):
+        self.block_id, self.block_hash, self.ref_cnt, self.is_null = block_id, block_hash, ref_cnt, is_null
+
+
+def test_sort_fresh_tail_stops_at_blocks_holding_data() -> None:
+    table = [_Block(9, block_hash=b"h"), _Block(5), _Block(3, block_hash=b"x"), _Block(8), _Block(4)]
+    assert vi.sort_fresh_tail(table) == 2
+    assert [b.block_id for b in table] == [9, 5, 3, 4, 8]
+    null_tail = [_Block(0, is_null=True), _Block(7), _Block(6)]
+    vi.sort_fresh_tail(null_tail)
+    assert [b.block_id for b in null_tail] == [0, 6, 7]

@@ -219,8 +219,6 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
-        self.accounting.on_allocated(request.request_id, num_external_tokens, time.monotonic())
         try:
             options = PullOptions.from_params(request.kv_transfer_params)
         except ValueError as bad:
@@ -228,6 +226,15 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 "ignoring malformed pull options", extra={"request_id": request.request_id, "error": str(bad)}
             )
             options = None
+        coalesce = (
+            self.settings.coalesce_pulls if options is None or options.coalesce is None else options.coalesce
+        )
+        if num_external_tokens > 0 and coalesce:
+            # Before vLLM reads the block ids: the pull then lands in ascending runs (vLLM's free
+            # queue hands recently freed blocks out in reverse), which coalesce with the holder's.
+            vllm_internals.order_new_blocks(blocks)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        self.accounting.on_allocated(request.request_id, num_external_tokens, time.monotonic())
         if options is not None:
             self._pull_options[request.request_id] = options
 

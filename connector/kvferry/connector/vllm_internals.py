@@ -22,6 +22,10 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
    descriptor lists vLLM prepares are seen and its ``make_prepped_xfer`` READs are posted as
    coalesced descriptors; the worker's ``_read_blocks_for_req(req_id, meta)`` is wrapped to name
    the request (and its block ids, ``meta.local_physical_block_ids`` / ``meta.remote.block_ids``).
+7. The blocks a pull fills: in ``update_state_after_alloc`` the connector receives the request's
+   block lists (``KVCacheBlocks.blocks``, the scheduler's own lists) before anything is written
+   into the new blocks; it sorts those fresh blocks by id (:func:`order_new_blocks`), so that a
+   pull lands in ascending runs whatever order vLLM's free queue handed them out in.
 """
 
 from __future__ import annotations
@@ -307,6 +311,50 @@ def pull_block_ids(meta: Any) -> tuple[list[int], list[int]]:
     except (TypeError, ValueError, IndexError):
         return [], []
     return local, remote_ids
+
+
+# -- 7. Ordering the blocks a pull fills ----------------------------------------------------------
+
+
+def order_new_blocks(blocks: Any) -> int:
+    """Sorts by id the fresh blocks at the end of a request's block list (in place).
+
+    ``blocks`` is the ``KVCacheBlocks`` vLLM passes to ``update_state_after_alloc``; its lists
+    are the scheduler's own, so the request's block table (and every block id vLLM derives from
+    it later) follows. Returns how many blocks were reordered (0: single group only, or nothing
+    to gain).
+    """
+    groups = getattr(blocks, "blocks", None)
+    if not groups or len(groups) != 1 or not isinstance(groups[0], list):
+        return 0
+    return sort_fresh_tail(groups[0])
+
+
+def sort_fresh_tail(block_list: list[Any]) -> int:
+    """Sorts by ``block_id`` the longest tail of blocks that hold nothing yet.
+
+    A block qualifies when it has no prefix-cache hash, only this request references it, and it
+    is not vLLM's null block: it was allocated in this step for tokens still to be pulled or
+    computed, so which physical block takes which position is free. Blocks before the tail
+    (prefix-cache hits, data already there) never move.
+    """
+    start = len(block_list)
+    while start > 0 and _fresh(block_list[start - 1]):
+        start -= 1
+    tail = block_list[start:]
+    ordered = sorted(tail, key=lambda block: int(block.block_id))
+    if len(tail) < 2 or all(a is b for a, b in zip(ordered, tail, strict=True)):
+        return 0
+    block_list[start:] = ordered
+    return len(tail)
+
+
+def _fresh(block: Any) -> bool:
+    return (
+        getattr(block, "block_hash", None) is None
+        and getattr(block, "ref_cnt", 0) == 1
+        and not getattr(block, "is_null", False)
+    )
 
 
 def filter_known(ids: Collection[str], known: Callable[[str], bool]) -> list[str]:
