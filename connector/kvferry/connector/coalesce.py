@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +64,21 @@ class DescriptorList:
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
+    # Contiguous columns: a pull gathers ~100k rows, which is several times faster per column.
+    @cached_property
+    def addresses(self) -> Rows:
+        return np.ascontiguousarray(self.rows[:, ADDRESS])
+
+    @cached_property
+    def lengths(self) -> Rows:
+        return np.ascontiguousarray(self.rows[:, LENGTH])
+
+    @cached_property
+    def devices(self) -> Rows | None:
+        """Device id per row; None when every row is on one device."""
+        column = self.rows[:, DEVICE]
+        return None if column.size == 0 or bool(np.all(column == column[0])) else np.ascontiguousarray(column)
+
 
 @dataclass(frozen=True)
 class PullPlan:
@@ -97,37 +113,43 @@ def plan_pull(
     empty = np.empty((0, 3), dtype=np.uint64)
     if li.size == 0:
         return PullPlan(local=empty, remote=empty, listed=0, total_bytes=0)
-    lrows = local.rows[li]
-    rrows = remote.rows[ri]
-    if not np.array_equal(lrows[:, LENGTH], rrows[:, LENGTH]):
+    laddr, lengths, raddr = local.addresses[li], local.lengths[li], remote.addresses[ri]
+    if not np.array_equal(lengths, remote.lengths[ri]):
         raise PlanError("a local and a remote descriptor of one pair differ in length")
     # Destinations are distinct blocks, so their order is free: sorting by destination puts each
     # pair next to the only pair it could continue into.
-    order = np.argsort(lrows[:, ADDRESS], kind="stable")
-    lrows, rrows = lrows[order], rrows[order]
-    lend = lrows[:, ADDRESS] + lrows[:, LENGTH]
-    if np.any(lrows[1:, ADDRESS] < lend[:-1]):
+    order: npt.NDArray[np.intp] | None = None
+    if li.size > 1 and not bool(np.all(laddr[1:] > laddr[:-1])):
+        order = np.argsort(laddr, kind="stable")
+        laddr, lengths, raddr = laddr[order], lengths[order], raddr[order]
+    lend = laddr + lengths
+    if np.any(laddr[1:] < lend[:-1]):
         raise PlanError("two destinations overlap")
-    joins = (
-        (lrows[1:, ADDRESS] == lend[:-1])
-        & (rrows[1:, ADDRESS] == rrows[:-1, ADDRESS] + rrows[:-1, LENGTH])
-        & (lrows[1:, DEVICE] == lrows[:-1, DEVICE])
-        & (rrows[1:, DEVICE] == rrows[:-1, DEVICE])
-    )
+    joins = (laddr[1:] == lend[:-1]) & (raddr[1:] == raddr[:-1] + lengths[:-1])
     for side, indices in ((local, li), (remote, ri)):
-        if side.segments is not None:
-            seg = side.segments[indices][order]
-            joins &= seg[1:] == seg[:-1]
+        for per_row in (side.devices, side.segments):
+            if per_row is not None:
+                values = per_row[indices] if order is None else per_row[indices][order]
+                joins &= values[1:] == values[:-1]
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    lengths = np.add.reduceat(lrows[:, LENGTH], starts).astype(np.uint64)
-    out_local = np.stack([lrows[starts, ADDRESS], lengths, lrows[starts, DEVICE]], axis=1)
-    out_remote = np.stack([rrows[starts, ADDRESS], lengths, rrows[starts, DEVICE]], axis=1)
+    run_lengths = np.add.reduceat(lengths, starts).astype(np.uint64)
+    out_local = np.stack([laddr[starts], run_lengths, _column(local.rows, li, order, starts)], axis=1)
+    out_remote = np.stack([raddr[starts], run_lengths, _column(remote.rows, ri, order, starts)], axis=1)
     return PullPlan(
         local=np.ascontiguousarray(out_local, dtype=np.uint64),
         remote=np.ascontiguousarray(out_remote, dtype=np.uint64),
         listed=int(li.size),
-        total_bytes=int(lengths.sum()),
+        total_bytes=int(run_lengths.sum()),
     )
+
+
+def _column(
+    rows: Rows, indices: Indices, order: npt.NDArray[np.intp] | None, starts: npt.NDArray[np.intp]
+) -> Rows:
+    """The device ids of the planned descriptors (one per run start)."""
+    picked = indices if order is None else indices[order]
+    devices: Rows = rows[picked[starts], DEVICE]
+    return devices
 
 
 def _indices(values: Sequence[int] | npt.NDArray[np.integer], size: int, side: str) -> Indices:
