@@ -229,9 +229,10 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         coalesce = (
             self.settings.coalesce_pulls if options is None or options.coalesce is None else options.coalesce
         )
-        if num_external_tokens > 0 and coalesce:
-            # Before vLLM reads the block ids: the pull then lands in ascending runs (vLLM's free
-            # queue hands recently freed blocks out in reverse), which coalesce with the holder's.
+        if coalesce:
+            # Before vLLM reads the block ids: vLLM's free queue hands recently freed blocks out in
+            # reverse, so a prompt's blocks (which another engine may pull later) and the blocks a
+            # pull fills are sorted into ascending runs, which coalesce with each other.
             vllm_internals.order_new_blocks(blocks)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         self.accounting.on_allocated(request.request_id, num_external_tokens, time.monotonic())

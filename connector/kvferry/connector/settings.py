@@ -63,8 +63,8 @@ class KvferrySettings:
     # match the hash the connector computes from the engine's config (a mismatch fails start).
     kv_compatibility_hash: str = ""
     # Post each KV pull (D->P and P->D) as the fewest, largest NIXL descriptors its block ids
-    # and the KV layout allow, instead of vLLM's one per region x block, and sort the blocks a
-    # pull fills by id so they form ascending runs (docs/coalesced-pulls.md). False keeps vLLM's
+    # and the KV layout allow, instead of vLLM's one per region x block, and sort the fresh blocks a
+    # request receives by id so they form ascending runs (docs/coalesced-pulls.md). False keeps vLLM's
     # own block order and descriptors (for comparison).
     coalesce_pulls: bool = True
 

@@ -22,10 +22,12 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
    descriptor lists vLLM prepares are seen and its ``make_prepped_xfer`` READs are posted as
    coalesced descriptors; the worker's ``_read_blocks_for_req(req_id, meta)`` is wrapped to name
    the request (and its block ids, ``meta.local_physical_block_ids`` / ``meta.remote.block_ids``).
-7. The blocks a pull fills: in ``update_state_after_alloc`` the connector receives the request's
-   block lists (``KVCacheBlocks.blocks``, the scheduler's own lists) before anything is written
-   into the new blocks; it sorts those fresh blocks by id (:func:`order_new_blocks`), so that a
-   pull lands in ascending runs whatever order vLLM's free queue handed them out in.
+7. Block order: in ``update_state_after_alloc`` (called for every request the scheduler admits)
+   the connector receives the request's block lists (``KVCacheBlocks.blocks``, the scheduler's
+   own lists, which it reads again afterwards) before anything is written into the new blocks; it
+   sorts those fresh blocks by id (:func:`order_new_blocks`), so that prompts and pulls occupy
+   ascending runs whatever order vLLM's free queue handed the blocks out in. Blocks that carry a
+   prefix-cache hash (vLLM hashes blocks it computes at allocation when caching is on) never move.
 """
 
 from __future__ import annotations
