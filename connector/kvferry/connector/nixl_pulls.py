@@ -190,7 +190,7 @@ class _Registry:
     pending_registrations: dict[int, tuple[Any, list[tuple[int, int]]]] = field(default_factory=dict)
     registered: list[tuple[int, int]] = field(default_factory=list)
     prepped: dict[int, tuple[Any, _Prepped]] = field(default_factory=dict)
-    local_lists: dict[int, DescriptorList] = field(default_factory=dict)
+    lists: dict[int, DescriptorList] = field(default_factory=dict)
     pulls: dict[int, tuple[Any, PullRecord]] = field(default_factory=dict)
 
 
@@ -246,7 +246,7 @@ class PullCoalescer:
             if ranges:
                 self._seen.registered.extend(ranges)
                 # Segments of local lists depend on the registrations: recompute lazily.
-                self._seen.local_lists.clear()
+                self._seen.lists.clear()
         return result
 
     def get_xfer_descs(self, descs: Any, mem_type: str | None = None) -> Any:
@@ -277,7 +277,7 @@ class PullCoalescer:
     def release_dlist_handle(self, handle: Any) -> Any:
         with self._lock:
             self._seen.prepped.pop(id(handle), None)
-            self._seen.local_lists.pop(id(handle), None)
+            self._seen.lists.pop(id(handle), None)
         return self._agent.release_dlist_handle(handle)
 
     # -- posting ------------------------------------------------------------------------------------
@@ -356,9 +356,7 @@ class PullCoalescer:
         started: float,
     ) -> Any | None:
         try:
-            plan = plan_pull(
-                self._local_list(local), local_indices, DescriptorList(remote[1].rows), remote_indices
-            )
+            plan = plan_pull(self._list(local, local=True), local_indices, self._list(remote), remote_indices)
             local_descs = self._agent.get_xfer_descs(plan.local, local[1].memory_type)
             remote_descs = self._agent.get_xfer_descs(plan.remote, remote[1].memory_type)
             handle = self._agent.initialize_xfer(
@@ -379,15 +377,16 @@ class PullCoalescer:
         self._track(handle, record)
         return handle
 
-    def _local_list(self, local: tuple[Any, _Prepped]) -> DescriptorList:
-        handle, prepped = local
+    def _list(self, prepped: tuple[Any, _Prepped], *, local: bool = False) -> DescriptorList:
+        """The planner's view of a prepared list, built once per handle (columns are cached)."""
+        handle, rows = prepped
         with self._lock:
-            known = self._seen.local_lists.get(id(handle))
+            known = self._seen.lists.get(id(handle))
             if known is None:
-                registered = list(self._seen.registered)
-                segments = segments_of(prepped.rows, registered) if registered else None
-                known = DescriptorList(prepped.rows, segments)
-                self._seen.local_lists[id(handle)] = known
+                registered = list(self._seen.registered) if local else []
+                segments = segments_of(rows.rows, registered) if registered else None
+                known = DescriptorList(rows.rows, segments)
+                self._seen.lists[id(handle)] = known
         return known
 
     def _record(
