@@ -24,13 +24,16 @@ from kvferry.common.vllm_http import EngineMetrics
 from kvferry.router.server import RouterConfig, RunningRouter, start_router
 from kvferry.sidecar.app import Sidecar
 from kvferry.sidecar.config import SidecarConfig
+from kvferry.sidecar.engine import EngineMonitorSettings
+from kvferry.sidecar.registration import RegistrationSettings
+from kvferry.stack.engine import EngineProcess
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
 from tests.fixtures.engines import EnginePair
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
-from tests.fixtures.sidecar import SidecarHandle, sidecar_test_config
+from tests.fixtures.sidecar import TEST_BACKOFF, SidecarHandle, sidecar_test_config
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
@@ -92,6 +95,23 @@ async def until(condition: Callable[[], bool], within: float) -> None:
         await asyncio.sleep(0.05)
 
 
+def engine_sidecar_config(registry: RegistryHandle, engine: EngineProcess, listen: str) -> SidecarConfig:
+    """The sidecar tests' settings, with leases and health tolerances fit for busy real engines (CPU
+    engines answer /health late under load); a killed engine refuses connections and still leaves at once."""
+    return sidecar_test_config(
+        registry_address=registry.address,
+        engine_url=engine.http_url,
+        engine_id=engine.engine_id,
+        role=engine.role,
+        nixl_port=engine.nixl_port,
+        kv_compatibility_hash=engine.kv_compatibility_hash,
+        listen=listen,
+        registration=RegistrationSettings(ttl_seconds=10, backoff=TEST_BACKOFF),
+        monitor=EngineMonitorSettings(probe_interval_seconds=0.5, down_after_seconds=15.0),
+        engine_timeout_seconds=5.0,
+    )
+
+
 async def start_sidecar(config: SidecarConfig) -> SidecarHandle:
     """Starts a sidecar; one that fails to start is stopped again (a half-started gRPC server would
     otherwise hang the test process at exit)."""
@@ -122,17 +142,7 @@ async def routed(engine_pair: EnginePair, registry: RegistryHandle) -> AsyncIter
     try:
         for engine in (engine_pair.prefill, engine_pair.decode):
             sidecars.append(
-                await start_sidecar(
-                    sidecar_test_config(
-                        registry_address=registry.address,
-                        engine_url=engine.http_url,
-                        engine_id=engine.engine_id,
-                        role=engine.role,
-                        nixl_port=engine.nixl_port,
-                        kv_compatibility_hash=engine.kv_compatibility_hash,
-                        listen=engine.sidecar_address,
-                    )
-                )
+                await start_sidecar(engine_sidecar_config(registry, engine.process, engine.sidecar_address))
             )
         for handle in sidecars:
             await handle.wait_registered(within=60)

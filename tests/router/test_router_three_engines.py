@@ -30,8 +30,8 @@ from kvferry.v1 import router_service_pb2_grpc as router_grpc
 from tests.fixtures.engines import BLOCK_SIZE, ENGINE_SETTINGS, UNMARKED_DECODE_TTL_SECONDS, EnginePair
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
-from tests.fixtures.sidecar import SidecarHandle, sidecar_test_config
-from tests.router.test_router_engines import SYSTEM, chat, generate, start_sidecar
+from tests.fixtures.sidecar import SidecarHandle
+from tests.router.test_router_engines import SYSTEM, chat, engine_sidecar_config, generate, start_sidecar
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(1200)]
 
@@ -76,19 +76,7 @@ async def three(
             (extra, sidecar_address),
         ]
         for process, address in targets:
-            handles.append(
-                await start_sidecar(
-                    sidecar_test_config(
-                        registry_address=registry.address,
-                        engine_url=process.http_url,
-                        engine_id=process.engine_id,
-                        role=process.role,
-                        nixl_port=process.nixl_port,
-                        kv_compatibility_hash=process.kv_compatibility_hash,
-                        listen=address,
-                    )
-                )
-            )
+            handles.append(await start_sidecar(engine_sidecar_config(registry, process, address)))
         for handle in handles:
             await handle.wait_registered(within=60)
         router = await start_router(
