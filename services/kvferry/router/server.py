@@ -249,6 +249,10 @@ async def start_router(
         # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle).
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if http_port:
+            # Several router processes may share one address (gRPC does so by default): the kernel
+            # spreads connections over them, so a host runs as many routers as it has cores to spare.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((http_host, http_port))
         sock.listen(2048)
         sock.setblocking(False)
