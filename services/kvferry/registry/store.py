@@ -300,7 +300,8 @@ class RegistryStore:
                     for event in response.events:
                         revision = int(event.kv.mod_revision)
                         yield self._engine_event(event, known, revision)
-            except EtcdUnavailable as error:
+            except (EtcdUnavailable, EtcdFailure) as error:
+                # A restarting etcd can also fail a watch with INTERNAL; resuming is always safe.
                 log.warning(
                     "engine watch lost etcd; resuming", extra={"error": str(error), "revision": revision}
                 )
