@@ -106,6 +106,7 @@ async def _decode(
     options: PullOptions | None = None,
     max_tokens: int = 16,
     request_id: str,
+    cache_salt: str | None = None,
 ) -> tuple[int, ...]:
     params = vllm_http.decode_transfer_params(handoff, ConversationMark("tests", _id("dec"), 1))
     if options is not None:
@@ -117,6 +118,8 @@ async def _decode(
         "kv_transfer_params": params,
         **vllm_http.Sampling(max_tokens=max_tokens, ignore_eos=True).to_body(),
     }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     answer = await _post(pair.decode, body, request_id)
     return tuple(int(t) for t in answer["choices"][0]["token_ids"])
 
@@ -207,17 +210,25 @@ async def test_d_to_p_pull_fragmented_ids_same_bytes_and_outputs(engine_pair: En
 
 async def test_p_to_d_pull_same_bytes_and_outputs(engine_pair: EnginePair) -> None:
     async with engine_pair.prefill.client() as prefill:
-        prompt = await prefill.render_chat([vllm_http.ChatMessage("user", TEXT)])
+        rendered = await prefill.render_chat([vllm_http.ChatMessage("user", TEXT)])
+    # Whole blocks only: the unused slots of a last, partial block hold whatever was there before.
+    prompt = rendered[: len(rendered) // engine_pair.block_size * engine_pair.block_size]
     ids = {name: _id(name) for name in ("p1", "p2", "d-vllm", "d-kvf")}
     # The same prompt prefilled twice: P computes the same KV bytes into two sets of blocks.
     none = PullOptions()
     first = await _prefill(engine_pair, prompt, reuse=None, mark=None, options=none, request_id=ids["p1"])
     second = await _prefill(engine_pair, prompt, reuse=None, mark=None, options=none, request_id=ids["p2"])
-    out_vllm = await _decode(engine_pair, prompt, first, options=VLLM_PULL, request_id=ids["d-vllm"])
-    out_kvferry = await _decode(engine_pair, prompt, second, options=KVFERRY_PULL, request_id=ids["d-kvf"])
+    # Distinct cache salts: D must pull the whole prompt both times, not hit its prefix cache.
+    out_vllm = await _decode(
+        engine_pair, prompt, first, options=VLLM_PULL, request_id=ids["d-vllm"], cache_salt=ids["d-vllm"]
+    )
+    out_kvferry = await _decode(
+        engine_pair, prompt, second, options=KVFERRY_PULL, request_id=ids["d-kvf"], cache_salt=ids["d-kvf"]
+    )
     assert out_vllm == out_kvferry
     plain, coalesced = _pull_of(engine_pair.decode, ids["d-vllm"]), _pull_of(engine_pair.decode, ids["d-kvf"])
     assert plain["reader_role"] == "kv_consumer"
+    assert plain["blocks"] == coalesced["blocks"] >= len(prompt) // engine_pair.block_size - 1
     assert plain["digest"] and plain["digest"] == coalesced["digest"]
     _assert_counts(plain, coalesced)
 
