@@ -33,8 +33,13 @@ async def start_server(
         add_to_server(servicer, server)
         names.append(name)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as error:  # grpc raises this when the address is taken or malformed
+        await server.stop(None)
+        raise OSError(f"could not bind gRPC server to {address}: {error}") from error
     if port == 0:
+        await server.stop(None)  # a half-built server would keep the process from exiting
         raise OSError(f"could not bind gRPC server to {address}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
