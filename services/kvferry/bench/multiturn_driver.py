@@ -26,7 +26,6 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 from kvferry.bench.multiturn_stats import (
@@ -495,7 +494,3 @@ async def gap_sweep(
     if failures and not records:
         raise RuntimeError(f"every gap-sweep conversation failed, first: {failures[0]!r}")
     return records
-
-
-def counters_note(counters: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in counters.items())
