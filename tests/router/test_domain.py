@@ -277,3 +277,19 @@ def test_cost_policies_always_and_never() -> None:
     assert choose_reuse(1000, lease_seconds_left=0.5, rates=cheap, settings=always).reuse is Reuse.RECOMPUTE
     never = CostSettings(profile=PROFILE, policy="never")
     assert choose_reuse(1000, lease_seconds_left=100, rates=cheap, settings=never).reuse is Reuse.RECOMPUTE
+
+
+def test_cost_uses_the_calibrated_curves_quadratic_prefill_and_fragmented_pulls() -> None:
+    from kvferry.common.calibration import GPU_PROFILES
+
+    calibrated = CostSettings(profile=GPU_PROFILES["qwen3-8b"], kv_recompute_threshold=64)
+    unknown_rates = RateInputs(0.0, 0.0, 0)
+    long_prefix = choose_reuse(24_576, lease_seconds_left=100, rates=unknown_rates, settings=calibrated)
+    # Quadratic attention: recomputing 24k tokens costs more than 24x one thousand tokens.
+    short_prefix = choose_reuse(1_024, lease_seconds_left=100, rates=unknown_rates, settings=calibrated)
+    assert long_prefix.estimated_recompute_seconds > 24 * short_prefix.estimated_recompute_seconds
+    assert long_prefix.reuse is Reuse.PULL
+    # The same prefix in one-block runs posts a descriptor per block per layer: slower to pull.
+    scattered = RateInputs(0.0, 0.0, 0, run_blocks=1.0)
+    fragmented = choose_reuse(24_576, lease_seconds_left=100, rates=scattered, settings=calibrated)
+    assert fragmented.estimated_pull_seconds > 5 * long_prefix.estimated_pull_seconds

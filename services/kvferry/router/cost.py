@@ -9,11 +9,13 @@ pull finishes (plus a safety margin) also means recompute (rule 3 of the design)
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 from typing import Literal
 
-from kvferry.common.calibration import CostProfile
+from kvferry.common.calibration import CostProfile, pull_seconds, recompute_seconds
 
 
 class Reuse(enum.Enum):
@@ -43,6 +45,9 @@ class RateInputs:
     prefill_tokens_per_second: float
     transfer_bytes_per_second: float
     kv_bytes_per_token: int
+    # Mean length of the runs of consecutive retained block ids (inf: one run); fragmented ids
+    # make a pull post more NIXL descriptors (see docs/calibration.md).
+    run_blocks: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -69,14 +74,24 @@ def choose_reuse(
             0,
             f"{matched_tokens} matched tokens < kv_recompute_threshold {settings.kv_recompute_threshold}",
         )
-    profile = settings.profile
-    prefill_rate = rates.prefill_tokens_per_second or profile.prefill_tokens_per_second
-    transfer_rate = rates.transfer_bytes_per_second or profile.transfer_bytes_per_second
+    # The calibrated profile (quadratic prefill, per-descriptor pull cost), with the rates the
+    # engines measured themselves in place of the profile's linear rates.
+    base = settings.profile
+    profile = dataclasses.replace(
+        base,
+        prefill_tokens_per_second=rates.prefill_tokens_per_second or base.prefill_tokens_per_second,
+        transfer_bytes_per_second=rates.transfer_bytes_per_second or base.transfer_bytes_per_second,
+    )
     bytes_per_token = (
         rates.kv_bytes_per_token or profile.kv_bytes_per_token or settings.fallback_kv_bytes_per_token
     )
-    recompute_s = matched_tokens / prefill_rate
-    pull_s = profile.transfer_setup_seconds + matched_tokens * bytes_per_token / transfer_rate
+    recompute_s = recompute_seconds(profile, matched_tokens)
+    pull_s = (
+        pull_seconds(profile, matched_tokens, bytes_per_token, run_blocks=max(1.0, rates.run_blocks))
+        if bytes_per_token
+        # Nobody reported the KV size yet (an engine's first seconds): count the fixed cost only.
+        else profile.transfer_setup_seconds
+    )
     if lease_seconds_left < pull_s + settings.lease_margin_seconds:
         return ReuseChoice(
             Reuse.RECOMPUTE,

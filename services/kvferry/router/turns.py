@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.common import vllm_http
+from kvferry.common.calibration import mean_run_blocks
 from kvferry.common.marks import ConversationMark
 from kvferry.router.cost import CostSettings, RateInputs, Reuse, ReuseChoice, choose_reuse
 from kvferry.router.engine_clients import EngineClients
@@ -469,6 +470,7 @@ class TurnRunner:
                             prefill_tokens_per_second=stats.prefill_tokens_per_second,
                             transfer_bytes_per_second=stats.transfer_bytes_per_second,
                             kv_bytes_per_token=stats.kv_bytes_per_token or holder.stats.kv_bytes_per_token,
+                            run_blocks=mean_run_blocks(retention.block_ids[: match.blocks]),
                         ),
                         settings=self._settings.cost,
                     )
