@@ -241,7 +241,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
-        failed = connector_output.failed_recving or set()
+        failed = getattr(connector_output, "failed_recving", None) or set()  # absent before vLLM 0.32
         now = time.monotonic()
         for request_id in connector_output.finished_recving or ():
             self.accounting.on_received(request_id, now, failed=request_id in failed)

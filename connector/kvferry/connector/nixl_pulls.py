@@ -302,12 +302,9 @@ class PullCoalescer:
             with self._lock:
                 local = self._seen.prepped.get(id(local_xfer_side))
                 remote = self._seen.prepped.get(id(remote_xfer_side))
-            if local is not None:
-                destinations = local[1].rows[np.asarray(local_indices, dtype=np.int64)]
-                record.total_bytes = int(destinations[:, 1].sum())
-                if record.digest:
-                    record.destination_rows = destinations
-                    record.memory_type = local[1].memory_type
+            if local is not None and record.digest:
+                record.destination_rows = local[1].rows[np.asarray(local_indices, dtype=np.int64)]
+                record.memory_type = local[1].memory_type
         plain = not args and not kwargs.get("backends") and not kwargs.get("skip_desc_merge")
         if wanted and operation == "READ" and plain:
             reason = self._why_not(local, remote)
