@@ -124,7 +124,7 @@ class PullRecord:
     nixl_descriptors: int | None = None
     # Wall time from posting to NIXL's DONE as vLLM polls it (once per engine step).
     transfer_seconds: float | None = None
-    # NIXL's own telemetry: time to post the request and from post to completion.
+    # NIXL's own telemetry: time to post the request, and from the start of posting to done.
     nixl_post_seconds: float | None = None
     nixl_transfer_seconds: float | None = None
     received_digest: str | None = None
@@ -441,8 +441,10 @@ class PullCoalescer:
             post_us = float(getattr(telemetry, "postDuration", 0) or 0)
             xfer_us = float(getattr(telemetry, "xferDuration", 0) or 0)
             if post_us or xfer_us:
+                # NIXL times the transfer from the start of posting to the status check that saw
+                # it done (so it includes posting); the post itself is reported apart.
                 record.nixl_post_seconds = post_us / 1e6
-                record.nixl_transfer_seconds = (post_us + xfer_us) / 1e6
+                record.nixl_transfer_seconds = max(xfer_us, post_us) / 1e6
         if record.digest and record.destination_rows is not None:
             record.received_digest = digest_rows(record.destination_rows, record.memory_type)
         record.destination_rows = None
