@@ -165,7 +165,11 @@ def engine_command(args: argparse.Namespace, engine: Engine, model: Path) -> lis
             "kv_recompute_threshold": 64,
             # The off/vllm prefills' handoffs are never pulled: P frees them after this.
             "kv_lease_duration": 10,
-            "kvferry": {"max_retention_seconds": 1200.0, "release_grace_seconds": 60.0},
+            "kvferry": {
+                "max_retention_seconds": 1200.0,
+                "release_grace_seconds": 60.0,
+                "coalesce_pulls": args.engine_coalesce == "on",
+            },
         },
     }
     if args.device == "cpu":
@@ -426,7 +430,9 @@ def run_conversation(
                 if mode != "off":
                     event = pull_of(driver.prefill.log_path, rid)
                     result.pulls.setdefault(mode, []).append(event or {})
-                if mode == ("off" if reuse is None else "kvferry"):
+                if mode == (
+                    "off" if reuse is None else "kvferry" if args.engine_coalesce == "on" else "vllm"
+                ):
                     decode_from = handoff
         assert decode_from is not None
         rid = f"{name}-t{turn}-decode"
@@ -509,6 +515,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="prefills per mode and turn (median)")
     parser.add_argument("--warmup-turns", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine-coalesce",
+        choices=("on", "off"),
+        default="on",
+        help="the engines' coalesce_pulls (off: D's blocks keep vLLM's allocation order too)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--start-timeout-s", type=float, default=420.0)
     args = parser.parse_args(argv)
