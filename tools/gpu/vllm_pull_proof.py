@@ -244,6 +244,13 @@ def engine_env(args: argparse.Namespace, engine: Engine, index: int) -> dict[str
     return env
 
 
+def _die_with_parent() -> None:
+    """In the engine's process before exec: SIGTERM when this script dies (Linux prctl)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def start_engines(args: argparse.Namespace, out: Path) -> tuple[Engine, Engine]:
     model = model_dir(args.device, out)
     engines = (
@@ -260,6 +267,7 @@ def start_engines(args: argparse.Namespace, out: Path) -> tuple[Engine, Engine]:
                 stdin=subprocess.DEVNULL,
                 cwd=REPO,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
     deadline = time.monotonic() + args.start_timeout_s
     with httpx.Client(timeout=2.0) as client:
@@ -529,6 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "proof.jsonl").unlink(missing_ok=True)
     started = time.monotonic()
+    # A SIGTERM (timeout, a killed job) unwinds through the finally below, which stops the engines.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     prefill, decode = start_engines(args, out)
     print(f"engines up in {time.monotonic() - started:.0f} s", flush=True)
     try:
