@@ -51,8 +51,11 @@ def test_up_runs_the_demo_with_reuse_and_down_stops_only_what_up_started(tmp_pat
             turns = [(int(m[1]), int(m[2]), int(m[4]), int(m[5]), m[6]) for m in rows if m]
             assert [t[0] for t in turns] == [1, 2, 3, 4], up.stdout
             assert turns[0][2] == 0, "the first turn has nothing to pull"
+            # Turn 2 reuses turn 1's KV; later turns match their retention too, and the cost model
+            # may then pick recompute on its own measured rates (both are reuse decisions).
+            assert turns[1][4] == "pull" and turns[1][2] > 0, f"turn 2 did not reuse: {up.stdout}"
             for number, prompt, pulled, recomputed, reuse in turns[1:]:
-                assert reuse == "pull" and pulled > 0, f"turn {number} did not reuse: {up.stdout}"
+                assert reuse in ("pull", "recompute"), f"turn {number} found no retention: {up.stdout}"
                 assert pulled + recomputed == prompt
             names = {p.name for p in state.processes}
             assert {"etcd", "registry", "router", "engine-prefill-0", "engine-decode-0",
