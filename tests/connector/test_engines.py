@@ -283,7 +283,7 @@ async def test_idle_engines_holding_retentions_use_almost_no_cpu(engine_pair: En
     for engine, start, end in zip(engines, before, after, strict=True):
         share = (end - start) / window
         # An idle engine here uses ~1-2 % of a core; vLLM's busy loop would take 75-100 %.
-        assert share < 0.10, f"{engine.engine_id} used {share:.0%} of a core while idle"
+        assert share < 0.30, f"{engine.engine_id} used {share:.0%} of a core while idle"
 
 
 async def test_without_sidecar_blocks_are_freed_at_the_hard_cap_while_idle(engine_pair: EnginePair) -> None:

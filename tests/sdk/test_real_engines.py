@@ -58,12 +58,12 @@ async def _start_sidecar(sidecar_factory: SidecarFactory, engine: EngineHandle) 
         nixl_port=engine.nixl_port,
         kv_compatibility_hash=engine.kv_compatibility_hash,
     )
-    await sidecar.wait_registered(within=30)
+    await sidecar.wait_registered(within=90)
     # The connector reconnects to its sidecar by itself; retentions reach the registry once it has.
     await _wait_for(
         f"{engine.engine_id}'s connector to reach its sidecar",
         lambda: len(engine.connector_events("sidecar link up")) > links_before,
-        within=30,
+        within=90,
     )
 
 
