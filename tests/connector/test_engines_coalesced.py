@@ -124,11 +124,27 @@ async def _decode(
     return tuple(int(t) for t in answer["choices"][0]["token_ids"])
 
 
+class _DecodeTogether(vllm_http.VllmEngineClient):
+    """Holds each decode until every conversation's decode is ready, so they all run at once.
+
+    Without it the prefills' staggered finish could let one decode fill its blocks alone.
+    """
+
+    def __init__(self, base_url: str, model: str, conversations: int) -> None:
+        super().__init__(base_url, model)
+        self._all_ready = asyncio.Barrier(conversations)
+
+    async def decode(self, request: vllm_http.DecodeRequest) -> vllm_http.DecodeResult:
+        await self._all_ready.wait()
+        return await super().decode(request)
+
+
 async def _first_turns(
     pair: EnginePair, conversations: int, max_tokens: int
 ) -> list[tuple[list[int], DirectTurn]]:
     """Turn 1 of several conversations decoded concurrently, so D's blocks of them interleave."""
-    async with pair.prefill.client() as prefill, pair.decode.client() as decode:
+    together = _DecodeTogether(pair.decode.http_url, pair.model, conversations)
+    async with pair.prefill.client() as prefill, together as decode:
         prompts = [
             await prefill.render_chat([vllm_http.ChatMessage("user", f"{i}: {TEXT}")])
             for i in range(conversations)
