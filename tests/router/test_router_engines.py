@@ -349,11 +349,6 @@ async def test_bad_input_against_real_engines(routed: Routed) -> None:
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known race, open in issue 4: in 1 of 3 full-suite runs the decode engine ran the cancelled "
-    "request to its 4000 tokens (no abort reached vLLM), and the turn was retained",
-)
 async def test_client_disconnect_aborts_the_engine_request(routed: Routed) -> None:
     model = routed.pair.model
     conv = f"dc-{uuid.uuid4().hex[:8]}"

@@ -410,7 +410,7 @@ async def _measure(
             notes.append(
                 f"engine threads found off their engine's core and re-bound {len(repins)} times "
                 f"(first at {repins[0]['at_s']} s: {repins[0]['engine']}, {repins[0]['threads']} threads); "
-                "see pin_engine in kvferry.bench.multiturn_stack"
+                "see EngineProcess.pin_to_core in kvferry.stack.engine"
             )
         await client.close()
         await counters.aclose()
@@ -423,12 +423,10 @@ async def _measure(
 async def _keep_pinned(stack: BenchStack, run_started: float, repins: list[dict[str, Any]]) -> None:
     """Keeps each engine's threads on the engine's own core (checked every 0.2 s; the first pass binds
     the API server and engine core, later ones catch threads that moved or were born elsewhere)."""
-    from kvferry.bench.multiturn_stack import pin_engine
-
     first = True
     while True:
         for engine in (stack.prefill, stack.decode):
-            moved = await asyncio.to_thread(pin_engine, engine)
+            moved = await asyncio.to_thread(engine.pin_to_core)
             if moved and not first:
                 at = round(time.perf_counter() - run_started, 1)
                 repins.append({"at_s": at, "engine": engine.engine_id, "threads": moved})

@@ -294,35 +294,6 @@ def wait_router_ready(http_url: str, api_key: str, engines: int, timeout_seconds
     raise TimeoutError(f"the router at {http_url} saw no engines within {timeout_seconds:.0f} s")
 
 
-def pin_engine(engine: EngineProcess) -> int:
-    """Binds every thread of the engine's processes (API server, engine core, worker) to the engine's
-    core; returns how many threads had been elsewhere.
-
-    One core per engine, all of it: vLLM binds only the worker, through OpenMP (OMP_PLACES from
-    VLLM_CPU_OMP_THREADS_BIND), and its API server and engine core float over both cores. On this
-    stack the prefill engine's worker main thread was also seen bound to the decode engine's core,
-    and an engine core that keeps stepping while vLLM holds blocks (issue 8) then steals the other
-    engine's core. Pinned, each engine's own overheads stay on its own core.
-    """
-    if engine.cpu_core is None:
-        return 0
-    core = {engine.cpu_core}
-    moved = 0
-    for pid in engine.process_ids():
-        try:
-            tasks = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                if os.sched_getaffinity(tid) != core:
-                    os.sched_setaffinity(tid, core)
-                    moved += 1
-            except OSError:  # the thread ended meanwhile
-                continue
-    return moved
-
-
 def proc_cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of the given processes (utime + stime from /proc)."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -337,4 +308,4 @@ def proc_cpu_seconds(pids: list[int]) -> float:
     return total / ticks
 
 
-__all__ = ["BenchStack", "StackOptions", "pin_engine", "proc_cpu_seconds", "start_stack"]
+__all__ = ["BenchStack", "StackOptions", "proc_cpu_seconds", "start_stack"]

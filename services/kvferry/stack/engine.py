@@ -9,6 +9,7 @@ time (tests take ``flock /tmp/kvferry-engines.lock``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -203,7 +204,7 @@ class EngineProcess:
                 stdin=subprocess.DEVNULL,
                 cwd=REPO_ROOT,
                 start_new_session=True,
-                preexec_fn=_set_parent_death_signal if self.die_with_parent else None,
+                preexec_fn=functools.partial(_prepare_child, self._own_core(), self.die_with_parent),
             )
 
     def wait_healthy(self, timeout_seconds: float = 300.0) -> None:
@@ -218,6 +219,7 @@ class EngineProcess:
                     )
                 try:
                     if client.get(f"{self.http_url}/health").status_code == 200:
+                        self.pin_to_core()
                         return
                 except httpx.HTTPError:
                     pass
@@ -253,6 +255,38 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             pass
 
+    def _own_core(self) -> int | None:
+        """``cpu_core`` if this machine lets us run there (a core we may use), else None."""
+        if self.cpu_core is None or self.cpu_core not in os.sched_getaffinity(0):
+            return None
+        return self.cpu_core
+
+    def pin_to_core(self) -> int:
+        """Binds every thread of the engine's processes to ``cpu_core``; returns how many had been elsewhere.
+
+        One core per engine, all of it. The engine starts bound there (children inherit it), but vLLM
+        binds its worker's OpenMP threads itself, and a thread it binds elsewhere would steal the other
+        engine's core. Both cores busy also starves everything else: on these VMs a sleeping process
+        (the router, a sidecar, a test) then waits seconds for its timer to fire.
+        """
+        core = self._own_core()
+        if core is None:
+            return 0
+        moved = 0
+        for pid in self.process_ids():
+            try:
+                tasks = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+            except OSError:
+                continue
+            for tid in tasks:
+                try:
+                    if os.sched_getaffinity(tid) != {core}:
+                        os.sched_setaffinity(tid, {core})
+                        moved += 1
+                except OSError:  # the thread ended meanwhile
+                    continue
+        return moved
+
     def process_ids(self) -> list[int]:
         """The engine's processes (API server and its descendants)."""
         if self._proc is None:
@@ -266,12 +300,16 @@ class EngineProcess:
             return "(no log)"
 
 
-def _set_parent_death_signal() -> None:
-    """In the child before exec: SIGTERM when the parent thread exits (Linux prctl)."""
-    import ctypes
+def _prepare_child(core: int | None, die_with_parent: bool) -> None:
+    """In the child before exec: bind it to its core (its children inherit that); with
+    ``die_with_parent``, SIGTERM when the parent thread exits (Linux prctl)."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    if die_with_parent:
+        import ctypes
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
