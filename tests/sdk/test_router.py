@@ -108,9 +108,10 @@ async def test_api_key_and_tenant_scope(stack: Stack) -> None:
     async with await Client.connect(stack.router.grpc_address, api_key="wrong", environ={}) as stranger:
         with pytest.raises(UnauthenticatedError):
             await stranger.conversation(model=stack.model).complete("hello", max_tokens=4)
-    async with await Client.connect(
-        stack.router.grpc_address, api_key=API_KEY, environ={}
-    ) as owner, await Client.connect(stack.router.grpc_address, api_key=OTHER_KEY, environ={}) as other:
+    async with (
+        await Client.connect(stack.router.grpc_address, api_key=API_KEY, environ={}) as owner,
+        await Client.connect(stack.router.grpc_address, api_key=OTHER_KEY, environ={}) as other,
+    ):
         conversation = owner.conversation(model=stack.model)
         await conversation.complete("hello " * 30, max_tokens=4)
         with pytest.raises(NotFoundError):

@@ -155,9 +155,10 @@ async def test_api_key_is_required_and_scopes_conversations(standin_router: Stan
     assert len(standin_router.record.generate_requests) == 1  # not retried
 
     env = {"KVFERRY_ADDRESS": standin_router.address, "KVFERRY_API_KEY": API_KEY}
-    async with await Client.connect(environ=env) as tenant_a, await Client.connect(
-        standin_router.address, api_key=OTHER_API_KEY, environ={}
-    ) as tenant_b:
+    async with (
+        await Client.connect(environ=env) as tenant_a,
+        await Client.connect(standin_router.address, api_key=OTHER_API_KEY, environ={}) as tenant_b,
+    ):
         conversation = tenant_a.conversation("shared-name")
         await conversation.complete("hello")
         assert (await conversation.info()).turn == 1

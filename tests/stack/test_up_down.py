@@ -27,7 +27,10 @@ DEMO_ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\w+)\s*$")
 def kvferry(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvferry.cli.main", *args],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 
 
@@ -35,9 +38,7 @@ def test_up_runs_the_demo_with_reuse_and_down_stops_only_what_up_started(tmp_pat
     workdir = tmp_path / "stack"
     config = tmp_path / "stack.toml"
     config.write_text(
-        "[router]\n"
-        f'grpc_listen = "127.0.0.1:{free_port()}"\n'
-        f'http_listen = "127.0.0.1:{free_port()}"\n'
+        f'[router]\ngrpc_listen = "127.0.0.1:{free_port()}"\nhttp_listen = "127.0.0.1:{free_port()}"\n'
     )
     bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
@@ -58,8 +59,15 @@ def test_up_runs_the_demo_with_reuse_and_down_stops_only_what_up_started(tmp_pat
                 assert reuse in ("pull", "recompute"), f"turn {number} found no retention: {up.stdout}"
                 assert pulled + recomputed == prompt
             names = {p.name for p in state.processes}
-            assert {"etcd", "registry", "router", "engine-prefill-0", "engine-decode-0",
-                    "sidecar-prefill-0", "sidecar-decode-0"} <= names
+            assert {
+                "etcd",
+                "registry",
+                "router",
+                "engine-prefill-0",
+                "engine-decode-0",
+                "sidecar-prefill-0",
+                "sidecar-decode-0",
+            } <= names
             assert all(is_ours(p) for p in state.processes)
             for component in ("registry", "router", "engine-decode-0", "sidecar-decode-0"):
                 assert (workdir / "logs" / f"{component}.log").stat().st_size > 0

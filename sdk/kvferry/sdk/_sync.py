@@ -343,4 +343,3 @@ class SyncConversation:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
-

@@ -29,12 +29,17 @@ async def run_demo(address: str, api_key: str, turns: int = 6, tool_lines: int =
             for turn in range(1, turns + 1):
                 # The conversation keeps the history: each turn sends only its new messages.
                 new = [ChatMessage.system(SYSTEM_PROMPT)] if turn == 1 else []
-                new.append(ChatMessage.user(f"Turn {turn}: here is what the tool returned.\n"
-                                            + tool_output(turn, tool_lines)))
+                new.append(
+                    ChatMessage.user(
+                        f"Turn {turn}: here is what the tool returned.\n" + tool_output(turn, tool_lines)
+                    )
+                )
                 reply = await conversation.complete(new, max_tokens=24, temperature=0.0)
                 summary = reply.summary
-                print(f"{turn:>4} {summary.prompt_tokens:>7} {summary.ttft_ms:>8.0f} "
-                      f"{summary.pulled_tokens:>7} {summary.recomputed_tokens:>10}  {summary.reuse.value}")
+                print(
+                    f"{turn:>4} {summary.prompt_tokens:>7} {summary.ttft_ms:>8.0f} "
+                    f"{summary.pulled_tokens:>7} {summary.recomputed_tokens:>10}  {summary.reuse.value}"
+                )
             print("closing the conversation releases its retained KV on the decode engine")
 
 

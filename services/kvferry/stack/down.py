@@ -9,8 +9,12 @@ from kvferry.stack.processes import StackState, stop_processes
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", type=Path, default=Path(".kvferry"),
-                        help="the work directory `kvferry up` used (default: .kvferry)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(".kvferry"),
+        help="the work directory `kvferry up` used (default: .kvferry)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

