@@ -7,21 +7,17 @@ so a benchmark killed half-way can be cleaned up with ``kvferry down --workdir <
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-import httpx
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvferry.common.etcd_process import EtcdProcess, free_port
 from kvferry.connector.settings import KvferrySettings
 from kvferry.stack.engine import REPO_ROOT, EngineProcess
 from kvferry.stack.processes import StackState, spawn, stop_processes
+from kvferry.stack.readiness import wait_engines_healthy, wait_grpc_serving, wait_router_ready
 
 BENCH_MODEL_DIR = REPO_ROOT / "deploy" / "models" / "bench-qwen3"
 BENCH_MODEL_NAME = "bench-qwen3"
@@ -208,7 +204,7 @@ def start_stack(options: StackOptions, progress: Progress) -> BenchStack:
             state,
         )
         wait_grpc_serving("router", router, 30.0)
-        wait_router_ready(f"http://127.0.0.1:{http_port}", BENCH_API_KEY, 2, 90.0)
+        wait_router_ready(f"http://127.0.0.1:{http_port}", 90.0)
         progress("router: both engines registered")
         state.endpoints = {
             "etcd": etcd.endpoint,
@@ -233,65 +229,6 @@ def start_stack(options: StackOptions, progress: Progress) -> BenchStack:
         router_address=router,
         router_http=f"http://127.0.0.1:{http_port}",
     )
-
-
-def wait_engines_healthy(engines: list[EngineProcess], timeout_seconds: float, progress: Progress) -> None:
-    started = time.monotonic()
-    pending = {e.engine_id: e for e in engines}
-    with httpx.Client(timeout=2.0) as client:
-        while pending:
-            elapsed = time.monotonic() - started
-            if elapsed > timeout_seconds:
-                raise TimeoutError(f"engines {sorted(pending)} not healthy after {timeout_seconds:.0f} s")
-            for engine_id, engine in list(pending.items()):
-                if not engine.running:
-                    raise RuntimeError(f"engine {engine_id} exited; log tail:\n{engine.log_tail(20)}")
-                try:
-                    healthy = client.get(f"{engine.http_url}/health").status_code == 200
-                except httpx.HTTPError:
-                    healthy = False
-                if healthy:
-                    del pending[engine_id]
-                    progress(f"engine {engine_id}: healthy after {elapsed:.0f} s")
-            if pending:
-                time.sleep(2.0)
-
-
-def wait_grpc_serving(name: str, address: str, timeout_seconds: float) -> None:
-    async def check() -> None:
-        deadline = time.monotonic() + timeout_seconds
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.aio.AioRpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} at {address} not serving within {timeout_seconds:.0f} s")
-                await asyncio.sleep(0.2)
-
-    asyncio.run(check())
-
-
-def wait_router_ready(http_url: str, api_key: str, engines: int, timeout_seconds: float) -> None:
-    """The router lists the model (its sidecars registered the engines)."""
-    deadline = time.monotonic() + timeout_seconds
-    headers = {"Authorization": f"Bearer {api_key}"}
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            try:
-                response = client.get(f"{http_url}/v1/models", headers=headers)
-                if response.status_code == 200 and response.json().get("data"):
-                    # Both roles must be known: give the second sidecar's registration a moment.
-                    time.sleep(1.0)
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-    raise TimeoutError(f"the router at {http_url} saw no engines within {timeout_seconds:.0f} s")
 
 
 def proc_cpu_seconds(pids: list[int]) -> float:

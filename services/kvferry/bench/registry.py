@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvferry.stack.readiness import grpc_serving
+
 PHASES = ("throughput", "paced", "hold")
 
 
@@ -194,25 +196,6 @@ class Deployment:
             await step()
 
 
-async def _wait_serving(address: str, within: float = 30.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + within
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                response = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"registry at {address} did not become SERVING within {within} s")
-            await asyncio.sleep(0.2)
-
-
 async def deploy(args: argparse.Namespace) -> Deployment:
     from kvferry.common.etcd_process import EtcdProcess, free_port
 
@@ -261,7 +244,7 @@ async def deploy(args: argparse.Namespace) -> Deployment:
     cleanup.append(stop_registry)
     pids["registry"] = process.pid
     address = f"127.0.0.1:{port}"
-    await _wait_serving(address)
+    await grpc_serving("registry", address, 30.0)
     return Deployment(address, endpoint, prefix, pids, cleanup)
 
 

@@ -34,6 +34,7 @@ import grpc
 import uvicorn
 from kvferry.common.digest import block_digests
 from kvferry.common.marks import ConversationMark
+from kvferry.stack.readiness import grpc_serving
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2
@@ -621,7 +622,7 @@ async def _measure(
     routers: dict[str, tuple[str, Any]],
 ) -> dict[str, Any]:
     for address, proc in routers.values():
-        await _wait_for_router(address, proc)
+        await grpc_serving("router", address, 60.0, process=proc)
     engines = await _engines_for_direct_path(registry_address, args.model)
     model = engines[0].model
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -796,25 +797,6 @@ async def _start_vllm_engines(work: Any, registry_address: str) -> list[Any]:
         await sidecar.start()
         stoppers.append(sidecar.stop)
     return stoppers
-
-
-async def _wait_for_router(address: str, proc: Any) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + 60
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError("the router exited during start; see router.log")
-            try:
-                answer = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.2)
-    raise TimeoutError(f"router at {address} did not become healthy")
 
 
 @dataclass

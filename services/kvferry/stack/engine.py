@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -207,11 +207,20 @@ class EngineProcess:
                 preexec_fn=functools.partial(_prepare_child, self._own_core(), self.die_with_parent),
             )
 
-    def wait_healthy(self, timeout_seconds: float = 300.0) -> None:
-        """Blocks until /health answers 200; raises with the log's tail if the engine dies first."""
-        deadline = time.monotonic() + timeout_seconds
+    def wait_healthy(
+        self, timeout_seconds: float = 300.0, waiting: Callable[[float], None] | None = None
+    ) -> None:
+        """Blocks until /health answers 200, then pins the engine to its core (:meth:`pin_to_core`);
+        raises with the log's tail if the engine dies first. ``waiting`` hears the seconds waited so
+        far, every few seconds."""
+        started = time.monotonic()
+        deadline = started + timeout_seconds
+        told = started
         with httpx.Client(timeout=httpx.Timeout(2.0)) as client:
             while time.monotonic() < deadline:
+                if waiting is not None and time.monotonic() - told >= 2.0:
+                    told = time.monotonic()
+                    waiting(told - started)
                 if self._proc is None or self._proc.poll() is not None:
                     code = self._proc.returncode if self._proc else None
                     raise EngineStartError(

