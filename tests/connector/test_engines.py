@@ -18,7 +18,7 @@ from datetime import datetime
 import psutil
 import pytest
 from kvferry.common import vllm_http
-from kvferry.common.marks import ConversationMark
+from kvferry.common.marks import ConversationMark, ReleaseMark
 from kvferry.stack.engine import DirectTurn, direct_turn
 
 from tests.fixtures.engines import EnginePair
@@ -334,3 +334,30 @@ async def test_unmarked_requests_behave_as_in_plain_vllm(engine_pair: EnginePair
     )
     retained_ids = {e["request_id"] for e in engine_pair.decode.connector_events("retained")}
     assert decoded.retained.blocks.request_id not in retained_ids
+
+
+async def test_a_release_mark_frees_the_decode_blocks_at_finish(engine_pair: EnginePair) -> None:
+    request_id = _conversation_id("release")
+    async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
+        prompt = await prefill.render_chat([vllm_http.ChatMessage("user", TEXTS[1])])
+        prefilled = await prefill.prefill(vllm_http.PrefillRequest(tuple(prompt)))
+        decoded = await decode.decode(
+            vllm_http.DecodeRequest(
+                tuple(prompt),
+                prefilled.handoff,
+                ReleaseMark(),
+                vllm_http.Sampling(max_tokens=4, ignore_eos=True),
+                request_id=request_id,
+            )
+        )
+    assert len(decoded.token_ids) == 4
+    # No blocks offered for a next turn: the connector took the request off vLLM's delayed free.
+    assert decoded.retained is None
+    released = [
+        e
+        for e in engine_pair.decode.connector_events("released at finish")
+        if str(e["request_id"]).startswith(f"cmpl-{request_id}-")
+    ]
+    assert len(released) == 1
+    retained_ids = {str(e["request_id"]) for e in engine_pair.decode.connector_events("retained")}
+    assert not any(r.startswith(f"cmpl-{request_id}-") for r in retained_ids)

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 from kvferry.common import vllm_http as vh
-from kvferry.common.marks import ConversationMark
+from kvferry.common.marks import ConversationMark, ReleaseMark, parse_mark
 
 MARK = ConversationMark("acme", "c-1", 3)
 P_PARAMS = {
@@ -39,6 +39,33 @@ def test_a_prefill_handoff_round_trips_into_the_decode_params() -> None:
     assert {k: v for k, v in params.items() if k != "kvferry"} == {
         k: v for k, v in P_PARAMS.items() if v is not None
     }
+
+
+def test_a_release_mark_rides_in_the_decode_params_and_parses_back() -> None:
+    handoff = vh.KvHandoff.from_params(P_PARAMS)
+    assert handoff is not None
+    params = vh.decode_transfer_params(handoff, ReleaseMark())
+    assert params["kvferry"] == {"retain": False}
+    assert parse_mark(params) == ReleaseMark()
+    # Not a conversation: nothing to retain for it.
+    assert ConversationMark.from_params(params) is None
+    assert parse_mark(vh.decode_transfer_params(handoff, MARK)) == MARK
+    assert parse_mark(vh.decode_transfer_params(handoff, None)) is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        ({"retain": True}, "may only be false"),
+        ({"retain": 0}, "may only be false"),
+        ("c-1", "must be an object"),
+        ({"tenant": "acme", "turn": 1}, "lacks 'conversation_id'"),
+        ({"tenant": "acme", "conversation_id": "c-1", "turn": "1"}, "wrong type"),
+    ],
+)
+def test_malformed_marks_are_refused_with_the_reason(raw: object, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        parse_mark({"kvferry": raw})
 
 
 def test_decode_params_need_a_prefill_handoff() -> None:

@@ -265,7 +265,8 @@ async def test_retain_false_and_no_conversation_id_retain_nothing(stack: Stack) 
     request.retain = False
     _, _, summary = await generate(stub, request)
     assert summary.turn == 0
-    assert "kvferry" not in stack.decode.counters.decode_params[-1]
+    # The decode engine is told to free the turn's blocks as it finishes (no vLLM TTL hold).
+    assert stack.decode.counters.decode_params[-1]["kvferry"] == {"retain": False}
     with pytest.raises(grpc.aio.AioRpcError) as missing:
         await stub.GetConversation(
             router_pb2.GetConversationRequest(conversation_id=conv), metadata=metadata(ACME)
@@ -277,6 +278,7 @@ async def test_retain_false_and_no_conversation_id_retain_nothing(stack: Stack) 
     )
     assert answer.usage is not None and answer.usage.model_extra is not None
     assert answer.usage.model_extra["kvferry"]["turn"] == 0
+    assert stack.decode.counters.decode_params[-1]["kvferry"] == {"retain": False}
 
 
 # -- renew, close, tenants ------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvferry.common.digest import block_digests
 from kvferry.common.logs import JsonFormatter
-from kvferry.common.marks import ConversationMark
+from kvferry.common.marks import ConversationMark, Mark, ReleaseMark, parse_mark
 from kvferry.common.vllm_http import RemoteBlocks, lease_expire_time_from_params
 from kvferry.connector import vllm_internals
 from kvferry.connector.accounting import Accounting, StatsSnapshot, pull_allowed
@@ -253,6 +253,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._pull_options.pop(request.request_id, None)
         delay_free, params = super().request_finished(request, block_ids)
         self.accounting.on_finished(request.request_id, time.monotonic())
+        if isinstance(mark, ReleaseMark):
+            return self._release_at_finish(request, delay_free, params)
         if (
             mark is None
             or not delay_free
@@ -275,9 +277,20 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         )
         return False, params
 
-    def _mark(self, request: Request) -> ConversationMark | None:
+    def _release_at_finish(
+        self, request: Request, delay_free: bool, params: dict[str, Any] | None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A decode nothing will reuse: its blocks go back to the pool now, not after vLLM's
+        decoder_kv_blocks_ttl (during which the engine would keep stepping)."""
+        if not delay_free or params is None or not params.get("do_remote_decode"):
+            return delay_free, params
+        vllm_internals.take_out_of_send_queue(self, request.request_id)
+        logger.info("released at finish", extra={"request_id": request.request_id})
+        return False, None
+
+    def _mark(self, request: Request) -> Mark | None:
         try:
-            return ConversationMark.from_params(request.kv_transfer_params)
+            return parse_mark(request.kv_transfer_params)
         except ValueError as bad:
             logger.warning(
                 "ignoring a malformed kvferry mark",

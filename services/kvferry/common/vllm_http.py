@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
-from kvferry.common.marks import MARK_KEY, ConversationMark
+from kvferry.common.marks import MARK_KEY, ConversationMark, Mark
 
 # Inside the kvferry object of a *prefill* request that reuses a retention: the latest time
 # (unix seconds) the prefill may start reading it. The prefill engine's connector declines the
@@ -238,12 +238,13 @@ def max_reusable_tokens(prompt_len: int, matched_tokens: int, block_size: int) -
     return max(0, limit // block_size * block_size)
 
 
-def mark_params(mark: ConversationMark | None, *, lease_expire_time: float | None = None) -> dict[str, Any]:
-    """The kvferry object for ``kv_transfer_params`` (empty without a mark)."""
+def mark_params(mark: Mark | None, *, lease_expire_time: float | None = None) -> dict[str, Any]:
+    """The kvferry object for ``kv_transfer_params`` (empty without a mark); a reused retention's
+    lease end rides along with a conversation mark."""
     if mark is None:
         return {}
     params = mark.to_params()
-    if lease_expire_time is not None:
+    if lease_expire_time is not None and isinstance(mark, ConversationMark):
         params[MARK_KEY][LEASE_EXPIRE_KEY] = lease_expire_time
     return params
 
@@ -269,7 +270,7 @@ def prefill_transfer_params(
     return params
 
 
-def decode_transfer_params(handoff: KvHandoff, mark: ConversationMark | None) -> dict[str, Any]:
+def decode_transfer_params(handoff: KvHandoff, mark: Mark | None) -> dict[str, Any]:
     """``kv_transfer_params`` for a decode request: P's handoff plus the kvferry mark."""
     if not handoff.do_remote_prefill or handoff.blocks is None:
         raise ValueError("the prefill's handoff does not name blocks to pull (do_remote_prefill unset)")
@@ -351,7 +352,9 @@ class PrefillResult:
 class DecodeRequest:
     token_ids: tuple[int, ...]
     handoff: KvHandoff
-    mark: ConversationMark | None = None
+    # A conversation mark retains the decode's blocks; a release mark frees them at the end; none
+    # leaves them to vLLM (held for its decoder_kv_blocks_ttl).
+    mark: Mark | None = None
     sampling: Sampling = field(default_factory=Sampling)
     request_id: str | None = None
 

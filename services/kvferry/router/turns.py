@@ -28,7 +28,7 @@ from typing import Any
 
 from kvferry.common import vllm_http
 from kvferry.common.calibration import mean_run_blocks
-from kvferry.common.marks import ConversationMark
+from kvferry.common.marks import ConversationMark, ReleaseMark
 from kvferry.router.cost import CostSettings, RateInputs, Reuse, ReuseChoice, choose_reuse
 from kvferry.router.engine_clients import EngineClients
 from kvferry.router.engines import (
@@ -565,7 +565,8 @@ class TurnRunner:
                 vllm_http.DecodeRequest(
                     token_ids=turn.token_ids,
                     handoff=prefilled.handoff,
-                    mark=mark,
+                    # Unretained turns still get a mark: the engine frees their blocks at once.
+                    mark=mark if mark is not None else ReleaseMark(),
                     sampling=turn.sampling,
                     request_id=f"{turn.request_id}-d{attempt}",
                 )
