@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -114,43 +114,29 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
     async def RenewConversation(
         self, request: router_pb2.RenewConversationRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.RenewConversationResponse:
-        try:
-            tenant = self._tenant(context)
-            conv = conversation_id(request.conversation_id)
-            expire = await self._registry_call(self._registry.renew_retention(tenant.name, conv))
+        async def renew(tenant: str, conv: str) -> router_pb2.RenewConversationResponse:
+            expire = await self._registry_call(self._registry.renew_retention(tenant, conv))
             if expire is None:
                 raise _nothing_retained(conv)
             return router_pb2.RenewConversationResponse(expire_time=_timestamp(expire))
-        except RouterError as error:
-            await self._abort(context, error)
-            raise AssertionError("unreachable") from None
-        except Exception as error:
-            await self._abort(context, internal(error, "conversation call"))
-            raise AssertionError("unreachable") from None
+
+        return await self._conversation_call(context, request.conversation_id, renew)
 
     async def CloseConversation(
         self, request: router_pb2.CloseConversationRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.CloseConversationResponse:
-        try:
-            tenant = self._tenant(context)
-            conv = conversation_id(request.conversation_id)
+        async def close(tenant: str, conv: str) -> router_pb2.CloseConversationResponse:
             # Idempotent: closing what is already gone (expired, closed) succeeds.
-            await self._registry_call(self._registry.release_retention(tenant.name, conv))
+            await self._registry_call(self._registry.release_retention(tenant, conv))
             return router_pb2.CloseConversationResponse()
-        except RouterError as error:
-            await self._abort(context, error)
-            raise AssertionError("unreachable") from None
-        except Exception as error:
-            await self._abort(context, internal(error, "conversation call"))
-            raise AssertionError("unreachable") from None
+
+        return await self._conversation_call(context, request.conversation_id, close)
 
     async def GetConversation(
         self, request: router_pb2.GetConversationRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.GetConversationResponse:
-        try:
-            tenant = self._tenant(context)
-            conv = conversation_id(request.conversation_id)
-            record = await self._registry_call(self._registry.get_retention(tenant.name, conv))
+        async def get(tenant: str, conv: str) -> router_pb2.GetConversationResponse:
+            record = await self._registry_call(self._registry.get_retention(tenant, conv))
             if record is None:
                 raise _nothing_retained(conv)
             return router_pb2.GetConversationResponse(
@@ -160,12 +146,25 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
                 engine_id=record.engine_id,
                 expire_time=_timestamp(record.expire_time),
             )
+
+        return await self._conversation_call(context, request.conversation_id, get)
+
+    async def _conversation_call(
+        self,
+        context: grpc.aio.ServicerContext,
+        raw_conversation_id: str,
+        call: Callable[[str, str], Awaitable[_T]],
+    ) -> _T:
+        """Authenticates, checks the conversation id, runs ``call(tenant, conversation_id)``; any
+        failure becomes the RPC's status."""
+        try:
+            tenant = self._tenant(context)
+            return await call(tenant.name, conversation_id(raw_conversation_id))
         except RouterError as error:
             await self._abort(context, error)
-            raise AssertionError("unreachable") from None
         except Exception as error:
             await self._abort(context, internal(error, "conversation call"))
-            raise AssertionError("unreachable") from None
+        raise AssertionError("unreachable: abort raises")
 
     @staticmethod
     async def _registry_call(call: Awaitable[_T]) -> _T:
