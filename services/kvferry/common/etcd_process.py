@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvferry.common import child_process
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now (bind to 0, read, close)."""
@@ -45,6 +47,9 @@ class EtcdProcess:
     client_port: int = 0
     peer_port: int = 0
     log_path: Path | None = None
+    # Tests: etcd gets SIGTERM when the starting thread dies (even by SIGKILL), so none outlives its
+    # test run. ``kvferry up`` leaves etcd running.
+    die_with_parent: bool = False
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -80,6 +85,7 @@ class EtcdProcess:
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=child_process.die_with_parent if self.die_with_parent else None,
         )
         if not isinstance(log_file, int):
             log_file.close()  # the child holds its own descriptor

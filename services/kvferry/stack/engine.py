@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from kvferry.common import vllm_http
+from kvferry.common import child_process, vllm_http
 from kvferry.common.etcd_process import free_port
 from kvferry.common.marks import ConversationMark
 from kvferry.connector.compat import kv_compatibility_hash, layout_from_model_dir
@@ -337,10 +337,7 @@ def _prepare_child(core: int | None, die_with_parent: bool) -> None:
     if core is not None:
         os.sched_setaffinity(0, {core})
     if die_with_parent:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        child_process.die_with_parent()
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
