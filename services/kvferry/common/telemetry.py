@@ -457,23 +457,25 @@ class _ServerCall:
 
             async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 span = self._start()
-                responses = behavior(request, context)
-                try:
-                    while True:
-                        # Current only while the handler runs: the context is attached and detached
-                        # within one step, so it never leaks into the server's code between messages.
-                        token = otel_context.attach(trace.set_span_in_context(span, self.parent))
-                        try:
-                            response = await responses.__anext__()
-                        except StopAsyncIteration:
-                            break
-                        finally:
-                            otel_context.detach(token)
-                        yield response
-                except BaseException as exc:
-                    self._finish(span, context, exc)
-                    raise
-                self._finish(span, context, None)
+                # Closed here however the call ends, not left to garbage collection: the handler's
+                # cleanup (aborting its engine requests) must not wait for a collector pass.
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    try:
+                        while True:
+                            # Current only while the handler runs: the context is attached and detached
+                            # within one step, so it never leaks into the server's code between messages.
+                            token = otel_context.attach(trace.set_span_in_context(span, self.parent))
+                            try:
+                                response = await responses.__anext__()
+                            except StopAsyncIteration:
+                                break
+                            finally:
+                                otel_context.detach(token)
+                            yield response
+                    except BaseException as exc:
+                        self._finish(span, context, exc)
+                        raise
+                    self._finish(span, context, None)
 
             return stream_wrapper
 

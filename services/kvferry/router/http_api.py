@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Literal, TypeVar
 
 from kvferry.router import validation
@@ -37,6 +37,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ class HttpApi:
         headers = {CONVERSATION_HEADER: turn_request.conversation_id} if turn_request.conversation_id else {}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
+            return _ClosingStreamingResponse(
                 self._stream(kind, turn, first, events, include_usage),
                 media_type="text/event-stream",
                 headers={**headers, "cache-control": "no-cache"},
@@ -319,7 +320,7 @@ class HttpApi:
         first: TextOut | TurnResult,
         events: AsyncGenerator[TextOut | TurnResult, None],
         include_usage: bool,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         response_id = _response_id(kind, turn)
         created = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -482,3 +483,22 @@ def _turn_request(
         ),
         retain=True if body.retain is None else body.retain,
     )
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its body generator however the response ends.
+
+    Starlette cancels the response of a client that left; cancelled inside a send rather than inside
+    the generator, the generator's cleanup (closing the turn, which aborts its engine requests) would
+    otherwise wait for garbage collection.
+    """
+
+    def __init__(self, body: AsyncGenerator[bytes, None], **kwargs: Any) -> None:
+        super().__init__(body, **kwargs)
+        self._body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()
