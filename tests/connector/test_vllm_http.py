@@ -6,6 +6,7 @@ The same calls run against real engines in test_engines.py.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -109,8 +110,9 @@ def test_stream_lines_parse_into_chunks_and_errors() -> None:
     url = "http://engine"
     assert vh._parse_stream_line(url, "data: [DONE]") is None
     assert vh._parse_stream_line(url, ": keep-alive") is None
+    assert vh._parse_stream_line(url, "\r") is None
     chunk = vh._parse_stream_line(
-        url, 'data: {"choices":[{"index":0,"text":"hi","token_ids":[5,6],"finish_reason":null}]}'
+        url, 'data: {"choices":[{"index":0,"text":"hi","token_ids":[5,6],"finish_reason":null}]}\r'
     )
     assert chunk == vh.DecodeChunk(token_ids=(5, 6), text="hi")
     usage_event = {
@@ -121,6 +123,42 @@ def test_stream_lines_parse_into_chunks_and_errors() -> None:
     assert usage is not None and usage.usage == vh.Usage(9, 2, 8)
     with pytest.raises(vh.EngineHttpError, match="boom"):
         vh._parse_stream_line(url, 'data: {"error":{"message":"boom","code":400}}')
+    with pytest.raises(vh.EngineHttpError, match="malformed stream event"):
+        vh._parse_stream_line(url, "data: {not json")
+
+
+async def test_a_decode_stream_split_anywhere_yields_the_same_chunks() -> None:
+    events = [
+        {"choices": [{"index": 0, "text": "h\u00e9", "token_ids": [5], "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": "llo", "token_ids": [6, 7], "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}},
+    ]
+    body = b"".join(b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\r\n\r\n" for e in events)
+    body += b"data: [DONE]\r\n\r\n"
+    handoff = vh.KvHandoff.from_params(P_PARAMS)
+    assert handoff is not None
+    for size in (1, 2, 7, len(body)):
+        pieces = [body[i : i + size] for i in range(0, len(body), size)]
+
+        def handler(request: httpx.Request, pieces: list[bytes] = pieces) -> httpx.Response:
+            return httpx.Response(200, stream=_Pieces(pieces))
+
+        async with vh.VllmEngineClient(
+            "http://engine", "m", transport=httpx.MockTransport(handler)
+        ) as client:
+            chunks = [c async for c in client.decode_stream(vh.DecodeRequest((1, 2, 3), handoff))]
+        assert [c.text for c in chunks] == ["hé", "llo", ""], size
+        assert [c.token_ids for c in chunks] == [(5,), (6, 7), ()]
+        assert chunks[1].finish_reason == "length" and chunks[2].usage == vh.Usage(3, 3, None)
+
+
+class _Pieces(httpx.AsyncByteStream):
+    def __init__(self, pieces: list[bytes]) -> None:
+        self._pieces = pieces
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for piece in self._pieces:
+            yield piece
 
 
 def test_metrics_parse_the_counters_kvferry_reads() -> None:
