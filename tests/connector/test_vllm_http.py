@@ -69,6 +69,15 @@ def test_malformed_marks_are_refused_with_the_reason(raw: object, problem: str) 
         parse_mark({"kvferry": raw})
 
 
+def test_a_decode_answer_offers_its_blocks_for_the_next_turn() -> None:
+    d_params = {**P_PARAMS, "do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": "d-0"}
+    retained = vh.RetainedKv.from_decode_answer(
+        vh.KvHandoff.from_params(d_params), block_size=32, lease_expire_time=5.0
+    )
+    assert retained == vh.RetainedKv("d-0", "cmpl-x-0-abcd", (4, 5, 6), 70, "127.0.0.1", 5601, 32, 5.0)
+    assert vh.RetainedKv.from_decode_answer(None, block_size=32, lease_expire_time=5.0) is None
+
+
 def test_decode_params_need_a_prefill_handoff() -> None:
     with pytest.raises(ValueError, match="do_remote_prefill"):
         vh.decode_transfer_params(vh.KvHandoff(False, True, None), MARK)

@@ -354,20 +354,12 @@ class Driver:
         response.raise_for_status()
         answer = response.json()
         output = [int(t) for t in answer["choices"][0]["token_ids"]]
-        retained = vllm_http.KvHandoff.from_params(answer.get("kv_transfer_params"))
-        blocks = retained.blocks if retained is not None else None
-        if blocks is None or not blocks.num_tokens:
-            return output, None
-        return output, vllm_http.RetainedKv(
-            engine_id=blocks.engine_id,
-            engine_request_id=blocks.request_id,
-            block_ids=blocks.block_ids[0],
-            num_tokens=blocks.num_tokens,
-            nixl_host=blocks.host,
-            nixl_port=blocks.port,
+        retained = vllm_http.RetainedKv.from_decode_answer(
+            vllm_http.KvHandoff.from_params(answer.get("kv_transfer_params")),
             block_size=self.block_size,
             lease_expire_time=time.time() + 600,
         )
+        return output, retained
 
 
 def pull_events(log_path: Path) -> list[dict[str, Any]]:

@@ -206,6 +206,25 @@ class RetainedKv:
     # When the retention's lease ends, unix seconds.
     lease_expire_time: float
 
+    @classmethod
+    def from_decode_answer(
+        cls, handoff: KvHandoff | None, *, block_size: int, lease_expire_time: float
+    ) -> RetainedKv | None:
+        """What a decode engine's answer offers for the next turn (None when it names no blocks)."""
+        blocks = handoff.blocks if handoff is not None else None
+        if blocks is None or not blocks.num_tokens:
+            return None
+        return cls(
+            engine_id=blocks.engine_id,
+            engine_request_id=blocks.request_id,
+            block_ids=blocks.block_ids[0],
+            num_tokens=blocks.num_tokens,
+            nixl_host=blocks.host,
+            nixl_port=blocks.port,
+            block_size=block_size,
+            lease_expire_time=lease_expire_time,
+        )
+
     def prefix(self, num_tokens: int) -> RemoteBlocks:
         """The first ``num_tokens`` (block-aligned, at most what is retained) as pull params.
 

@@ -466,15 +466,9 @@ async def direct_turn(
     )
     decode_seconds = time.perf_counter() - started
     retained = None
-    blocks = decoded.retained.blocks if decoded.retained is not None else None
-    if mark is not None and blocks is not None and blocks.num_tokens:
-        retained = vllm_http.RetainedKv(
-            engine_id=blocks.engine_id,
-            engine_request_id=blocks.request_id,
-            block_ids=blocks.block_ids[0],
-            num_tokens=blocks.num_tokens,
-            nixl_host=blocks.host,
-            nixl_port=blocks.port,
+    if mark is not None:
+        retained = vllm_http.RetainedKv.from_decode_answer(
+            decoded.retained,
             block_size=block_size,
             # Without a registry the connector's hard cap bounds it; a minute is plenty here.
             lease_expire_time=time.time() + 60.0,
