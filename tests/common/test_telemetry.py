@@ -5,7 +5,7 @@ engine, and the metrics endpoint scraped over HTTP."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -42,6 +42,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+
+from tests.fixtures.spans import one, wait_for_spans
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -174,22 +176,6 @@ async def running_stack(
         await registry_server.stop(None)
         engine_server.close()
         await engine_server.wait_closed()
-
-
-async def wait_for_spans(exporter: InMemorySpanExporter, count: int) -> Sequence[ReadableSpan]:
-    # Client spans end one loop step after their call completes (the aio status is awaited).
-    for _ in range(200):
-        spans = exporter.get_finished_spans()
-        if len(spans) >= count:
-            return spans
-        await asyncio.sleep(0.01)
-    return exporter.get_finished_spans()
-
-
-def one(spans: Sequence[ReadableSpan], name: str, kind: SpanKind) -> ReadableSpan:
-    found = [s for s in spans if s.name == name and s.kind == kind]
-    assert len(found) == 1, f"{name}/{kind}: {[(s.name, s.kind) for s in spans]}"
-    return found[0]
 
 
 def parent_id(span: ReadableSpan) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import httpx
@@ -19,12 +19,12 @@ from kvferry.registry.server import Registry, create_registry
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub
-from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixtures.registry import TEST_TTLS, unique
+from tests.fixtures.spans import one, wait_for_spans
 from tests.registry.builders import EventStream, publish, register, retention, status_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -183,22 +183,6 @@ async def test_etcd_failures_are_counted_by_operation() -> None:
     assert value(samples, "kvferry_etcd_errors_total", op="range") >= 1  # health probe, live counts
     unavailable = dict(service="kvferry.v1.RegistryService", method="GetRetention", code="UNAVAILABLE")
     assert value(samples, "kvferry_rpc_server_seconds_count", **unavailable) == 1
-
-
-async def wait_for_spans(exporter: InMemorySpanExporter, count: int) -> Sequence[ReadableSpan]:
-    # A client span ends one loop step after its call completes (the aio status is awaited).
-    for _ in range(200):
-        spans = exporter.get_finished_spans()
-        if len(spans) >= count:
-            return spans
-        await asyncio.sleep(0.01)
-    return exporter.get_finished_spans()
-
-
-def one(spans: Sequence[ReadableSpan], name: str, kind: SpanKind) -> ReadableSpan:
-    found = [s for s in spans if s.name == name and s.kind == kind]
-    assert len(found) == 1, [(s.name, s.kind) for s in spans]
-    return found[0]
 
 
 async def test_a_traced_call_has_its_server_span_under_the_callers_span(etcd: EtcdProcess) -> None:
