@@ -16,7 +16,7 @@ from pathlib import Path
 from kvferry.common.etcd_process import EtcdProcess, free_port
 from kvferry.connector.settings import KvferrySettings
 from kvferry.stack.engine import REPO_ROOT, EngineProcess
-from kvferry.stack.processes import StackState, spawn, stop_processes
+from kvferry.stack.processes import StackState, spawn, spawn_registry, start_etcd, stop_processes
 from kvferry.stack.readiness import wait_engines_healthy, wait_grpc_serving, wait_router_ready
 
 BENCH_MODEL_DIR = REPO_ROOT / "deploy" / "models" / "bench-qwen3"
@@ -124,25 +124,8 @@ def start_stack(options: StackOptions, progress: Progress) -> BenchStack:
     started: list[EngineProcess] = []
     try:
         progress("etcd: starting")
-        etcd.start()
-        assert etcd.pid is not None
-        state.record("etcd", etcd.pid, ["etcd", f"--data-dir={etcd.data_dir}"], logs / "etcd.log")
-        registry = f"127.0.0.1:{free_port()}"
-        spawn(
-            "registry",
-            [
-                *kvferry,
-                "registry",
-                "--listen",
-                registry,
-                "--etcd-endpoints",
-                etcd.endpoint,
-                "--default-retention-ttl",
-                str(options.lease_ttl_seconds),
-            ],
-            logs / "registry.log",
-            state,
-        )
+        start_etcd(etcd, state)
+        registry = spawn_registry(kvferry, etcd.endpoint, options.lease_ttl_seconds, logs, state)
         wait_grpc_serving("registry", registry, 30.0)
         for engine in (prefill, decode):
             progress(f"engine {engine.engine_id}: starting ({engine.role}, core {engine.cpu_core})")

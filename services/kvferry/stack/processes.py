@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvferry.common.etcd_process import EtcdProcess, free_port
+
 STATE_FILE = "stack.json"
 
 
@@ -124,3 +126,34 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)  # each process leads its own session, so its group is its children too
     except ProcessLookupError:
         pass
+
+
+def start_etcd(etcd: EtcdProcess, state: StackState) -> None:
+    """Starts the stack's own etcd and records it (``kvferry down`` stops it)."""
+    etcd.start()
+    assert etcd.pid is not None
+    log_path = etcd.log_path or etcd.data_dir / "etcd.log"
+    state.record("etcd", etcd.pid, ["etcd", f"--data-dir={etcd.data_dir}"], log_path)
+
+
+def spawn_registry(
+    kvferry: Sequence[str], etcd_endpoints: str, retention_ttl_seconds: float, logs: Path, state: StackState
+) -> str:
+    """Starts ``kvferry registry`` on a free loopback port; returns its address (not yet serving)."""
+    address = f"127.0.0.1:{free_port()}"
+    spawn(
+        "registry",
+        [
+            *kvferry,
+            "registry",
+            "--listen",
+            address,
+            "--etcd-endpoints",
+            etcd_endpoints,
+            "--default-retention-ttl",
+            str(retention_ttl_seconds),
+        ],
+        logs / "registry.log",
+        state,
+    )
+    return address

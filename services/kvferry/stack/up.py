@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvferry.common.etcd_process import EtcdProcess, free_port
+from kvferry.common.etcd_process import EtcdProcess
 from kvferry.stack import readiness
-from kvferry.stack.processes import StackState, is_ours, spawn
+from kvferry.stack.processes import StackState, is_ours, spawn, spawn_registry, start_etcd
 
 DEMO_TENANT = "demo"
 
@@ -138,28 +138,11 @@ def _start(
     if not etcd_endpoints:
         _progress("etcd: starting")
         etcd = EtcdProcess(data_dir=workdir / "etcd-data", log_path=logs / "etcd.log")
-        etcd.start()
-        assert etcd.pid is not None
-        state.record("etcd", etcd.pid, ["etcd", f"--data-dir={etcd.data_dir}"], logs / "etcd.log")
+        start_etcd(etcd, state)
         etcd_endpoints = etcd.endpoint
-    registry = config.registry_address
-    if not registry:
-        registry = f"127.0.0.1:{free_port()}"
-        spawn(
-            "registry",
-            [
-                *kvferry,
-                "registry",
-                "--listen",
-                registry,
-                "--etcd-endpoints",
-                etcd_endpoints,
-                "--default-retention-ttl",
-                str(config.retention_ttl_seconds),
-            ],
-            logs / "registry.log",
-            state,
-        )
+    registry = config.registry_address or spawn_registry(
+        kvferry, etcd_endpoints, config.retention_ttl_seconds, logs, state
+    )
     readiness.wait_grpc_serving("registry", registry, timeout_seconds=30)
     _progress(f"registry: serving on {registry}")
 
