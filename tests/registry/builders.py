@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from kvferry.common.digest import block_digests
+from kvferry.registry.config import TtlPolicy
+from kvferry.registry.engines import EngineStore
+from kvferry.registry.etcd import EtcdGateway
+from kvferry.registry.keys import KeyLayout
+from kvferry.registry.metrics import RegistryMetrics
+from kvferry.registry.reaper import EngineReaper
+from kvferry.registry.retentions import RetentionStore
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2 as resources
@@ -138,3 +146,24 @@ class EventStream:
 async def stream_items(call: Any) -> AsyncIterator[Any]:
     async for item in call:
         yield item
+
+
+@dataclass(frozen=True)
+class Stores:
+    """The registry's stores over one gateway, wired as ``create_registry`` wires them, without gRPC
+    and without the reaper's background task."""
+
+    engines: EngineStore
+    retentions: RetentionStore
+    reaper: EngineReaper
+
+    @classmethod
+    def over(
+        cls, gateway: EtcdGateway, layout: KeyLayout, ttl: TtlPolicy, metrics: RegistryMetrics | None = None
+    ) -> Stores:
+        reaper = EngineReaper(gateway, layout, metrics=metrics)
+        return cls(
+            EngineStore(gateway, layout, ttl, reaper, metrics=metrics),
+            RetentionStore(gateway, layout, ttl, metrics=metrics),
+            reaper,
+        )

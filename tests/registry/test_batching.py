@@ -5,13 +5,22 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import pytest
 import pytest_asyncio
 from kvferry.common.etcd_process import EtcdProcess
 from kvferry.registry.batching import TxnBatcher
-from kvferry.registry.etcd import EtcdGateway, EtcdSettings, LeaseNotFound, cmp_mod_revision, op_put, op_range
+from kvferry.registry.etcd import (
+    Compare,
+    EtcdGateway,
+    EtcdSettings,
+    Get,
+    LeaseNotFound,
+    ModRevisionIs,
+    Op,
+    Put,
+    TxnResult,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -21,7 +30,9 @@ class CountingGateway(EtcdGateway):
 
     calls = 0
 
-    async def txn(self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()) -> Any:
+    async def txn(
+        self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
         self.calls += 1
         return await super().txn(compare, success, failure)
 
@@ -45,33 +56,33 @@ async def test_concurrent_calls_share_etcd_calls_and_keep_their_own_outcomes(
 ) -> None:
     batcher = TxnBatcher(gateway)
     keys = [_key(f"k{index}") for index in range(40)]
-    results = await asyncio.gather(*(batcher.txn([], [op_put(key, b"v")]) for key in keys))
+    results = await asyncio.gather(*(batcher.txn([], [Put(key, b"v")]) for key in keys))
     assert all(result.succeeded for result in results)
     assert gateway.calls < len(keys)  # the first goes alone, the rest ride along
     assert len({result.revision for result in results}) < len(keys)
 
     # Compares are judged per call: only the ones expecting "absent" fail now.
     checks = await asyncio.gather(
-        *(batcher.txn([cmp_mod_revision(key, 0)], [], [op_range(key)]) for key in keys[:10]),
-        batcher.txn([cmp_mod_revision(_key("never"), 0)], [], []),
+        *(batcher.txn([ModRevisionIs(key, 0)], [], [Get(key)]) for key in keys[:10]),
+        batcher.txn([ModRevisionIs(_key("never"), 0)], [], []),
     )
     assert [check.succeeded for check in checks] == [False] * 10 + [True]
-    assert checks[0].responses[0].response_range.kvs[0].value == b"v"
+    assert checks[0].range(0).kvs[0].value == b"v"
 
 
 async def test_one_callers_bad_lease_or_duplicate_key_does_not_fail_the_others(
     gateway: CountingGateway,
 ) -> None:
     batcher = TxnBatcher(gateway)
-    lease, _ = await gateway.grant(30)
+    lease = (await gateway.grant(30)).id
     await gateway.revoke(lease)
     shared = _key("same")
     outcomes = await asyncio.gather(
-        batcher.txn([], [op_put(_key("a"), b"1")]),
-        batcher.txn([], [op_put(_key("gone-lease"), b"x", lease)]),
-        batcher.txn([], [op_put(shared, b"first")]),
-        batcher.txn([], [op_put(shared, b"second")]),
-        batcher.txn([], [op_put(_key("b"), b"2")]),
+        batcher.txn([], [Put(_key("a"), b"1")]),
+        batcher.txn([], [Put(_key("gone-lease"), b"x", lease)]),
+        batcher.txn([], [Put(shared, b"first")]),
+        batcher.txn([], [Put(shared, b"second")]),
+        batcher.txn([], [Put(_key("b"), b"2")]),
         return_exceptions=True,
     )
     assert isinstance(outcomes[1], LeaseNotFound)

@@ -20,7 +20,7 @@ from kvferry.registry.errors import (
     RegistryError,
     status_for,
 )
-from kvferry.registry.etcd import EtcdGateway, EtcdSettings, grpc_target
+from kvferry.registry.etcd import EtcdGateway, EtcdSettings, EventType, KeyValue, WatchEvent, grpc_target
 from kvferry.registry.events import RetentionEventHub
 from kvferry.registry.keys import ConversationKey, KeyLayout
 from kvferry.registry.records import (
@@ -32,7 +32,6 @@ from kvferry.registry.records import (
     encode_tombstone,
 )
 from kvferry.registry.server import HistoryCompactor
-from kvferry.registry.store import decode_page_token, encode_page_token
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 
@@ -100,10 +99,10 @@ def test_page_size(requested: int, page: int) -> None:
 
 
 def test_page_tokens_round_trip_and_garbage_is_refused() -> None:
-    assert decode_page_token(encode_page_token("engine-7")) == "engine-7"
-    for garbage in ("***", encode_page_token("a/b"), encode_page_token("")):
+    assert validation.decode_page_token(validation.encode_page_token("engine-7")) == "engine-7"
+    for garbage in ("***", validation.encode_page_token("a/b"), validation.encode_page_token("")):
         with pytest.raises(InvalidArgument, match="page_token"):
-            decode_page_token(garbage)
+            validation.decode_page_token(garbage)
 
 
 # --- keys and records -------------------------------------------------------------------------
@@ -142,19 +141,12 @@ def test_records_round_trip() -> None:
 # --- how endings get their reason -------------------------------------------------------------
 
 
-def _mvcc(key: bytes, value: bytes, lease: int, revision: int) -> object:
-    from aetcd.rpc import kv_pb2
-
-    return kv_pb2.KeyValue(key=key, value=value, lease=lease, mod_revision=revision)
+def _put(kv: KeyValue, previous: KeyValue | None = None) -> WatchEvent:
+    return WatchEvent(EventType.PUT, kv, previous)
 
 
-def _event(kind: str, kv: object, prev: object | None = None) -> object:
-    from aetcd.rpc import kv_pb2
-
-    event = kv_pb2.Event(type=kv_pb2.Event.PUT if kind == "put" else kv_pb2.Event.DELETE, kv=kv)
-    if prev is not None:
-        event.prev_kv.CopyFrom(prev)
-    return event
+def _delete(key: bytes, revision: int, previous: KeyValue) -> WatchEvent:
+    return WatchEvent(EventType.DELETE, KeyValue(key, b"", 0, revision), previous)
 
 
 async def test_endings_are_classified_from_one_revisions_events() -> None:
@@ -165,21 +157,20 @@ async def test_endings_are_classified_from_one_revisions_events() -> None:
     turn1 = encode_record(retention("t", "c", "e", turn=1), 7)
     turn2 = encode_record(retention("t", "c", "e", turn=2), 7)
     async with hub.attach("e") as subscription:
-        hub._dispatch(  # the etcd watch's own message types, as a revision would bring them
+        hub._dispatch(  # the gateway's watch events, as one revision would bring them
             [
-                _event("put", _mvcc(live, turn1, 11, 5), _mvcc(live, turn1, 11, 4)),  # renewed
-                _event("put", _mvcc(live, turn2, 12, 6), _mvcc(live, turn1, 11, 5)),  # superseded
-                _event(
-                    "put",
-                    _mvcc(
+                _put(KeyValue(live, turn1, 11, 5), KeyValue(live, turn1, 11, 4)),  # renewed
+                _put(KeyValue(live, turn2, 12, 6), KeyValue(live, turn1, 11, 5)),  # superseded
+                _put(
+                    KeyValue(
                         layout.tombstone(conversation),
                         encode_tombstone(resources.RELEASE_REASON_RELEASED, 50.0),
                         12,
                         7,
-                    ),
+                    )
                 ),
-                _event("delete", _mvcc(live, b"", 0, 7), _mvcc(live, turn2, 12, 6)),  # released
-                _event("delete", _mvcc(live, b"", 0, 9), _mvcc(live, turn2, 12, 8)),  # expired
+                _delete(live, 7, KeyValue(live, turn2, 12, 6)),  # released
+                _delete(live, 9, KeyValue(live, turn2, 12, 8)),  # expired
             ],
             0,
         )

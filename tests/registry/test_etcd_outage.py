@@ -149,9 +149,9 @@ async def test_compacted_history_does_not_stop_the_registry_or_its_watches(
     await register(stub, engine_id)
     await publish(stub, retention(tenant, conversation, engine_id, turn=1))
     await publish(stub, retention(tenant, conversation, engine_id, turn=2))
-    store = outage_registry.registry.store
-    await store.etcd.compact(await store.etcd.current_revision())
-    await store.etcd.compact(1)  # already compacted: not an error
+    etcd = outage_registry.registry.etcd
+    await etcd.compact(await etcd.current_revision())
+    await etcd.compact(1)  # already compacted: not an error
     assert (await get(stub, tenant, conversation)).retention.turn == 2
     async with await EventStream.open(stub.WatchEngines(api.WatchEnginesRequest())) as engines:
         assert (await engines.next()).engine.engine_id == engine_id

@@ -7,14 +7,13 @@ between the store's read of the record and its release transaction.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
 
 import grpc
 import pytest
 from kvferry.registry.errors import FailedPrecondition
-from kvferry.registry.etcd import EtcdGateway, EtcdSettings
+from kvferry.registry.etcd import Compare, EtcdGateway, EtcdSettings, Op, TxnResult
 from kvferry.registry.keys import KeyLayout
-from kvferry.registry.store import RegistryStore
+from kvferry.registry.retentions import RetentionStore
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub
@@ -98,7 +97,9 @@ class InterleavingGateway(EtcdGateway):
 
     before_next_txn: Callable[[], Awaitable[None]] | None = None
 
-    async def txn(self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()) -> Any:
+    async def txn(
+        self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
         hook, self.before_next_txn = self.before_next_txn, None
         if hook is not None:
             await hook()
@@ -108,18 +109,18 @@ class InterleavingGateway(EtcdGateway):
 @pytest.fixture
 async def interleaving_store(
     registry: RegistryHandle,
-) -> AsyncIterator[tuple[RegistryStore, InterleavingGateway]]:
-    """A second store over the fixture registry's keys, whose release a test can interleave with."""
+) -> AsyncIterator[tuple[RetentionStore, InterleavingGateway]]:
+    """A second retention store over the fixture registry's keys, whose release a test can interleave with."""
     gateway = InterleavingGateway(EtcdSettings(endpoints=registry.config.etcd_endpoints))
     await gateway.connect()
     try:
-        yield RegistryStore(gateway, KeyLayout(registry.key_prefix), TEST_TTLS), gateway
+        yield RetentionStore(gateway, KeyLayout(registry.key_prefix), TEST_TTLS), gateway
     finally:
         await gateway.close()
 
 
 async def test_a_turn_published_between_the_check_and_the_release_is_never_released(
-    registry: RegistryHandle, interleaving_store: tuple[RegistryStore, InterleavingGateway]
+    registry: RegistryHandle, interleaving_store: tuple[RetentionStore, InterleavingGateway]
 ) -> None:
     store, gateway = interleaving_store
     stub = registry.stub()
@@ -142,7 +143,7 @@ async def test_a_turn_published_between_the_check_and_the_release_is_never_relea
 
 
 async def test_a_renewal_between_the_check_and_the_release_does_not_stop_it(
-    registry: RegistryHandle, interleaving_store: tuple[RegistryStore, InterleavingGateway]
+    registry: RegistryHandle, interleaving_store: tuple[RetentionStore, InterleavingGateway]
 ) -> None:
     store, gateway = interleaving_store
     stub = registry.stub()

@@ -10,13 +10,12 @@ from kvferry.registry.config import TtlPolicy
 from kvferry.registry.errors import NotFound
 from kvferry.registry.etcd import EtcdGateway, EtcdSettings
 from kvferry.registry.keys import KeyLayout
-from kvferry.registry.store import RegistryStore
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub
 
 from tests.fixtures.registry import RegistryHandle, unique
-from tests.registry.builders import EventStream, engine, get, publish, register, retention, status_of
+from tests.registry.builders import EventStream, Stores, engine, get, publish, register, retention, status_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -269,20 +268,20 @@ async def test_lookup_checks_engine_liveness_without_the_reaper(registry: Regist
     gateway = EtcdGateway(EtcdSettings(endpoints=registry.config.etcd_endpoints))
     await gateway.connect()
     prefix = "/kvferry-no-reaper/"
-    store = RegistryStore(gateway, KeyLayout(prefix), TtlPolicy())
+    stores = Stores.over(gateway, KeyLayout(prefix), TtlPolicy())
     try:
-        registered = await store.register_engine(engine(engine_id), 0)
-        await store.publish_retention(retention(tenant, conversation, engine_id))
-        assert (await store.get_retention(tenant, conversation)).retention.engine_id == engine_id
+        registered = await stores.engines.register_engine(engine(engine_id), 0)
+        await stores.retentions.publish_retention(retention(tenant, conversation, engine_id))
+        assert (await stores.retentions.get_retention(tenant, conversation)).retention.engine_id == engine_id
         # The engine's key vanishes (as when its lease ends) and nobody reaps.
         await gateway.revoke((await gateway.range(KeyLayout(prefix).engine(engine_id))).kvs[0].lease)
         with pytest.raises(NotFound, match="left the registry"):
-            await store.get_retention(tenant, conversation)
+            await stores.retentions.get_retention(tenant, conversation)
         with pytest.raises(NotFound, match="no retention to renew"):
-            await store.renew_retention(tenant, conversation)
+            await stores.retentions.renew_retention(tenant, conversation)
         assert registered.revision > 0
     finally:
-        await store.sweep_orphans()
+        await stores.reaper.sweep_orphans()
         await gateway.close()
 
 

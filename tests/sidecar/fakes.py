@@ -105,7 +105,7 @@ class FakeRegistry:
     ) -> registry_pb2.PublishRetentionResponse:
         self._enter("publish_retention")
         if retention.engine_id not in self.engines:
-            # The real registry's answer (kvferry.registry.store.publish_retention).
+            # The real registry's answer (kvferry.registry.retentions.RetentionStore.publish_retention).
             raise RegistryError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"engine {retention.engine_id} is not registered; register it (RegisterEngine) before "

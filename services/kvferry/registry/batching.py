@@ -15,37 +15,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from kvferry.registry.errors import EtcdFailure
-from kvferry.registry.etcd import EtcdGateway, LeaseNotFound, op_txn
+from kvferry.registry.etcd import Compare, EtcdGateway, LeaseNotFound, Op, Txn, TxnResult
 
 # Operations at one level of an etcd transaction are capped (--max-txn-ops, default 128).
 MAX_BATCH = 100
-
-
-@dataclass(frozen=True)
-class TxnResult:
-    """What one call's transaction answered: ``succeeded``, its ``responses``, and the revision."""
-
-    succeeded: bool
-    responses: Sequence[Any]
-    revision: int
 
 
 class TxnBatcher:
     def __init__(self, etcd: EtcdGateway, max_batch: int = MAX_BATCH) -> None:
         self._etcd = etcd
         self._max_batch = max_batch
-        self._pending: list[tuple[Any, asyncio.Future[TxnResult]]] = []
+        self._pending: list[tuple[Txn, asyncio.Future[TxnResult]]] = []
         self._drainer: asyncio.Task[None] | None = None
 
     async def txn(
-        self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()
+        self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
     ) -> TxnResult:
+        """The same as ``EtcdGateway.txn``, sharing an etcd call with concurrent ones."""
         future: asyncio.Future[TxnResult] = asyncio.get_running_loop().create_future()
-        self._pending.append((op_txn(compare, success, failure).request_txn, future))
+        self._pending.append((Txn(compare, success, failure), future))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain(), name="etcd-txn-batcher")
         return await future
@@ -54,17 +44,17 @@ class TxnBatcher:
         while self._pending:
             await self._send(self._next_batch())
 
-    def _next_batch(self) -> list[tuple[Any, asyncio.Future[TxnResult]]]:
+    def _next_batch(self) -> list[tuple[Txn, asyncio.Future[TxnResult]]]:
         """Takes pending calls in order, leaving for later any that writes a key already taken
         (etcd refuses a transaction that writes one key twice)."""
-        batch: list[tuple[Any, asyncio.Future[TxnResult]]] = []
-        deferred: list[tuple[Any, asyncio.Future[TxnResult]]] = []
+        batch: list[tuple[Txn, asyncio.Future[TxnResult]]] = []
+        deferred: list[tuple[Txn, asyncio.Future[TxnResult]]] = []
         written: set[bytes] = set()
         for item in self._pending:
             if len(batch) >= self._max_batch:
                 deferred.append(item)
                 continue
-            keys = _written_keys(item[0])
+            keys = item[0].written_keys()
             if keys & written:
                 deferred.append(item)
                 continue
@@ -73,15 +63,15 @@ class TxnBatcher:
         self._pending = deferred
         return batch
 
-    async def _send(self, batch: list[tuple[Any, asyncio.Future[TxnResult]]]) -> None:
+    async def _send(self, batch: list[tuple[Txn, asyncio.Future[TxnResult]]]) -> None:
         if len(batch) == 1:
             await self._send_alone(*batch[0])
             return
         try:
-            response = await self._etcd.txn([], [op_txn(r.compare, r.success, r.failure) for r, _ in batch])
+            response = await self._etcd.txn([], [call for call, _ in batch])
         except (LeaseNotFound, EtcdFailure):
             # No two calls of a batch write the same key, so they may go out together again.
-            await asyncio.gather(*(self._send_alone(request, future) for request, future in batch))
+            await asyncio.gather(*(self._send_alone(call, future) for call, future in batch))
             return
         except BaseException as error:
             for _, future in batch:
@@ -90,15 +80,13 @@ class TxnBatcher:
             if isinstance(error, asyncio.CancelledError):
                 raise
             return
-        revision = int(response.header.revision)
-        for (_, future), nested in zip(batch, response.responses, strict=True):
+        for index, (_, future) in enumerate(batch):
             if not future.done():
-                result = nested.response_txn
-                future.set_result(TxnResult(bool(result.succeeded), result.responses, revision))
+                future.set_result(response.txn(index))
 
-    async def _send_alone(self, request: Any, future: asyncio.Future[TxnResult]) -> None:
+    async def _send_alone(self, call: Txn, future: asyncio.Future[TxnResult]) -> None:
         try:
-            response = await self._etcd.txn(request.compare, request.success, request.failure)
+            result = await self._etcd.txn(call.compare, call.success, call.failure)
         except BaseException as error:
             if not future.done():
                 future.set_exception(error)
@@ -106,17 +94,4 @@ class TxnBatcher:
                 raise
             return
         if not future.done():
-            future.set_result(
-                TxnResult(bool(response.succeeded), response.responses, int(response.header.revision))
-            )
-
-
-def _written_keys(request: Any) -> set[bytes]:
-    keys: set[bytes] = set()
-    for operation in (*request.success, *request.failure):
-        kind = operation.WhichOneof("request")
-        if kind == "request_put":
-            keys.add(bytes(operation.request_put.key))
-        elif kind == "request_delete_range":
-            keys.add(bytes(operation.request_delete_range.key))
-    return keys
+            future.set_result(result)

@@ -1,10 +1,17 @@
-"""A thin typed gateway to etcd's v3 API over the ``aetcd`` client's connection.
+"""The registry's one gateway to etcd: the only module that speaks ``aetcd``.
 
-``aetcd`` owns the gRPC channel and the etcd message types; this module calls etcd's KV, Lease
-and Watch stubs directly so that every call carries its own deadline, transactions return
-their full response (header revision, nested results), and a watch yields whole revisions
-(all events of one transaction together). Every failure becomes a registry error:
-``EtcdUnavailable`` for deadlines and refused connections, so callers fail fast.
+``aetcd`` owns the gRPC channel and etcd's message types; this module calls etcd's KV, Lease
+and Watch stubs directly so that every call carries its own deadline, and it turns etcd's
+messages into small typed values both ways:
+
+- requests: ``Get``, ``Put``, ``Delete`` and ``Txn`` operations, guarded by ``ModRevisionIs`` and
+  ``LeaseIs`` compares;
+- results: ``KeyValue``, ``RangeResult``, ``PutResult``, ``DeleteResult``, ``TxnResult`` (with the
+  store revision, nested results included), ``Lease``, ``LeaseRenewal``, and ``WatchEvent``s, a whole
+  revision at a time (all events of one transaction together);
+- errors: ``EtcdUnavailable`` for deadlines and refused connections (so callers fail fast),
+  ``EtcdFailure`` for anything unexpected, ``LeaseNotFound`` and ``RevisionCompacted`` for the
+  answers callers act on.
 """
 
 from __future__ import annotations
@@ -12,16 +19,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import ipaddress
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aetcd
 import grpc
 from aetcd import rpc
-from kvferry.registry.errors import EtcdFailure, EtcdUnavailable
+from kvferry.registry.errors import EtcdFailure, EtcdUnavailable, RegistryError
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +51,6 @@ _UNAVAILABLE_CODES = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
-# etcd message types, re-exported so the store builds requests without reaching into aetcd.
-RangeRequest = rpc.RangeRequest
-PutRequest = rpc.PutRequest
-DeleteRangeRequest = rpc.DeleteRangeRequest
-RequestOp = rpc.RequestOp
-TxnRequest = rpc.TxnRequest
-Compare = rpc.Compare
-EVENT_PUT = rpc.Event.PUT
-EVENT_DELETE = rpc.Event.DELETE
-
 
 class LeaseNotFound(Exception):
     """etcd no longer knows the lease (it expired or was revoked)."""
@@ -71,41 +69,262 @@ def prefix_end(prefix: bytes) -> bytes:
     return bytes(aetcd.utils.prefix_range_end(prefix))
 
 
-# --- request builders -------------------------------------------------------------------------
+# --- what etcd holds --------------------------------------------------------------------------
 
 
-def op_range(key: bytes, range_end: bytes = b"", *, limit: int = 0, keys_only: bool = False) -> Any:
-    return rpc.RequestOp(
-        request_range=rpc.RangeRequest(key=key, range_end=range_end, limit=limit, keys_only=keys_only)
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    """One key as etcd holds it: the lease it lives under (0: none), the revision that last wrote it."""
+
+    key: bytes
+    value: bytes
+    lease: int
+    mod_revision: int
+
+
+# --- compares ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModRevisionIs:
+    """True when ``key`` was last written at ``revision`` (0: the key does not exist)."""
+
+    key: bytes
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseIs:
+    """True when ``key`` exists and lives under ``lease``."""
+
+    key: bytes
+    lease: int
+
+
+Compare = ModRevisionIs | LeaseIs
+
+
+# --- operations -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    """Reads ``key``, or ``[key, range_end)`` when ``range_end`` is given (at most ``limit``, 0: all)."""
+
+    key: bytes
+    range_end: bytes = b""
+    limit: int = 0
+    keys_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """Writes ``key`` under ``lease`` (0: none); ``prev_kv`` asks for what it replaced."""
+
+    key: bytes
+    value: bytes
+    lease: int = 0
+    prev_kv: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Txn:
+    """If every compare holds, the ``success`` operations run, else the ``failure`` ones; atomically.
+
+    A ``Txn`` is also an operation: nested in another, it is judged by its own compares.
+    """
+
+    compare: Sequence[Compare] = ()
+    success: Sequence[Op] = ()
+    failure: Sequence[Op] = ()
+
+    def written_keys(self) -> set[bytes]:
+        """The keys either branch writes (etcd refuses a transaction that writes one key twice)."""
+        keys: set[bytes] = set()
+        for operation in (*self.success, *self.failure):
+            if isinstance(operation, (Put, Delete)):
+                keys.add(operation.key)
+            elif isinstance(operation, Txn):
+                keys |= operation.written_keys()
+        return keys
+
+
+Op = Get | Put | Delete | Txn
+
+
+# --- results ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RangeResult:
+    """What a read found (``more``: the limit cut it short; ``count``: every key in the range)."""
+
+    kvs: list[KeyValue]
+    more: bool
+    count: int
+    revision: int
+
+    @property
+    def first(self) -> KeyValue | None:
+        return self.kvs[0] if self.kvs else None
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """``previous``: what the put replaced, when asked for and the key existed."""
+
+    previous: KeyValue | None
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResult:
+    deleted: int
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    """Which branch ran, the result of each of its operations in order, and the store revision."""
+
+    succeeded: bool
+    results: Sequence[OpResult]
+    revision: int
+
+    def range(self, index: int) -> RangeResult:
+        return _expect(self.results[index], RangeResult)
+
+    def put(self, index: int) -> PutResult:
+        return _expect(self.results[index], PutResult)
+
+    def txn(self, index: int) -> TxnResult:
+        return _expect(self.results[index], TxnResult)
+
+
+OpResult = RangeResult | PutResult | DeleteResult | TxnResult
+_Result = TypeVar("_Result", RangeResult, PutResult, DeleteResult, TxnResult)
+
+
+def _expect(result: OpResult, kind: type[_Result]) -> _Result:
+    if not isinstance(result, kind):
+        raise TypeError(f"expected a {kind.__name__} at this position of the transaction, got {result!r}")
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    id: int
+    ttl_seconds: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRenewal:
+    """A lease keep-alive's answer: the TTL it restored, and the store revision."""
+
+    ttl_seconds: int
+    revision: int
+
+
+class EventType(enum.Enum):
+    PUT = "put"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One key's change; ``previous`` is its value before (None when it did not exist)."""
+
+    type: EventType
+    kv: KeyValue
+    previous: KeyValue | None
+
+    @property
+    def revision(self) -> int:
+        return self.kv.mod_revision
+
+
+# --- typed values <-> etcd's messages ---------------------------------------------------------
+
+
+def _compare_message(compare: Compare) -> Any:
+    if isinstance(compare, ModRevisionIs):
+        return rpc.Compare(
+            key=compare.key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=compare.revision
+        )
+    return rpc.Compare(
+        key=compare.key, target=rpc.Compare.LEASE, result=rpc.Compare.EQUAL, lease=compare.lease
     )
 
 
-def op_put(key: bytes, value: bytes, lease: int = 0, *, prev_kv: bool = False) -> Any:
-    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=prev_kv))
-
-
-def op_delete(key: bytes, *, prev_kv: bool = False) -> Any:
-    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, prev_kv=prev_kv))
-
-
-def op_txn(compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()) -> Any:
-    return rpc.RequestOp(
-        request_txn=rpc.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
+def _range_request(get: Get, *, count_only: bool = False) -> Any:
+    return rpc.RangeRequest(
+        key=get.key, range_end=get.range_end, limit=get.limit, keys_only=get.keys_only, count_only=count_only
     )
 
 
-def cmp_mod_revision(key: bytes, revision: int) -> Any:
-    """True when ``key`` was last modified at ``revision`` (0: the key does not exist)."""
-    return rpc.Compare(key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=revision)
+def _txn_request(txn: Txn) -> Any:
+    return rpc.TxnRequest(
+        compare=[_compare_message(compare) for compare in txn.compare],
+        success=[_op_message(operation) for operation in txn.success],
+        failure=[_op_message(operation) for operation in txn.failure],
+    )
 
 
-def cmp_lease(key: bytes, lease: int) -> Any:
-    """True when ``key`` exists and is attached to ``lease``."""
-    return rpc.Compare(key=key, target=rpc.Compare.LEASE, result=rpc.Compare.EQUAL, lease=lease)
+def _op_message(operation: Op) -> Any:
+    if isinstance(operation, Put):
+        return rpc.RequestOp(
+            request_put=rpc.PutRequest(
+                key=operation.key, value=operation.value, lease=operation.lease, prev_kv=operation.prev_kv
+            )
+        )
+    if isinstance(operation, Get):
+        return rpc.RequestOp(request_range=_range_request(operation))
+    if isinstance(operation, Delete):
+        return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=operation.key))
+    return rpc.RequestOp(request_txn=_txn_request(operation))
 
 
-def cmp_exists(key: bytes) -> Any:
-    return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0)
+def _key_value(message: Any) -> KeyValue:
+    return KeyValue(message.key, message.value, int(message.lease), int(message.mod_revision))
+
+
+def _present(message: Any) -> KeyValue | None:
+    """A KeyValue, or None for the empty message etcd sends when there was none."""
+    return _key_value(message) if message.key else None
+
+
+def _range_result(response: Any, revision: int) -> RangeResult:
+    return RangeResult(
+        [_key_value(kv) for kv in response.kvs], bool(response.more), int(response.count), revision
+    )
+
+
+def _txn_result(response: Any, revision: int) -> TxnResult:
+    return TxnResult(
+        bool(response.succeeded), [_op_result(nested, revision) for nested in response.responses], revision
+    )
+
+
+def _op_result(response: Any, revision: int) -> OpResult:
+    # Nested responses carry no header of their own: the transaction's revision is theirs.
+    kind = response.WhichOneof("response")
+    if kind == "response_range":
+        return _range_result(response.response_range, revision)
+    if kind == "response_put":
+        return PutResult(_present(response.response_put.prev_kv), revision)
+    if kind == "response_delete_range":
+        return DeleteResult(int(response.response_delete_range.deleted), revision)
+    return _txn_result(response.response_txn, revision)
+
+
+def _watch_event(event: Any) -> WatchEvent:
+    kind = EventType.DELETE if event.type == rpc.Event.DELETE else EventType.PUT
+    return WatchEvent(kind, _key_value(event.kv), _present(event.prev_kv))
 
 
 @dataclass(frozen=True)
@@ -234,7 +453,7 @@ def _ignore_error(op: str) -> None:
 
 
 class EtcdGateway:
-    """etcd's KV, Lease and Watch calls with deadlines and registry errors.
+    """etcd's KV, Lease and Watch calls with deadlines, typed values and registry errors.
 
     ``on_error(op)`` is told of every failed call (``op``: etcd's RPC name, e.g. ``txn``,
     ``lease_keepalive``); outcomes that are answers, not failures (an unknown lease, compacted
@@ -305,25 +524,47 @@ class EtcdGateway:
         except grpc.aio.AioRpcError as error:
             raise self._failed(op, self._translate(error, what)) from None
 
-    # --- KV ---------------------------------------------------------------------------------
+    # --- keys and revisions -----------------------------------------------------------------
 
     async def range(
         self, key: bytes, range_end: bytes = b"", *, limit: int = 0, keys_only: bool = False
-    ) -> Any:
-        request = rpc.RangeRequest(key=key, range_end=range_end, limit=limit, keys_only=keys_only)
-        return await self._call("range", "a read", self._kv.Range, request)
+    ) -> RangeResult:
+        """Reads ``key``, or ``[key, range_end)`` (at most ``limit`` keys, 0: all)."""
+        request = _range_request(Get(key, range_end, limit, keys_only))
+        response = await self._call("range", "a read", self._kv.Range, request)
+        return _range_result(response, int(response.header.revision))
 
-    async def txn(self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()) -> Any:
-        request = rpc.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
-        return await self._call("txn", "a transaction", self._kv.Txn, request)
+    async def get(self, key: bytes) -> KeyValue | None:
+        """The key, or None when it does not exist."""
+        return (await self.range(key)).first
+
+    async def scan(self, start: bytes, end: bytes, *, page_size: int) -> AsyncGenerator[RangeResult, None]:
+        """Reads ``[start, end)`` in key order, ``page_size`` keys per read (each a page).
+
+        Pages are separate reads: a key written meanwhile may or may not appear.
+        """
+        while True:
+            page = await self.range(start, end, limit=page_size)
+            yield page
+            if not page.more or not page.kvs:
+                return
+            start = page.kvs[-1].key + b"\0"
+
+    async def txn(
+        self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
+        """One atomic transaction: ``success`` if every compare holds, else ``failure``."""
+        request = _txn_request(Txn(compare, success, failure))
+        response = await self._call("txn", "a transaction", self._kv.Txn, request)
+        return _txn_result(response, int(response.header.revision))
 
     async def current_revision(self) -> int:
         response = await self.range(b"\0", limit=1, keys_only=True)
-        return int(response.header.revision)
+        return response.revision
 
     async def count(self, key: bytes, range_end: bytes) -> int:
         """How many keys lie in ``[key, range_end)``; etcd counts them without sending them."""
-        request = rpc.RangeRequest(key=key, range_end=range_end, count_only=True)
+        request = _range_request(Get(key, range_end), count_only=True)
         response = await self._call("range", "a count", self._kv.Range, request)
         return int(response.count)
 
@@ -341,8 +582,8 @@ class EtcdGateway:
 
     # --- leases -----------------------------------------------------------------------------
 
-    async def grant(self, ttl_seconds: int) -> tuple[int, int]:
-        """A fresh lease: (lease id, granted TTL in seconds)."""
+    async def grant(self, ttl_seconds: int) -> Lease:
+        """A fresh lease; etcd may grant a longer TTL than asked (its minimum)."""
         response = await self._call(
             "lease_grant", "a lease grant", self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl_seconds)
         )
@@ -350,7 +591,7 @@ class EtcdGateway:
             raise self._failed(
                 "lease_grant", EtcdFailure(f"etcd refused a lease of {ttl_seconds} s: {response.error}")
             )
-        return int(response.ID), int(response.TTL)
+        return Lease(int(response.ID), int(response.TTL))
 
     async def revoke(self, lease_id: int) -> int:
         """Revokes a lease (deleting its keys); returns the revision. Unknown leases are ignored."""
@@ -362,8 +603,17 @@ class EtcdGateway:
             return 0
         return int(response.header.revision)
 
-    async def keep_alive_once(self, lease_id: int) -> tuple[int, int]:
-        """Renews a lease once: (remaining TTL in seconds, revision). Raises LeaseNotFound when gone."""
+    async def revoke_quietly(self, lease_id: int, why: str) -> None:
+        """Revokes a lease as a courtesy: a failure is logged, and the lease's TTL ends it anyway."""
+        try:
+            await self.revoke(lease_id)
+        except RegistryError as error:
+            log.warning(
+                "lease not revoked", extra={"lease": f"{lease_id:x}", "why": why, "error": str(error)}
+            )
+
+    async def keep_alive_once(self, lease_id: int) -> LeaseRenewal:
+        """Renews a lease once. Raises LeaseNotFound when it is gone."""
         stream = self._keepalives[self._next_keepalive % len(self._keepalives)]
         self._next_keepalive += 1
         try:
@@ -372,14 +622,14 @@ class EtcdGateway:
             raise self._failed("lease_keepalive", error) from None
         if response.TTL <= 0:
             raise LeaseNotFound(f"lease {lease_id:x} not found")
-        return int(response.TTL), int(response.header.revision)
+        return LeaseRenewal(int(response.TTL), int(response.header.revision))
 
     # --- watch ------------------------------------------------------------------------------
 
     async def watch(
         self, key: bytes, range_end: bytes, *, start_revision: int, prev_kv: bool = True
-    ) -> AsyncIterator[Any]:
-        """Yields etcd WatchResponses (each one whole revision or more) from ``start_revision``.
+    ) -> AsyncGenerator[list[WatchEvent], None]:
+        """Yields the events in ``[key, range_end)`` from ``start_revision``, a revision or more at once.
 
         Raises EtcdUnavailable when the stream breaks and RevisionCompacted when the history
         asked for is gone; the caller resumes from the last revision it saw.
@@ -414,7 +664,7 @@ class EtcdGateway:
                         "watch", EtcdFailure(f"etcd canceled a watch: {response.cancel_reason}")
                     )
                 if response.events:
-                    yield response
+                    yield [_watch_event(event) for event in response.events]
         finally:
             hold_open.set()
             call.cancel()

@@ -20,14 +20,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvferry.registry.errors import EtcdFailure, EtcdUnavailable
-from kvferry.registry.etcd import EVENT_DELETE, EVENT_PUT, EtcdGateway, RevisionCompacted, prefix_end
+from kvferry.registry.etcd import EtcdGateway, EventType, RevisionCompacted, WatchEvent, prefix_end
 from kvferry.registry.keys import ConversationKey, KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.records import decode_record, decode_tombstone
-from kvferry.registry.store import Backoff, Clock
+from kvferry.registry.timing import Backoff, Clock
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import resources_pb2 as resources
 
@@ -131,11 +130,9 @@ class RetentionEventHub:
         prefix = self._layout.retention_events
         while True:
             try:
-                async for response in self._etcd.watch(
-                    prefix, prefix_end(prefix), start_revision=revision + 1
-                ):
+                async for events in self._etcd.watch(prefix, prefix_end(prefix), start_revision=revision + 1):
                     backoff.reset()
-                    revision = self._dispatch(response.events, revision)
+                    revision = self._dispatch(events, revision)
             except (EtcdUnavailable, EtcdFailure) as error:
                 log.warning(
                     "retention watch lost etcd; resuming", extra={"error": str(error), "revision": revision}
@@ -158,11 +155,11 @@ class RetentionEventHub:
         except EtcdUnavailable:
             return fallback
 
-    def _dispatch(self, events: list[Any], revision: int) -> int:
+    def _dispatch(self, events: list[WatchEvent], revision: int) -> int:
         # A whole revision arrives in one response, the tombstone before the deletion it explains.
         tombstones: dict[tuple[ConversationKey, int], tuple[resources.ReleaseReason.ValueType, float]] = {}
         for event in events:
-            revision = int(event.kv.mod_revision)
+            revision = event.revision
             try:
                 self._dispatch_one(event, revision, tombstones)
             except ValueError as error:  # includes protobuf's DecodeError
@@ -171,21 +168,21 @@ class RetentionEventHub:
 
     def _dispatch_one(
         self,
-        event: Any,
+        event: WatchEvent,
         revision: int,
         tombstones: dict[tuple[ConversationKey, int], tuple[resources.ReleaseReason.ValueType, float]],
     ) -> None:
         layout = self._layout
-        kv, prev_kv = event.kv, event.prev_kv
-        key: bytes = kv.key
+        kv, prev_kv = event.kv, event.previous
+        key = kv.key
         if key.startswith(layout.tombstones):
-            if event.type == EVENT_PUT:
+            if event.type is EventType.PUT:
                 tombstones[(layout.conversation_of_tombstone(key), revision)] = decode_tombstone(kv.value)
             return
-        if not key.startswith(layout.live_retentions) or not prev_kv.key:
+        if not key.startswith(layout.live_retentions) or prev_kv is None:
             return  # a first publish: nothing ended, nothing renewed
         previous = decode_record(prev_kv.value).retention
-        if event.type == EVENT_DELETE:
+        if event.type is EventType.DELETE:
             tombstone = tombstones.get((layout.conversation_of_live(key), revision))
             if tombstone is None:
                 reason, end_time = resources.RELEASE_REASON_EXPIRED, self._clock()

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvferry.registry.etcd import prefix_end
-
 
 @dataclass(frozen=True)
 class ConversationKey:
@@ -97,7 +95,3 @@ class KeyLayout:
     def index_entry_of(self, key: bytes) -> tuple[str, ConversationKey]:
         engine_id, _, tail = key[len(self.engine_indexes) :].partition(b"/")
         return engine_id.decode(), self._conversation(tail)
-
-    @staticmethod
-    def end_of(prefix: bytes) -> bytes:
-        return prefix_end(prefix)

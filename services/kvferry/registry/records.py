@@ -1,9 +1,10 @@
-"""How retention records and tombstones are encoded in etcd values.
+"""How engines, retention records and tombstones are encoded in etcd values.
 
-A live record is the ``Retention`` message behind a small header naming the engine
-incarnation (the engine's lease id when the retention was published). A lookup accepts the
-record only while that same incarnation is registered: a re-registered engine (a restart,
-whose KV blocks are gone) never serves retentions from before (design rule 3).
+An engine's value is its ``Engine`` message. A live record is the ``Retention`` message behind
+a small header naming the engine incarnation (the engine's lease id when the retention was
+published). A lookup accepts the record only while that same incarnation is registered: a
+re-registered engine (a restart, whose KV blocks are gone) never serves retentions from before
+(design rule 3).
 """
 
 from __future__ import annotations
@@ -53,3 +54,9 @@ def encode_incarnation(engine_incarnation: int) -> bytes:
 
 def decode_incarnation(value: bytes) -> int:
     return int(_INCARNATION.unpack(value)[0]) if len(value) == _INCARNATION.size else 0
+
+
+def decode_engine(value: bytes) -> resources.Engine:
+    engine = resources.Engine()
+    engine.ParseFromString(value)
+    return engine

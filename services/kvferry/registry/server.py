@@ -20,13 +20,16 @@ from grpc_health.v1 import health, health_pb2
 from kvferry.common import telemetry
 from kvferry.common.grpc_server import start_server
 from kvferry.registry.config import RegistryConfig
+from kvferry.registry.engines import EngineStore
 from kvferry.registry.errors import EtcdUnavailable, RegistryError
 from kvferry.registry.etcd import EtcdGateway, EtcdSettings, prefix_end
 from kvferry.registry.events import RetentionEventHub
 from kvferry.registry.keys import KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
+from kvferry.registry.reaper import EngineReaper
+from kvferry.registry.retentions import RetentionStore
 from kvferry.registry.service import RegistryServicer
-from kvferry.registry.store import Clock, RegistryStore
+from kvferry.registry.timing import Clock
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from opentelemetry import trace
@@ -41,12 +44,14 @@ _LIVE_COUNT_SECONDS = 5.0
 
 @dataclass
 class Registry:
-    """A running registry: its address, its store (for in-process callers), and how to stop it."""
+    """A running registry: its address, its stores (for in-process callers), and how to stop it."""
 
     server: grpc.aio.Server
     port: int
     host: str
-    store: RegistryStore
+    engines: EngineStore
+    retentions: RetentionStore
+    reaper: EngineReaper
     hub: RetentionEventHub
     etcd: EtcdGateway
     health: health.aio.HealthServicer
@@ -174,9 +179,11 @@ async def create_registry(
     )
     await etcd.connect()
     layout = KeyLayout(config.key_prefix)
-    store = RegistryStore(etcd, layout, config.ttl, clock=clock, metrics=metrics)
+    reaper = EngineReaper(etcd, layout, clock=clock, metrics=metrics)
+    engines = EngineStore(etcd, layout, config.ttl, reaper, clock=clock, metrics=metrics)
+    retentions = RetentionStore(etcd, layout, config.ttl, clock=clock, metrics=metrics)
     hub = RetentionEventHub(etcd, layout, clock, metrics=metrics)
-    servicer = RegistryServicer(store, hub)
+    servicer = RegistryServicer(engines, retentions, hub)
     metrics_server: telemetry.MetricsServer | None = None
     server: grpc.aio.Server | None = None
     try:
@@ -199,7 +206,7 @@ async def create_registry(
         raise
     host = config.listen_address.rpartition(":")[0] or "127.0.0.1"
     tasks = [
-        asyncio.create_task(store.run_reaper(), name="registry-reaper"),
+        asyncio.create_task(reaper.run(), name="registry-reaper"),
         asyncio.create_task(_probe_etcd(etcd, health_servicer), name="registry-etcd-probe"),
         asyncio.create_task(_count_live(etcd, layout, metrics), name="registry-live-counts"),
     ]
@@ -221,7 +228,9 @@ async def create_registry(
         server,
         port,
         host,
-        store,
+        engines,
+        retentions,
+        reaper,
         hub,
         etcd,
         health_servicer,

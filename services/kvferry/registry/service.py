@@ -1,4 +1,5 @@
-"""The gRPC RegistryService: thin handlers over RegistryStore and RetentionEventHub.
+"""The gRPC RegistryService: thin handlers over the engine store, the retention store and the
+retention event hub (the reaper runs beside them, started by ``server``).
 
 Each handler translates messages; errors become statuses through ``errors.STATUS_BY_ERROR``.
 Watch streams send their initial metadata once the watch is in place, so a client that awaits
@@ -14,9 +15,11 @@ from typing import Any, TypeVar
 
 import grpc
 from kvferry.registry import validation
+from kvferry.registry.engines import EngineStore
 from kvferry.registry.errors import RegistryError, status_for
 from kvferry.registry.events import RetentionEvent, RetentionEventHub, SubscriberTooSlow
-from kvferry.registry.store import RegistryStore, timestamp
+from kvferry.registry.retentions import RetentionStore
+from kvferry.registry.timing import timestamp
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2 as resources
@@ -82,15 +85,16 @@ def _retention_event(event: RetentionEvent) -> registry.WatchRetentionsResponse:
 
 
 class RegistryServicer(registry_grpc.RegistryServiceServicer):
-    def __init__(self, store: RegistryStore, hub: RetentionEventHub) -> None:
-        self._store = store
+    def __init__(self, engines: EngineStore, retentions: RetentionStore, hub: RetentionEventHub) -> None:
+        self._engines = engines
+        self._retentions = retentions
         self._hub = hub
 
     @unary
     async def RegisterEngine(
         self, request: registry.RegisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> registry.RegisterEngineResponse:
-        result = await self._store.register_engine(request.engine, request.ttl_seconds)
+        result = await self._engines.register_engine(request.engine, request.ttl_seconds)
         return registry.RegisterEngineResponse(
             header=_header(result.revision), engine=result.engine, ttl_seconds=result.ttl_seconds
         )
@@ -100,21 +104,23 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
         self, request: registry.HeartbeatEngineRequest, context: grpc.aio.ServicerContext
     ) -> registry.HeartbeatEngineResponse:
         stats = request.stats if request.HasField("stats") else None
-        ttl_left, revision = await self._store.heartbeat_engine(request.engine_id, stats)
-        return registry.HeartbeatEngineResponse(header=_header(revision), ttl_seconds=ttl_left)
+        renewal = await self._engines.heartbeat_engine(request.engine_id, stats)
+        return registry.HeartbeatEngineResponse(
+            header=_header(renewal.revision), ttl_seconds=renewal.ttl_seconds
+        )
 
     @unary
     async def DeregisterEngine(
         self, request: registry.DeregisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> registry.DeregisterEngineResponse:
-        revision = await self._store.deregister_engine(request.engine_id)
+        revision = await self._engines.deregister_engine(request.engine_id)
         return registry.DeregisterEngineResponse(header=_header(revision))
 
     @unary
     async def ListEngines(
         self, request: registry.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> registry.ListEnginesResponse:
-        page = await self._store.list_engines(request.role, request.page_size, request.page_token)
+        page = await self._engines.list_engines(request.role, request.page_size, request.page_token)
         return registry.ListEnginesResponse(
             header=_header(page.revision), engines=page.engines, next_page_token=page.next_page_token
         )
@@ -125,7 +131,7 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
     ) -> AsyncIterator[registry.WatchEnginesResponse]:
         # Whatever changes after this point reaches the stream (in the listing or as an event).
         await context.send_initial_metadata(())
-        events = self._store.watch_engines()
+        events = self._engines.watch_engines()
         try:
             async for event in events:
                 yield registry.WatchEnginesResponse(
@@ -138,7 +144,7 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
     async def PublishRetention(
         self, request: registry.PublishRetentionRequest, context: grpc.aio.ServicerContext
     ) -> registry.PublishRetentionResponse:
-        result = await self._store.publish_retention(request.retention)
+        result = await self._retentions.publish_retention(request.retention)
         return registry.PublishRetentionResponse(
             header=_header(result.revision),
             retention=result.retention,
@@ -149,14 +155,14 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
     async def GetRetention(
         self, request: registry.GetRetentionRequest, context: grpc.aio.ServicerContext
     ) -> registry.GetRetentionResponse:
-        found = await self._store.get_retention(request.tenant, request.conversation_id)
+        found = await self._retentions.get_retention(request.tenant, request.conversation_id)
         return registry.GetRetentionResponse(header=_header(found.revision), retention=found.retention)
 
     @unary
     async def RenewRetention(
         self, request: registry.RenewRetentionRequest, context: grpc.aio.ServicerContext
     ) -> registry.RenewRetentionResponse:
-        renewed = await self._store.renew_retention(request.tenant, request.conversation_id)
+        renewed = await self._retentions.renew_retention(request.tenant, request.conversation_id)
         return registry.RenewRetentionResponse(
             header=_header(renewed.revision),
             expire_time=renewed.retention.expire_time,
@@ -167,7 +173,7 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
     async def ReleaseRetention(
         self, request: registry.ReleaseRetentionRequest, context: grpc.aio.ServicerContext
     ) -> registry.ReleaseRetentionResponse:
-        revision = await self._store.release_retention(
+        revision = await self._retentions.release_retention(
             request.tenant, request.conversation_id, request.reason, request.engine_request_id
         )
         return registry.ReleaseRetentionResponse(header=_header(revision))

@@ -5,6 +5,9 @@ Pure functions: they raise ``InvalidArgument`` and never touch etcd.
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 from kvferry.common.digest import DIGEST_BYTES
 from kvferry.common.ids import check_id
 from kvferry.registry.config import TtlPolicy
@@ -147,3 +150,18 @@ def page_size(requested: int) -> int:
     if requested == 0:
         return DEFAULT_PAGE_SIZE
     return min(requested, MAX_PAGE_SIZE)
+
+
+def encode_page_token(engine_id: str) -> str:
+    """The ListEngines page token that resumes after ``engine_id``."""
+    return base64.urlsafe_b64encode(engine_id.encode()).decode()
+
+
+def decode_page_token(token: str) -> str:
+    try:
+        engine_id = base64.urlsafe_b64decode(token.encode()).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        engine_id = ""
+    if check_id("page_token", engine_id) is not None:
+        raise InvalidArgument("page_token is not one this registry issued; list again without it")
+    return engine_id

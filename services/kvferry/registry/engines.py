@@ -1,0 +1,268 @@
+"""Engines in etcd: each registered engine is one key under its own lease (its incarnation).
+
+``RegisterEngine`` grants a fresh lease every time, so a re-registered engine is a new
+incarnation and the reaper ends what the old one retained; heartbeats keep the lease alive;
+when it ends, the key goes and the engine has left. Plain Python over the etcd gateway; the
+gRPC handlers only translate messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvferry.registry import validation
+from kvferry.registry.config import TtlPolicy
+from kvferry.registry.errors import Conflict, EtcdFailure, EtcdUnavailable, NotFound, RegistryError
+from kvferry.registry.etcd import (
+    Delete,
+    EtcdGateway,
+    EventType,
+    LeaseIs,
+    LeaseNotFound,
+    LeaseRenewal,
+    Put,
+    RevisionCompacted,
+    WatchEvent,
+    prefix_end,
+)
+from kvferry.registry.keys import KeyLayout
+from kvferry.registry.metrics import LEASE_ENGINE, RegistryMetrics
+from kvferry.registry.reaper import EngineReaper
+from kvferry.registry.records import decode_engine
+from kvferry.registry.timing import Backoff, Clock, timestamp
+from kvferry.v1 import registry_service_pb2 as registry
+from kvferry.v1 import resources_pb2 as resources
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RegisteredEngine:
+    engine: resources.Engine
+    ttl_seconds: int
+    revision: int
+
+
+@dataclass(frozen=True)
+class EnginePage:
+    engines: list[resources.Engine]
+    next_page_token: str
+    revision: int
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    type: registry.EngineEventType.ValueType
+    engine: resources.Engine
+    revision: int
+
+
+def _role_matches(wanted: resources.EngineRole.ValueType, role: resources.EngineRole.ValueType) -> bool:
+    if wanted == resources.ENGINE_ROLE_UNSPECIFIED or wanted == role:
+        return True
+    return role == resources.ENGINE_ROLE_BOTH and wanted in (
+        resources.ENGINE_ROLE_PREFILL,
+        resources.ENGINE_ROLE_DECODE,
+    )
+
+
+def _not_registered(engine_id: str) -> NotFound:
+    return NotFound(
+        f"engine {engine_id} is not registered (its lease ended or it left); call RegisterEngine again"
+    )
+
+
+class EngineStore:
+    """Registers, renews, lists and watches engines; a departing incarnation is handed to the reaper."""
+
+    def __init__(
+        self,
+        etcd: EtcdGateway,
+        layout: KeyLayout,
+        ttl: TtlPolicy,
+        reaper: EngineReaper,
+        *,
+        clock: Clock = time.time,
+        metrics: RegistryMetrics | None = None,
+    ) -> None:
+        self.etcd = etcd
+        self.layout = layout
+        self.ttl = ttl
+        self._reaper = reaper
+        self._clock = clock
+        self._metrics = metrics if metrics is not None else RegistryMetrics()
+
+    async def register_engine(self, engine: resources.Engine, ttl_seconds: int) -> RegisteredEngine:
+        """Stores ``engine`` under a fresh lease; a previous incarnation's retentions end."""
+        validation.validate_engine(engine)
+        ttl = validation.engine_ttl(ttl_seconds, self.ttl)
+        lease = await self.etcd.grant(ttl)
+        stored = resources.Engine()
+        stored.CopyFrom(engine)
+        stored.name = f"engines/{engine.engine_id}"
+        stored.register_time.CopyFrom(timestamp(self._clock()))
+        key = self.layout.engine(engine.engine_id)
+        written = await self.etcd.txn([], [Put(key, stored.SerializeToString(), lease.id, prev_kv=True)])
+        previous = written.put(0).previous
+        log.info(
+            "engine registered",
+            extra={
+                "engine_id": engine.engine_id,
+                "ttl_seconds": lease.ttl_seconds,
+                "re_registered": previous is not None,
+            },
+        )
+        if previous is not None and previous.lease != lease.id:
+            # A new incarnation (e.g. the engine restarted): what the old one retained is gone.
+            await self.etcd.revoke_quietly(previous.lease, "old engine incarnation")
+            try:
+                await self._reaper.reap_engine(engine.engine_id)
+            except (RegistryError, LeaseNotFound) as error:
+                # The reaper's own watch and sweeps end them later; lookups refuse them already.
+                log.warning(
+                    "old incarnation not reaped yet",
+                    extra={"engine_id": engine.engine_id, "error": str(error)},
+                )
+        return RegisteredEngine(stored, lease.ttl_seconds, written.revision)
+
+    async def heartbeat_engine(self, engine_id: str, stats: resources.EngineStats | None) -> LeaseRenewal:
+        """Renews the engine's lease (and stores fresh stats): the TTL left, and the revision."""
+        validation.require_id("engine_id", engine_id)
+        key = self.layout.engine(engine_id)
+        kv = await self.etcd.get(key)
+        if kv is None:
+            raise _not_registered(engine_id)
+        try:
+            renewal = await self.etcd.keep_alive_once(kv.lease)
+        except LeaseNotFound:
+            raise _not_registered(engine_id) from None
+        self._metrics.lease_renewed(LEASE_ENGINE)
+        if stats is None:
+            return renewal
+        engine = decode_engine(kv.value)
+        engine.stats.CopyFrom(stats)
+        try:
+            update = await self.etcd.txn(
+                [LeaseIs(key, kv.lease)], [Put(key, engine.SerializeToString(), kv.lease)]
+            )
+        except LeaseNotFound:
+            raise _not_registered(engine_id) from None
+        if not update.succeeded:
+            raise _not_registered(engine_id)
+        return LeaseRenewal(renewal.ttl_seconds, update.revision)
+
+    async def deregister_engine(self, engine_id: str) -> int:
+        """Removes the engine now; its retentions end with ENGINE_GONE before this returns."""
+        validation.require_id("engine_id", engine_id)
+        key = self.layout.engine(engine_id)
+        kv = await self.etcd.get(key)
+        if kv is None:
+            raise _not_registered(engine_id)
+        deleted = await self.etcd.txn([LeaseIs(key, kv.lease)], [Delete(key)])
+        if not deleted.succeeded:
+            raise Conflict(f"engine {engine_id} re-registered while it was being removed; deregister again")
+        await self.etcd.revoke_quietly(kv.lease, "deregistered engine")
+        await self._reaper.reap_engine(engine_id)
+        log.info("engine deregistered", extra={"engine_id": engine_id})
+        return deleted.revision
+
+    async def list_engines(
+        self, role: resources.EngineRole.ValueType, page_size: int, page_token: str
+    ) -> EnginePage:
+        size = validation.page_size(page_size)
+        start = self.layout.engines
+        if page_token:
+            start = self.layout.engine(validation.decode_page_token(page_token)) + b"\0"
+        matches: list[resources.Engine] = []
+        revision = 0
+        # One more than a page: whether it exists says if there is a next page.
+        pages = self.etcd.scan(start, prefix_end(self.layout.engines), page_size=size + 1)
+        async with contextlib.aclosing(pages):
+            async for response in pages:
+                revision = revision or response.revision
+                for kv in response.kvs:
+                    engine = decode_engine(kv.value)
+                    if _role_matches(role, engine.role):
+                        matches.append(engine)
+                if len(matches) > size:
+                    break
+        page = matches[:size]
+        token = validation.encode_page_token(page[-1].engine_id) if len(matches) > size else ""
+        return EnginePage(page, token, revision)
+
+    async def watch_engines(self) -> AsyncIterator[EngineEvent]:
+        """The live engines as JOINED, then every change; survives etcd outages by resuming."""
+        known: dict[str, int] = {}
+        revision = 0
+        listing = await self._list_all_engines()
+        for engine, lease, revision in listing:
+            known[engine.engine_id] = lease
+            yield EngineEvent(registry.ENGINE_EVENT_TYPE_JOINED, engine, revision)
+        if not listing:
+            revision = await self.etcd.current_revision()
+        backoff = Backoff()
+        while True:
+            try:
+                async for events in self.etcd.watch(
+                    self.layout.engines, prefix_end(self.layout.engines), start_revision=revision + 1
+                ):
+                    backoff.reset()
+                    for event in events:
+                        revision = event.revision
+                        yield self._engine_event(event, known)
+            except (EtcdUnavailable, EtcdFailure) as error:
+                # A restarting etcd can also fail a watch with INTERNAL; resuming is always safe.
+                log.warning(
+                    "engine watch lost etcd; resuming", extra={"error": str(error), "revision": revision}
+                )
+                await backoff.wait()
+            except RevisionCompacted:
+                async for resynced in self._resync_engines(known):
+                    revision = resynced.revision
+                    yield resynced
+                revision = revision or await self.etcd.current_revision()
+
+    def _engine_event(self, event: WatchEvent, known: dict[str, int]) -> EngineEvent:
+        engine_id = self.layout.engine_id_of(event.kv.key)
+        if event.type is EventType.DELETE:
+            known.pop(engine_id, None)
+            engine = (
+                decode_engine(event.previous.value)
+                if event.previous is not None
+                else resources.Engine(engine_id=engine_id)
+            )
+            engine.name = f"engines/{engine_id}"
+            return EngineEvent(registry.ENGINE_EVENT_TYPE_LEFT, engine, event.revision)
+        previous_lease = known.get(engine_id)
+        known[engine_id] = event.kv.lease
+        kind = (
+            registry.ENGINE_EVENT_TYPE_UPDATED
+            if previous_lease == event.kv.lease
+            else registry.ENGINE_EVENT_TYPE_JOINED
+        )
+        return EngineEvent(kind, decode_engine(event.kv.value), event.revision)
+
+    async def _resync_engines(self, known: dict[str, int]) -> AsyncIterator[EngineEvent]:
+        listing = await self._list_all_engines()
+        live = {engine.engine_id: (engine, lease, revision) for engine, lease, revision in listing}
+        revision = listing[0][2] if listing else await self.etcd.current_revision()
+        for engine_id in sorted(set(known) - set(live)):
+            known.pop(engine_id)
+            yield EngineEvent(
+                registry.ENGINE_EVENT_TYPE_LEFT,
+                resources.Engine(engine_id=engine_id, name=f"engines/{engine_id}"),
+                revision,
+            )
+        for engine_id, (engine, lease, _) in live.items():
+            if known.get(engine_id) != lease:
+                known[engine_id] = lease
+                yield EngineEvent(registry.ENGINE_EVENT_TYPE_JOINED, engine, revision)
+
+    async def _list_all_engines(self) -> list[tuple[resources.Engine, int, int]]:
+        """Every live engine with its lease, and the revision of the read."""
+        response = await self.etcd.range(self.layout.engines, prefix_end(self.layout.engines))
+        return [(decode_engine(kv.value), kv.lease, response.revision) for kv in response.kvs]

@@ -1,0 +1,407 @@
+"""Retentions in etcd: which decode engine holds a conversation's KV blocks, under their own lease.
+
+A conversation has at most one live record (its latest turn). Every multi-key change is one
+etcd transaction guarded by compares, so a concurrent change is never overwritten half-way:
+
+- publishing turn N+1 writes the record and its engine-index entry and drops the older engine's
+  entry, guarded by the record's revision and the engine's lease (its incarnation);
+- a lookup or renewal holds only while the engine incarnation that published it is registered
+  (rule 3), checked in the same transaction, so correctness never depends on the reaper;
+- ending a retention writes a tombstone with the reason under the retention's lease and deletes
+  the record and its index entry (``end_operations``, shared with the reaper).
+
+Plain Python over the etcd gateway; the gRPC handlers only translate messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from kvferry.registry import validation
+from kvferry.registry.batching import TxnBatcher
+from kvferry.registry.cache import RetentionCache
+from kvferry.registry.config import TtlPolicy
+from kvferry.registry.errors import Conflict, FailedPrecondition, NotFound, RegistryError
+from kvferry.registry.etcd import (
+    Delete,
+    EtcdGateway,
+    Get,
+    KeyValue,
+    Lease,
+    LeaseIs,
+    LeaseNotFound,
+    ModRevisionIs,
+    Op,
+    Put,
+    TxnResult,
+)
+from kvferry.registry.keys import ConversationKey, KeyLayout
+from kvferry.registry.metrics import LEASE_RETENTION, RegistryMetrics
+from kvferry.registry.records import (
+    StoredRetention,
+    decode_engine,
+    decode_record,
+    encode_incarnation,
+    encode_record,
+    encode_tombstone,
+)
+from kvferry.registry.timing import Clock, timestamp
+from kvferry.v1 import resources_pb2 as resources
+
+log = logging.getLogger(__name__)
+
+# Optimistic transactions retry this often before answering ABORTED.
+_TXN_ATTEMPTS = 4
+# Records kept in memory to answer lookups and renewals in one etcd round trip.
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class PublishedRetention:
+    retention: resources.Retention
+    superseded_turn: int
+    revision: int
+    # The lease holding it (0 when an identical retry returned the stored retention).
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class FoundRetention:
+    retention: resources.Retention
+    revision: int
+
+
+def end_operations(
+    layout: KeyLayout,
+    conversation: ConversationKey,
+    engine_id: str,
+    lease: int,
+    reason: resources.ReleaseReason.ValueType,
+    end_time: float,
+) -> list[Op]:
+    """What ending a retention writes: its tombstone (the reason, under ``lease``), then the deletions.
+
+    The tombstone goes first: a watcher sees the reason before the deletion it explains.
+    """
+    return [
+        Put(layout.tombstone(conversation), encode_tombstone(reason, end_time), lease),
+        Delete(layout.live(conversation)),
+        Delete(layout.engine_index(engine_id, conversation)),
+    ]
+
+
+def _no_retention(conversation: ConversationKey) -> NotFound:
+    return NotFound(
+        f"no live retention for conversation {conversation.conversation_id} of tenant "
+        f"{conversation.tenant} (never published, released, superseded or expired); recompute"
+    )
+
+
+def _other_request_live(
+    conversation: ConversationKey, live: resources.Retention, engine_request_id: str
+) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"conversation {conversation.conversation_id} of tenant {conversation.tenant} now retains "
+        f"engine request {live.engine_request_id} (turn {live.turn} on engine {live.engine_id}), not "
+        f"{engine_request_id}; nothing was released. A newer turn replaced the one you meant: leave it, "
+        "or release without engine_request_id to end whatever turn is live"
+    )
+
+
+def _is_same_publish(current: resources.Retention, incoming: resources.Retention) -> bool:
+    return (
+        current.turn == incoming.turn
+        and current.engine_id == incoming.engine_id
+        and current.engine_request_id == incoming.engine_request_id
+    )
+
+
+class RetentionStore:
+    """Publishes, looks up, renews and releases retentions."""
+
+    def __init__(
+        self,
+        etcd: EtcdGateway,
+        layout: KeyLayout,
+        ttl: TtlPolicy,
+        *,
+        clock: Clock = time.time,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        metrics: RegistryMetrics | None = None,
+    ) -> None:
+        self.etcd = etcd
+        self.layout = layout
+        self.ttl = ttl
+        self._clock = clock
+        self._metrics = metrics if metrics is not None else RegistryMetrics()
+        self._cache = RetentionCache(cache_bytes)
+        # The hot paths (publish, lookup, renew) share etcd calls when they arrive together.
+        self._reads = TxnBatcher(etcd)
+        self._writes = TxnBatcher(etcd)
+
+    # --- publish ----------------------------------------------------------------------------
+
+    async def publish_retention(self, retention: resources.Retention) -> PublishedRetention:
+        """Stores a conversation's retention under its own lease, superseding an older turn atomically."""
+        conversation = validation.validate_retention_shape(retention)
+        ttl = validation.retention_ttl(retention.ttl_seconds, self.ttl)
+        # The lease is granted while the current state is read: one round trip less per publish.
+        grant = asyncio.ensure_future(self.etcd.grant(ttl))
+        published: PublishedRetention | None = None
+        try:
+            for _ in range(_TXN_ATTEMPTS):
+                published = await self._try_publish(retention, conversation, grant)
+                if published is not None:
+                    if published.superseded_turn:
+                        self._metrics.released(resources.RELEASE_REASON_SUPERSEDED)
+                    return published
+        finally:
+            await self._drop_unused_lease(grant, published)
+        raise Conflict(
+            f"conversation {conversation.conversation_id} changed concurrently {_TXN_ATTEMPTS} times while "
+            "publishing; retry"
+        )
+
+    async def _drop_unused_lease(
+        self, grant: asyncio.Future[Lease], published: PublishedRetention | None
+    ) -> None:
+        if not grant.done():
+            grant.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RegistryError):
+                await grant
+            return
+        if grant.cancelled() or grant.exception() is not None:
+            return
+        lease = grant.result()
+        if published is None or published.lease != lease.id:
+            await self.etcd.revoke_quietly(lease.id, "unused publish lease")
+
+    async def _try_publish(
+        self, retention: resources.Retention, conversation: ConversationKey, grant: asyncio.Future[Lease]
+    ) -> PublishedRetention | None:
+        """One optimistic attempt; None when a concurrent change won and the caller should retry."""
+        engine_key = self.layout.engine(retention.engine_id)
+        live_key = self.layout.live(conversation)
+        snapshot = await self._reads.txn([], [Get(engine_key), Get(live_key)])
+        engine_kv, live_kv = snapshot.range(0).first, snapshot.range(1).first
+        if engine_kv is None:
+            raise FailedPrecondition(
+                f"engine {retention.engine_id} is not registered; register it (RegisterEngine) before "
+                "publishing its retentions"
+            )
+        incarnation = engine_kv.lease
+        validation.validate_against_engine(retention, decode_engine(engine_kv.value))
+        superseded_turn = 0
+        operations: list[Op] = []
+        live_revision = 0
+        if live_kv is not None:
+            live_revision = live_kv.mod_revision
+            current = decode_record(live_kv.value)
+            if current.retention.turn >= retention.turn:
+                if (
+                    _is_same_publish(current.retention, retention)
+                    and current.engine_incarnation == incarnation
+                ):
+                    return PublishedRetention(current.retention, 0, snapshot.revision)
+                raise FailedPrecondition(
+                    f"conversation {conversation.conversation_id} of tenant {conversation.tenant} "
+                    f"already retains turn {current.retention.turn} "
+                    f"(engine {current.retention.engine_id}); turn {retention.turn} is not newer. "
+                    "Publish turns in increasing order; a retry of the same turn must repeat its "
+                    "engine_id and engine_request_id"
+                )
+            superseded_turn = int(current.retention.turn)
+            if current.retention.engine_id != retention.engine_id:
+                operations.append(Delete(self.layout.engine_index(current.retention.engine_id, conversation)))
+        lease = await grant
+        now = self._clock()
+        stored = resources.Retention()
+        stored.CopyFrom(retention)
+        stored.name = conversation.name
+        stored.ttl_seconds = lease.ttl_seconds
+        stored.publish_time.CopyFrom(timestamp(now))
+        stored.expire_time.CopyFrom(timestamp(now + lease.ttl_seconds))
+        record = encode_record(stored, incarnation)
+        index_key = self.layout.engine_index(retention.engine_id, conversation)
+        operations[:0] = [
+            Put(live_key, record, lease.id),
+            Put(index_key, encode_incarnation(incarnation), lease.id),
+        ]
+        committed = await self._writes.txn(
+            [LeaseIs(engine_key, incarnation), ModRevisionIs(live_key, live_revision)], operations
+        )
+        if not committed.succeeded:
+            return None
+        self._cache.put(
+            live_key, StoredRetention(stored, incarnation), lease.id, committed.revision, len(record)
+        )
+        return PublishedRetention(stored, superseded_turn, committed.revision, lease.id)
+
+    # --- lookup -----------------------------------------------------------------------------
+
+    async def get_retention(self, tenant: str, conversation_id: str) -> FoundRetention:
+        """The conversation's live retention; NOT_FOUND unless its lease and its engine are both alive.
+
+        One round trip when this registry knows the record: a transaction compares the record's
+        revision and the engine's lease, and reads both only when either changed.
+        """
+        conversation = validation.conversation_key(tenant, conversation_id)
+        live_key = self.layout.live(conversation)
+        cached = self._cache.get(live_key)
+        engine_kv: KeyValue | None = None
+        if cached is not None:
+            engine_key = self.layout.engine(cached.stored.retention.engine_id)
+            checked = await self._reads.txn(
+                [
+                    ModRevisionIs(live_key, cached.mod_revision),
+                    LeaseIs(engine_key, cached.stored.engine_incarnation),
+                ],
+                [],
+                [Get(live_key), Get(engine_key)],
+            )
+            if checked.succeeded:
+                return self._unexpired(conversation, cached.stored, checked.revision)
+            live_kv, engine_kv, revision = checked.range(0).first, checked.range(1).first, checked.revision
+        else:
+            read = await self._reads.txn([], [Get(live_key)])
+            live_kv, revision = read.range(0).first, read.revision
+        if live_kv is None:
+            self._cache.drop(live_key)
+            raise _no_retention(conversation)
+        stored = decode_record(live_kv.value)
+        self._cache.put(live_key, stored, live_kv.lease, live_kv.mod_revision, len(live_kv.value))
+        if cached is None or cached.stored.retention.engine_id != stored.retention.engine_id:
+            # The engine this record names was not read yet.
+            engine = await self._reads.txn([], [Get(self.layout.engine(stored.retention.engine_id))])
+            engine_kv, revision = engine.range(0).first, engine.revision
+        if engine_kv is None or engine_kv.lease != stored.engine_incarnation:
+            raise NotFound(
+                f"conversation {conversation_id} of tenant {tenant} was retained on engine "
+                f"{stored.retention.engine_id}, which left the registry; recompute"
+            )
+        return self._unexpired(conversation, stored, revision)
+
+    def _unexpired(
+        self, conversation: ConversationKey, stored: StoredRetention, revision: int
+    ) -> FoundRetention:
+        # etcd deletes an expired lease's keys up to ~0.5 s late; never hand out one past its end.
+        if stored.retention.expire_time.ToNanoseconds() <= self._clock() * 1e9:
+            raise _no_retention(conversation)
+        retention = resources.Retention()
+        retention.CopyFrom(stored.retention)
+        return FoundRetention(retention, revision)
+
+    # --- renewal ----------------------------------------------------------------------------
+
+    async def renew_retention(self, tenant: str, conversation_id: str) -> FoundRetention:
+        """Extends the retention's lease and records the new expiry (watchers see RENEWED).
+
+        One round trip (a keep-alive and a guarded re-put, sent together) when this registry
+        knows the record; a read first otherwise.
+        """
+        conversation = validation.conversation_key(tenant, conversation_id)
+        live_key = self.layout.live(conversation)
+        cached = self._cache.get(live_key)
+        if cached is not None:
+            renewed = await self._renew_once(live_key, cached.stored, cached.lease)
+            if renewed is not None:
+                return renewed
+            self._cache.drop(live_key)
+        kv = await self.etcd.get(live_key)
+        if kv is None:
+            raise _no_retention(conversation)
+        renewed = await self._renew_once(live_key, decode_record(kv.value), kv.lease)
+        if renewed is None:
+            raise NotFound(
+                f"conversation {conversation_id} of tenant {tenant} has no retention to renew: it was "
+                "superseded, released, or its engine left; recompute"
+            )
+        return renewed
+
+    async def _renew_once(
+        self, live_key: bytes, stored: StoredRetention, lease: int
+    ) -> FoundRetention | None:
+        """Renews ``lease`` and re-puts the record if it still holds the conversation; else None."""
+        retention = resources.Retention()
+        retention.CopyFrom(stored.retention)
+        # A keep-alive restores the granted TTL; the record says so.
+        retention.expire_time.CopyFrom(timestamp(self._clock() + retention.ttl_seconds))
+        engine_key = self.layout.engine(retention.engine_id)
+        record = encode_record(retention, stored.engine_incarnation)
+        renewal, update = await asyncio.gather(
+            self.etcd.keep_alive_once(lease),
+            self._writes.txn(
+                [LeaseIs(live_key, lease), LeaseIs(engine_key, stored.engine_incarnation)],
+                [Put(live_key, record, lease)],
+            ),
+            return_exceptions=True,
+        )
+        for outcome in (renewal, update):
+            if isinstance(outcome, LeaseNotFound):
+                return None
+            if isinstance(outcome, BaseException):
+                raise outcome
+        assert isinstance(update, TxnResult)  # failures were raised above
+        if not update.succeeded:
+            return None
+        self._metrics.lease_renewed(LEASE_RETENTION)
+        self._cache.put(
+            live_key,
+            StoredRetention(retention, stored.engine_incarnation),
+            lease,
+            update.revision,
+            len(record),
+        )
+        return FoundRetention(retention, update.revision)
+
+    # --- release ----------------------------------------------------------------------------
+
+    async def release_retention(
+        self,
+        tenant: str,
+        conversation_id: str,
+        reason: resources.ReleaseReason.ValueType,
+        engine_request_id: str = "",
+    ) -> int:
+        """Ends the retention now (watchers see ENDED with ``reason``); returns the revision.
+
+        With ``engine_request_id``, only if the live record is that request (else FailedPrecondition):
+        the record is checked here and the deletion is guarded by that record's revision, so a turn
+        published after the check fails the transaction and is checked again, never released.
+        """
+        reason = validation.release_reason(reason)
+        conversation = validation.conversation_key(tenant, conversation_id)
+        if engine_request_id:
+            validation.require_id("engine_request_id", engine_request_id)
+        live_key = self.layout.live(conversation)
+        kv = await self.etcd.get(live_key)
+        for _ in range(_TXN_ATTEMPTS):
+            if kv is None:
+                raise _no_retention(conversation)
+            stored = decode_record(kv.value)
+            if engine_request_id and stored.retention.engine_request_id != engine_request_id:
+                raise _other_request_live(conversation, stored.retention, engine_request_id)
+            ending = end_operations(
+                self.layout, conversation, stored.retention.engine_id, kv.lease, reason, self._clock()
+            )
+            try:
+                committed = await self.etcd.txn(
+                    [ModRevisionIs(live_key, kv.mod_revision)],
+                    ending,
+                    # Lost the race (a renewal, a newer turn): judge the record that won, no extra read.
+                    [Get(live_key)],
+                )
+            except LeaseNotFound:
+                raise _no_retention(conversation) from None
+            if committed.succeeded:
+                self._cache.drop(live_key)
+                self._metrics.released(reason)
+                # The lease now holds only the tombstone; revoking it drops the tombstone too.
+                await self.etcd.revoke_quietly(kv.lease, "released retention")
+                return committed.revision
+            kv = committed.range(0).first
+        raise Conflict(f"conversation {conversation_id} changed concurrently while releasing; retry")
