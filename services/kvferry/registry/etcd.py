@@ -69,10 +69,14 @@ def prefix_end(prefix: bytes) -> bytes:
     return bytes(aetcd.utils.prefix_range_end(prefix))
 
 
+# The values below are plain slotted dataclasses, not frozen ones: the hot paths build several
+# per call, and a frozen one costs three times as much to build (1.2 µs against 0.4 µs on
+# Python 3.11). Treat them as immutable all the same.
+
 # --- what etcd holds --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KeyValue:
     """One key as etcd holds it: the lease it lives under (0: none), the revision that last wrote it."""
 
@@ -85,7 +89,7 @@ class KeyValue:
 # --- compares ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ModRevisionIs:
     """True when ``key`` was last written at ``revision`` (0: the key does not exist)."""
 
@@ -93,7 +97,7 @@ class ModRevisionIs:
     revision: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LeaseIs:
     """True when ``key`` exists and lives under ``lease``."""
 
@@ -107,7 +111,7 @@ Compare = ModRevisionIs | LeaseIs
 # --- operations -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Get:
     """Reads ``key``, or ``[key, range_end)`` when ``range_end`` is given (at most ``limit``, 0: all)."""
 
@@ -117,7 +121,7 @@ class Get:
     keys_only: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Put:
     """Writes ``key`` under ``lease`` (0: none); ``prev_kv`` asks for what it replaced."""
 
@@ -127,12 +131,12 @@ class Put:
     prev_kv: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delete:
     key: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Txn:
     """If every compare holds, the ``success`` operations run, else the ``failure`` ones; atomically.
 
@@ -160,7 +164,7 @@ Op = Get | Put | Delete | Txn
 # --- results ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RangeResult:
     """What a read found (``more``: the limit cut it short; ``count``: every key in the range)."""
 
@@ -174,7 +178,7 @@ class RangeResult:
         return self.kvs[0] if self.kvs else None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PutResult:
     """``previous``: what the put replaced, when asked for and the key existed."""
 
@@ -182,13 +186,13 @@ class PutResult:
     revision: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DeleteResult:
     deleted: int
     revision: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TxnResult:
     """Which branch ran, the result of each of its operations in order, and the store revision."""
 
@@ -216,13 +220,13 @@ def _expect(result: OpResult, kind: type[_Result]) -> _Result:
     return result
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Lease:
     id: int
     ttl_seconds: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LeaseRenewal:
     """A lease keep-alive's answer: the TTL it restored, and the store revision."""
 
@@ -235,7 +239,7 @@ class EventType(enum.Enum):
     DELETE = "delete"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WatchEvent:
     """One key's change; ``previous`` is its value before (None when it did not exist)."""
 
@@ -262,6 +266,8 @@ def _compare_message(compare: Compare) -> Any:
 
 
 def _range_request(get: Get, *, count_only: bool = False) -> Any:
+    if not (get.range_end or get.limit or get.keys_only or count_only):
+        return rpc.RangeRequest(key=get.key)  # the common case (one key), a little cheaper to build
     return rpc.RangeRequest(
         key=get.key, range_end=get.range_end, limit=get.limit, keys_only=get.keys_only, count_only=count_only
     )
