@@ -11,7 +11,6 @@ from kvferry.connector.coalesce import (
     PlanError,
     PullPlan,
     block_runs,
-    consecutive_fraction,
     plan_pull,
     segments_of,
 )
@@ -214,6 +213,3 @@ def test_block_run_statistics() -> None:
     assert runs.mean_run_blocks == 2.5
     with pytest.raises(ValueError):
         block_runs([1], [])
-    assert consecutive_fraction([3, 4, 5, 9, 10]) == 0.75
-    assert consecutive_fraction([5, 4, 3]) == 0.0
-    assert consecutive_fraction([7]) == 1.0

@@ -17,8 +17,11 @@ from datetime import datetime
 
 import psutil
 import pytest
-from kvferry.common import vllm_http
-from kvferry.common.marks import ConversationMark, ReleaseMark
+from kvferry.pd.engine_api import ChatMessage, DecodeRequest, PrefillRequest, PrefillResult, Sampling
+from kvferry.pd.engine_client import VllmEngineClient
+from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
+from kvferry.pd.reuse import RetainedKv, max_reusable_tokens
+from kvferry.pd.vllm_params import KvHandoff
 from kvferry.stack.engine import DirectTurn, direct_turn
 
 from tests.fixtures.engines import EnginePair
@@ -42,12 +45,10 @@ class Conversation:
     tenant: str = "tests"
     turn: int = 0
     history: list[int] | None = None
-    previous: vllm_http.RetainedKv | None = None
+    previous: RetainedKv | None = None
 
-    async def step(
-        self, prefill: vllm_http.VllmEngineClient, decode: vllm_http.VllmEngineClient, text: str
-    ) -> DirectTurn:
-        message = await prefill.render_chat([vllm_http.ChatMessage("user", text)])
+    async def step(self, prefill: VllmEngineClient, decode: VllmEngineClient, text: str) -> DirectTurn:
+        message = await prefill.render_chat([ChatMessage("user", text)])
         prompt = message if self.history is None else [*self.history, *message]
         self.turn += 1
         result = await direct_turn(
@@ -89,7 +90,7 @@ async def test_prefill_pulls_the_history_from_decode_and_computes_only_the_suffi
     for previous, turn in itertools.pairwise(turns):
         usage = turn.prefill.usage
         assert usage is not None and previous.retained is not None
-        reusable = vllm_http.max_reusable_tokens(usage.prompt_tokens, previous.retained.num_tokens, 32)
+        reusable = max_reusable_tokens(usage.prompt_tokens, previous.retained.num_tokens, 32)
         assert reusable >= 32 * 6, "the test conversation should reuse a long prefix"
         # P pulled exactly the block-aligned history from D and computed the rest.
         assert usage.cached_tokens == reusable
@@ -124,18 +125,18 @@ async def test_decode_keeps_blocks_after_a_prefill_read_them(engine_pair: Engine
     assert retained is not None
     follow_up = TEXTS[1]
     async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
-        message = await prefill.render_chat([vllm_http.ChatMessage("user", follow_up)])
+        message = await prefill.render_chat([ChatMessage("user", follow_up)])
         prompt = [*(conversation.history or []), *message]
-        reusable = vllm_http.max_reusable_tokens(len(prompt), retained.num_tokens, engine_pair.block_size)
+        reusable = max_reusable_tokens(len(prompt), retained.num_tokens, engine_pair.block_size)
 
         # Two prefills read the same retention (a router retry hands it out again).
-        prefilled: vllm_http.PrefillResult | None = None
+        prefilled: PrefillResult | None = None
         for attempt in range(2):
             if prefilled is not None:
                 # Let D pull the first prefill's KV, as a decode would (else P holds it 30 s).
                 await _finish_handoff(decode, prompt, prefilled.handoff)
             prefilled = await prefill.prefill(
-                vllm_http.PrefillRequest(
+                PrefillRequest(
                     token_ids=tuple(prompt),
                     mark=ConversationMark("tests", conversation.conversation_id, 2),
                     reuse=retained.prefix(reusable),
@@ -146,18 +147,18 @@ async def test_decode_keeps_blocks_after_a_prefill_read_them(engine_pair: Engine
             assert prefilled.usage is not None and prefilled.usage.cached_tokens == reusable
         assert prefilled is not None
         # The second read still sees the right KV: decoding from it equals a recompute.
-        sampling = vllm_http.Sampling(max_tokens=MAX_TOKENS, ignore_eos=True)
+        sampling = Sampling(max_tokens=MAX_TOKENS, ignore_eos=True)
         from_reads = await decode.decode(
-            vllm_http.DecodeRequest(
+            DecodeRequest(
                 tuple(prompt),
                 prefilled.handoff,
                 ConversationMark("tests", _conversation_id("r"), 1),
                 sampling,
             )
         )
-        scratch = await prefill.prefill(vllm_http.PrefillRequest(tuple(prompt)))
+        scratch = await prefill.prefill(PrefillRequest(tuple(prompt)))
         from_scratch = await decode.decode(
-            vllm_http.DecodeRequest(
+            DecodeRequest(
                 tuple(prompt), scratch.handoff, ConversationMark("tests", _conversation_id("s"), 1), sampling
             )
         )
@@ -173,16 +174,14 @@ async def test_prefill_declines_a_pull_whose_read_deadline_is_too_near(engine_pa
     (first,) = await _run(engine_pair, conversation, TEXTS[:1])
     assert first.retained is not None
     async with engine_pair.prefill.client() as prefill:
-        message = await prefill.render_chat([vllm_http.ChatMessage("user", TEXTS[1])])
+        message = await prefill.render_chat([ChatMessage("user", TEXTS[1])])
         prompt = [*(conversation.history or []), *message]
-        reusable = vllm_http.max_reusable_tokens(
-            len(prompt), first.retained.num_tokens, engine_pair.block_size
-        )
+        reusable = max_reusable_tokens(len(prompt), first.retained.num_tokens, engine_pair.block_size)
         declined_before = len(
             engine_pair.prefill.connector_events("declined a pull: read deadline too near, recomputing")
         )
         prefilled = await prefill.prefill(
-            vllm_http.PrefillRequest(
+            PrefillRequest(
                 token_ids=tuple(prompt),
                 mark=ConversationMark("tests", conversation.conversation_id, 2),
                 reuse=first.retained.prefix(reusable),
@@ -197,26 +196,20 @@ async def test_prefill_declines_a_pull_whose_read_deadline_is_too_near(engine_pa
     assert len(declined) == declined_before + 1
 
 
-async def _finish_handoff(
-    decode: vllm_http.VllmEngineClient, prompt: Sequence[int], handoff: vllm_http.KvHandoff
-) -> None:
+async def _finish_handoff(decode: VllmEngineClient, prompt: Sequence[int], handoff: KvHandoff) -> None:
     """Decodes one token from a prefill's handoff, so P's blocks are pulled and freed.
 
     Marked, so D retains it the kvferry way (an unmarked decode keeps vLLM's busy TTL)."""
     mark = ConversationMark("tests", _conversation_id("handoff"), 1)
-    await decode.decode(
-        vllm_http.DecodeRequest(
-            tuple(prompt), handoff, mark, vllm_http.Sampling(max_tokens=1, ignore_eos=True)
-        )
-    )
+    await decode.decode(DecodeRequest(tuple(prompt), handoff, mark, Sampling(max_tokens=1, ignore_eos=True)))
 
 
 async def test_streamed_decode_matches_and_a_cancelled_stream_is_not_retained(
     engine_pair: EnginePair,
 ) -> None:
     async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
-        prompt = tuple(await prefill.render_chat([vllm_http.ChatMessage("user", TEXTS[0])]))
-        sampling = vllm_http.Sampling(max_tokens=MAX_TOKENS, ignore_eos=True)
+        prompt = tuple(await prefill.render_chat([ChatMessage("user", TEXTS[0])]))
+        sampling = Sampling(max_tokens=MAX_TOKENS, ignore_eos=True)
         full = await direct_turn(
             prefill,
             decode,
@@ -224,10 +217,10 @@ async def test_streamed_decode_matches_and_a_cancelled_stream_is_not_retained(
             mark=ConversationMark("tests", _conversation_id("full"), 1),
             max_tokens=MAX_TOKENS,
         )
-        handoff = (await prefill.prefill(vllm_http.PrefillRequest(prompt))).handoff
+        handoff = (await prefill.prefill(PrefillRequest(prompt))).handoff
         streamed: list[int] = []
         usage = None
-        request = vllm_http.DecodeRequest(
+        request = DecodeRequest(
             prompt, handoff, ConversationMark("tests", _conversation_id("st"), 1), sampling
         )
         async for chunk in decode.decode_stream(request):
@@ -237,10 +230,10 @@ async def test_streamed_decode_matches_and_a_cancelled_stream_is_not_retained(
         assert usage is not None and usage.completion_tokens == MAX_TOKENS
 
         # Stop reading after the first tokens: the client disconnects and vLLM aborts the request.
-        handoff = (await prefill.prefill(vllm_http.PrefillRequest(prompt))).handoff
+        handoff = (await prefill.prefill(PrefillRequest(prompt))).handoff
         cancelled = _conversation_id("cancel")
-        long_run = vllm_http.Sampling(max_tokens=2000, ignore_eos=True)
-        request = vllm_http.DecodeRequest(
+        long_run = Sampling(max_tokens=2000, ignore_eos=True)
+        request = DecodeRequest(
             prompt, handoff, ConversationMark("tests", cancelled, 1), long_run, request_id=cancelled
         )
         stream = decode.decode_stream(request)
@@ -319,12 +312,10 @@ def _ts(event: dict[str, object]) -> float:
 
 async def test_unmarked_requests_behave_as_in_plain_vllm(engine_pair: EnginePair) -> None:
     async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
-        prompt = await prefill.render_chat([vllm_http.ChatMessage("user", TEXTS[0])])
-        prefilled = await prefill.prefill(vllm_http.PrefillRequest(tuple(prompt), request_id="unmarked-1"))
+        prompt = await prefill.render_chat([ChatMessage("user", TEXTS[0])])
+        prefilled = await prefill.prefill(PrefillRequest(tuple(prompt), request_id="unmarked-1"))
         decoded = await decode.decode(
-            vllm_http.DecodeRequest(
-                tuple(prompt), prefilled.handoff, None, vllm_http.Sampling(max_tokens=4, ignore_eos=True)
-            )
+            DecodeRequest(tuple(prompt), prefilled.handoff, None, Sampling(max_tokens=4, ignore_eos=True))
         )
     # vLLM's own bidirectional answer, untouched; the connector retains nothing for it.
     assert decoded.retained is not None and decoded.retained.do_remote_decode
@@ -339,14 +330,14 @@ async def test_unmarked_requests_behave_as_in_plain_vllm(engine_pair: EnginePair
 async def test_a_release_mark_frees_the_decode_blocks_at_finish(engine_pair: EnginePair) -> None:
     request_id = _conversation_id("release")
     async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
-        prompt = await prefill.render_chat([vllm_http.ChatMessage("user", TEXTS[1])])
-        prefilled = await prefill.prefill(vllm_http.PrefillRequest(tuple(prompt)))
+        prompt = await prefill.render_chat([ChatMessage("user", TEXTS[1])])
+        prefilled = await prefill.prefill(PrefillRequest(tuple(prompt)))
         decoded = await decode.decode(
-            vllm_http.DecodeRequest(
+            DecodeRequest(
                 tuple(prompt),
                 prefilled.handoff,
                 ReleaseMark(),
-                vllm_http.Sampling(max_tokens=4, ignore_eos=True),
+                Sampling(max_tokens=4, ignore_eos=True),
                 request_id=request_id,
             )
         )

@@ -18,9 +18,19 @@ from typing import Any
 
 import httpx
 import pytest
-from kvferry.common import vllm_http
-from kvferry.common.marks import ConversationMark
-from kvferry.connector.nixl_pulls import PullOptions
+from kvferry.pd.engine_api import (
+    ChatMessage,
+    DecodeRequest,
+    DecodeResult,
+    Sampling,
+    Usage,
+    decode_transfer_params,
+    prefill_transfer_params,
+)
+from kvferry.pd.engine_client import VllmEngineClient
+from kvferry.pd.kvferry_params import ConversationMark, PullOptions
+from kvferry.pd.reuse import max_reusable_tokens
+from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 from kvferry.stack.engine import DirectTurn, direct_turn
 
 from tests.fixtures.engines import EngineHandle, EnginePair
@@ -72,12 +82,12 @@ async def _prefill(
     pair: EnginePair,
     prompt: Sequence[int],
     *,
-    reuse: vllm_http.RemoteBlocks | None,
+    reuse: RemoteBlocks | None,
     mark: ConversationMark | None,
     options: PullOptions,
     request_id: str,
-) -> vllm_http.KvHandoff:
-    params = vllm_http.prefill_transfer_params(
+) -> KvHandoff:
+    params = prefill_transfer_params(
         mark, reuse, lease_expire_time=time.time() + 20 if reuse is not None else None
     )
     params.update(options.to_params())
@@ -90,9 +100,9 @@ async def _prefill(
         "kv_transfer_params": params,
     }
     answer = await _post(pair.prefill, body, request_id)
-    handoff = vllm_http.KvHandoff.from_params(answer.get("kv_transfer_params"))
+    handoff = KvHandoff.from_params(answer.get("kv_transfer_params"))
     assert handoff is not None and handoff.do_remote_prefill
-    usage = vllm_http.Usage.from_body(answer.get("usage"))
+    usage = Usage.from_body(answer.get("usage"))
     if reuse is not None:
         assert usage is not None and usage.cached_tokens == reuse.num_tokens, "P must pull the prefix"
     return handoff
@@ -101,14 +111,14 @@ async def _prefill(
 async def _decode(
     pair: EnginePair,
     prompt: Sequence[int],
-    handoff: vllm_http.KvHandoff,
+    handoff: KvHandoff,
     *,
     options: PullOptions | None = None,
     max_tokens: int = 16,
     request_id: str,
     cache_salt: str | None = None,
 ) -> tuple[int, ...]:
-    params = vllm_http.decode_transfer_params(handoff, ConversationMark("tests", _id("dec"), 1))
+    params = decode_transfer_params(handoff, ConversationMark("tests", _id("dec"), 1))
     if options is not None:
         params.update(options.to_params())
     body = {
@@ -116,7 +126,7 @@ async def _decode(
         "prompt": list(prompt),
         "return_token_ids": True,
         "kv_transfer_params": params,
-        **vllm_http.Sampling(max_tokens=max_tokens, ignore_eos=True).to_body(),
+        **Sampling(max_tokens=max_tokens, ignore_eos=True).to_body(),
     }
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
@@ -124,7 +134,7 @@ async def _decode(
     return tuple(int(t) for t in answer["choices"][0]["token_ids"])
 
 
-class _DecodeTogether(vllm_http.VllmEngineClient):
+class _DecodeTogether(VllmEngineClient):
     """Holds each decode until every conversation's decode is ready, so they all run at once.
 
     Without it the prefills' staggered finish could let one decode fill its blocks alone.
@@ -134,7 +144,7 @@ class _DecodeTogether(vllm_http.VllmEngineClient):
         super().__init__(base_url, model)
         self._all_ready = asyncio.Barrier(conversations)
 
-    async def decode(self, request: vllm_http.DecodeRequest) -> vllm_http.DecodeResult:
+    async def decode(self, request: DecodeRequest) -> DecodeResult:
         await self._all_ready.wait()
         return await super().decode(request)
 
@@ -146,8 +156,7 @@ async def _first_turns(
     together = _DecodeTogether(pair.decode.http_url, pair.model, conversations)
     async with pair.prefill.client() as prefill, together as decode:
         prompts = [
-            await prefill.render_chat([vllm_http.ChatMessage("user", f"{i}: {TEXT}")])
-            for i in range(conversations)
+            await prefill.render_chat([ChatMessage("user", f"{i}: {TEXT}")]) for i in range(conversations)
         ]
         turns = await asyncio.gather(
             *(
@@ -162,7 +171,7 @@ async def _first_turns(
                 for prompt in prompts
             )
         )
-        follow_up = await prefill.render_chat([vllm_http.ChatMessage("user", FOLLOW_UP)])
+        follow_up = await prefill.render_chat([ChatMessage("user", FOLLOW_UP)])
     return [
         ([*prompt, *turn.output_token_ids, *follow_up], turn)
         for prompt, turn in zip(prompts, turns, strict=True)
@@ -184,7 +193,7 @@ def _assert_counts(plain: Pull, coalesced: Pull) -> None:
 async def _compare_reads(pair: EnginePair, prompt: list[int], turn: DirectTurn) -> tuple[Pull, Pull]:
     """P pulls the same retained prefix from D twice, vLLM's way then kvferry's; then D decodes both."""
     assert turn.retained is not None
-    reusable = vllm_http.max_reusable_tokens(len(prompt), turn.retained.num_tokens, pair.block_size)
+    reusable = max_reusable_tokens(len(prompt), turn.retained.num_tokens, pair.block_size)
     reuse = turn.retained.prefix(reusable)
     mark = ConversationMark("tests", _id("reader"), 2)
     ids = {name: _id(name) for name in ("p-vllm", "p-kvf", "d-vllm", "d-kvf")}
@@ -226,7 +235,7 @@ async def test_d_to_p_pull_fragmented_ids_same_bytes_and_outputs(engine_pair: En
 
 async def test_p_to_d_pull_same_bytes_and_outputs(engine_pair: EnginePair) -> None:
     async with engine_pair.prefill.client() as prefill:
-        rendered = await prefill.render_chat([vllm_http.ChatMessage("user", TEXT)])
+        rendered = await prefill.render_chat([ChatMessage("user", TEXT)])
     # Whole blocks only: the unused slots of a last, partial block hold whatever was there before.
     prompt = rendered[: len(rendered) // engine_pair.block_size * engine_pair.block_size]
     ids = {name: _id(name) for name in ("p1", "p2", "d-vllm", "d-kvf")}

@@ -94,16 +94,3 @@ def test_coalesced_pulls_are_on_by_default_and_can_be_turned_off() -> None:
     assert settings_to_extra_config(off) == {"coalesce_pulls": False}
     with pytest.raises(SettingsError, match="coalesce_pulls"):
         parse_settings({"bidirectional_kv_xfer": True, "kvferry": {"coalesce_pulls": "no"}})
-
-
-def test_per_request_pull_options() -> None:
-    from kvferry.connector.nixl_pulls import PULL_OPTIONS_KEY, PullOptions
-
-    assert PullOptions.from_params(None) is None
-    assert PullOptions.from_params({"do_remote_decode": True}) is None
-    options = PullOptions(coalesce=False, digest=True)
-    assert PullOptions.from_params(options.to_params()) == options
-    assert PullOptions.from_params({PULL_OPTIONS_KEY: {"digest": True}}) == PullOptions(None, True)
-    for bad in ({"coalesce": "no"}, {"speed": 1}, ["digest"], {"digest": 1}):
-        with pytest.raises(ValueError, match=PULL_OPTIONS_KEY):
-            PullOptions.from_params({PULL_OPTIONS_KEY: bad})

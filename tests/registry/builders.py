@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from kvferry.common.digest import block_digests
+from kvferry.pd.digest import block_digests
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.engines import EngineStore
 from kvferry.registry.etcd import EtcdGateway

@@ -8,15 +8,17 @@ import contextlib
 import socket
 
 import pytest
-from kvferry.common import vllm_http
+from kvferry.pd.engine_api import DecodeRequest, EngineUnavailableError, PrefillRequest
+from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient
+from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 from kvferry.router.aiohttp_transport import AiohttpTransport
 
 
-def client(url: str, read_timeout: float = 0.3) -> vllm_http.VllmEngineClient:
-    return vllm_http.VllmEngineClient(
+def client(url: str, read_timeout: float = 0.3) -> VllmEngineClient:
+    return VllmEngineClient(
         url,
         "m",
-        timeouts=vllm_http.HttpTimeouts(connect=0.5, read=read_timeout),
+        timeouts=HttpTimeouts(connect=0.5, read=read_timeout),
         transport=AiohttpTransport(max_connections=4),
     )
 
@@ -26,8 +28,8 @@ async def test_refused_connection_is_unavailable() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     async with client(f"http://127.0.0.1:{port}") as engine:
-        with pytest.raises(vllm_http.EngineUnavailableError):
-            await engine.prefill(vllm_http.PrefillRequest(token_ids=(1, 2, 3)))
+        with pytest.raises(EngineUnavailableError):
+            await engine.prefill(PrefillRequest(token_ids=(1, 2, 3)))
 
 
 async def test_engine_that_never_answers_times_out_as_unavailable() -> None:
@@ -41,8 +43,8 @@ async def test_engine_that_never_answers_times_out_as_unavailable() -> None:
     port = server.sockets[0].getsockname()[1]
     try:
         async with client(f"http://127.0.0.1:{port}") as engine:
-            with pytest.raises(vllm_http.EngineUnavailableError) as failed:
-                await engine.prefill(vllm_http.PrefillRequest(token_ids=(1, 2, 3)))
+            with pytest.raises(EngineUnavailableError) as failed:
+                await engine.prefill(PrefillRequest(token_ids=(1, 2, 3)))
             assert "ReadTimeout" in str(failed.value)
     finally:
         server.close()
@@ -63,18 +65,16 @@ async def test_stream_cut_mid_way_is_unavailable() -> None:
 
     server = await asyncio.start_server(cut, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    handoff = vllm_http.KvHandoff(
+    handoff = KvHandoff(
         do_remote_prefill=True,
         do_remote_decode=False,
-        blocks=vllm_http.RemoteBlocks(engine_id="p", request_id="r", block_ids=((1,),), host="h", port=1),
+        blocks=RemoteBlocks(engine_id="p", request_id="r", block_ids=((1,),), host="h", port=1),
     )
     try:
         async with client(f"http://127.0.0.1:{port}") as engine:
             chunks = []
-            with pytest.raises(vllm_http.EngineUnavailableError):
-                async for chunk in engine.decode_stream(
-                    vllm_http.DecodeRequest(token_ids=(1,), handoff=handoff)
-                ):
+            with pytest.raises(EngineUnavailableError):
+                async for chunk in engine.decode_stream(DecodeRequest(token_ids=(1,), handoff=handoff)):
                     chunks.append(chunk)
             assert [c.text for c in chunks] == ["a"]
     finally:

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from kvferry.common.calibration import CostProfile
-from kvferry.common.digest import block_digests
+from kvferry.pd.digest import block_digests
+from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, RateInputs, Reuse, choose_reuse
 from kvferry.router.engines import (
     EngineInfo,
@@ -280,7 +280,7 @@ def test_cost_policies_always_and_never() -> None:
 
 
 def test_cost_uses_the_calibrated_curves_quadratic_prefill_and_fragmented_pulls() -> None:
-    from kvferry.common.calibration import GPU_PROFILES
+    from kvferry.router.calibration import GPU_PROFILES
 
     calibrated = CostSettings(profile=GPU_PROFILES["qwen3-8b"], kv_recompute_threshold=64)
     unknown_rates = RateInputs(0.0, 0.0, 0)

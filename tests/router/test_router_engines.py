@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from kvferry.common.vllm_http import EngineMetrics
+from kvferry.pd.engine_metrics import EngineMetrics
 from kvferry.router.server import RouterConfig, RunningRouter, start_router
 from kvferry.sidecar.app import Sidecar
 from kvferry.sidecar.config import SidecarConfig

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from kvferry.common.digest import block_digests
+from kvferry.pd.digest import block_digests
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2

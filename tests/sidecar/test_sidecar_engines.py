@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from kvferry.common.marks import ConversationMark
+from kvferry.pd.kvferry_params import ConversationMark
 from kvferry.stack.engine import direct_turn
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2

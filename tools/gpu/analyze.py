@@ -2,7 +2,7 @@
 
 Usage: PYTHONPATH=services python tools/gpu/analyze.py OUT_DIR > analysis.md
 Reads OUT_DIR/transfer.json, prefill.json and (if present) transfer_isolated.json; prints Markdown, ending
-with the GPU_PROFILES entries for services/kvferry/common/calibration.py.
+with the GPU_PROFILES entries for services/kvferry/router/calibration.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 # Run as a script from anywhere: the repository root makes tools.gpu importable, services/ kvferry.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(1, os.path.join(sys.path[0], "services"))
-from kvferry.common.calibration import (
+from kvferry.router.calibration import (
     CostProfile,
     crossover_tokens,
     prefill_seconds,
@@ -355,7 +355,7 @@ def main() -> int:
                     f"| {recompute_ms / reuse_ms:.2f}x "
                     f"| {reuse8_ms:.1f} | {model_re:.1f} / {model_reuse:.1f} |"
                 )
-        out.append("\n## GPU_PROFILES entries (paste into services/kvferry/common/calibration.py)\n")
+        out.append("\n## GPU_PROFILES entries (paste into services/kvferry/router/calibration.py)\n")
         out.append("```python")
         for shape, p in profiles.items():
             out.append(

@@ -25,6 +25,7 @@ Writes OUT/proof.json (every measurement), OUT/proof.md (the table) and both eng
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -42,14 +43,17 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
-for _root in ("connector", "services", "gen/python"):
+for _root in ("connector", "services", "pd", "gen/python"):
     if str(REPO / _root) not in sys.path:
         sys.path.insert(0, str(REPO / _root))
 
-from kvferry.common import vllm_http  # noqa: E402
-from kvferry.common.marks import ConversationMark  # noqa: E402
-from kvferry.connector.coalesce import consecutive_fraction  # noqa: E402
-from kvferry.connector.nixl_pulls import PullOptions  # noqa: E402
+from kvferry.pd import sequence  # noqa: E402
+from kvferry.pd.block_runs import consecutive_fraction  # noqa: E402
+from kvferry.pd.engine_api import Sampling  # noqa: E402
+from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient  # noqa: E402
+from kvferry.pd.kvferry_params import ConversationMark, PullOptions  # noqa: E402
+from kvferry.pd.reuse import RetainedKv, max_reusable_tokens  # noqa: E402
+from kvferry.pd.sequence import EngineTurn, Prefilled, Pull  # noqa: E402
 
 MODEL_NAME = "proof"
 # The Qwen3-8B shape of shared/gpu/qwen3-8b-config.json (36 layers, 8 KV heads x 128: 144 KiB/token).
@@ -213,7 +217,10 @@ def engine_command(args: argparse.Namespace, engine: Engine, model: Path) -> lis
 
 def engine_env(args: argparse.Namespace, engine: Engine, index: int) -> dict[str, str]:
     env = dict(os.environ)
-    path = [str(REPO / "tools" / "gpu"), *(str(REPO / p) for p in ("connector", "services", "gen/python"))]
+    path = [
+        str(REPO / "tools" / "gpu"),
+        *(str(REPO / p) for p in ("connector", "services", "pd", "gen/python")),
+    ]
     env["PYTHONPATH"] = os.pathsep.join([*path, *filter(None, [env.get("PYTHONPATH")])])
     env.update(
         {
@@ -289,77 +296,48 @@ def start_engines(args: argparse.Namespace, out: Path) -> tuple[Engine, Engine]:
 
 
 class Driver:
-    """Sends the conversation's requests (token ids, non-streaming) and times them."""
+    """Sends the conversation's requests (token ids, non-streaming) through kvferry.pd's sequence and times
+    them. Engine request ids: X-Request-Id ``<rid>-p`` on P, ``<rid>-d`` on D."""
 
     def __init__(self, prefill: Engine, decode: Engine, block_size: int) -> None:
+        timeouts = HttpTimeouts(read=600.0)
         self.prefill = prefill
         self.decode = decode
         self.block_size = block_size
-        self.http = httpx.Client(timeout=600.0)
+        self.prefill_client = VllmEngineClient(prefill.url, MODEL_NAME, timeouts=timeouts)
+        self.decode_client = VllmEngineClient(decode.url, MODEL_NAME, timeouts=timeouts)
 
-    def run_prefill(
+    async def aclose(self) -> None:
+        await self.prefill_client.aclose()
+        await self.decode_client.aclose()
+
+    async def run_prefill(
         self,
         prompt: Sequence[int],
-        request_id: str,
+        rid: str,
         *,
-        reuse: vllm_http.RemoteBlocks | None = None,
+        pull: Pull | None = None,
         mark: ConversationMark | None = None,
         options: PullOptions | None = None,
-    ) -> tuple[float, vllm_http.KvHandoff, int | None, int | None]:
-        params = vllm_http.prefill_transfer_params(
-            mark, reuse, lease_expire_time=time.time() + 60 if reuse is not None else None
-        )
-        if options is not None:
-            params.update(options.to_params())
-        body = {
-            "model": MODEL_NAME,
-            "prompt": list(prompt),
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "return_token_ids": True,
-            "kv_transfer_params": params,
-        }
-        started = time.perf_counter()
-        response = self.http.post(
-            f"{self.prefill.url}/v1/completions", json=body, headers={"X-Request-Id": request_id}
-        )
-        elapsed = time.perf_counter() - started
-        response.raise_for_status()
-        answer = response.json()
-        handoff = vllm_http.KvHandoff.from_params(answer.get("kv_transfer_params"))
-        if handoff is None or not handoff.do_remote_prefill:
-            raise RuntimeError(f"prefill {request_id} returned no handoff: {answer}")
-        tokens = answer["choices"][0].get("token_ids") or [None]
-        usage = vllm_http.Usage.from_body(answer.get("usage"))
-        return elapsed, handoff, tokens[0], usage.cached_tokens if usage else None
+    ) -> Prefilled:
+        turn = EngineTurn(tuple(prompt), mark=mark, pull=pull, request_id=rid, pull_options=options)
+        return await sequence.prefill(self.prefill_client, turn)
 
-    def run_decode(
-        self,
-        prompt: Sequence[int],
-        handoff: vllm_http.KvHandoff,
-        mark: ConversationMark,
-        max_tokens: int,
-        rid: str,
-    ) -> tuple[list[int], vllm_http.RetainedKv | None]:
-        body = {
-            "model": MODEL_NAME,
-            "prompt": list(prompt),
-            "return_token_ids": True,
-            "kv_transfer_params": vllm_http.decode_transfer_params(handoff, mark),
-            **vllm_http.Sampling(max_tokens=max_tokens, ignore_eos=True).to_body(),
-        }
-        response = self.http.post(
-            f"{self.decode.url}/v1/completions", json=body, headers={"X-Request-Id": rid}
+    async def run_decode(
+        self, prompt: Sequence[int], prefilled: Prefilled, mark: ConversationMark, max_tokens: int, rid: str
+    ) -> tuple[list[int], RetainedKv | None]:
+        turn = EngineTurn(
+            tuple(prompt), Sampling(max_tokens=max_tokens, ignore_eos=True), mark=mark, request_id=rid
         )
-        response.raise_for_status()
-        answer = response.json()
-        output = [int(t) for t in answer["choices"][0]["token_ids"]]
-        retained = vllm_http.RetainedKv.from_decode_answer(
-            vllm_http.KvHandoff.from_params(answer.get("kv_transfer_params")),
-            block_size=self.block_size,
-            lease_expire_time=time.time() + 600,
+        decoded = None
+        async for event in sequence.decode(self.decode_client, turn, prefilled, stream=False):
+            if isinstance(event, sequence.Decoded):
+                decoded = event
+        assert decoded is not None
+        retained = RetainedKv.from_decode_answer(
+            decoded.retained, block_size=self.block_size, lease_expire_time=time.time() + 600
         )
-        return output, retained
+        return list(decoded.token_ids), retained
 
 
 def pull_events(log_path: Path) -> list[dict[str, Any]]:
@@ -381,14 +359,14 @@ def pull_of(log_path: Path, request_id: str) -> dict[str, Any] | None:
     return found[-1] if found else None
 
 
-def run_conversation(
+async def run_conversation(
     args: argparse.Namespace, driver: Driver, name: str, turns: int, *, record: bool, out: Path
 ) -> list[TurnResult]:
     profile = PROFILES[args.device]
     rng = random.Random(f"{args.seed}-{name}")
     digest = args.device == "cpu"
     history: list[int] = []
-    previous: vllm_http.RetainedKv | None = None
+    previous: RetainedKv | None = None
     results: list[TurnResult] = []
     for turn in range(1, turns + 1):
         size = (
@@ -399,55 +377,60 @@ def run_conversation(
         prompt = [*history, *(rng.randrange(100, profile.vocab - 100) for _ in range(size))]
         result = TurnResult(turn=turn, prompt_tokens=len(prompt))
         mark = ConversationMark("proof", name, turn)
-        reuse = None
+        pull = None
         if previous is not None:
-            reusable = vllm_http.max_reusable_tokens(len(prompt), previous.num_tokens, profile.block_size)
-            reuse = previous.prefix(reusable) if reusable > 0 else None
-            result.reused_tokens = reusable if reuse is not None else 0
+            reusable = max_reusable_tokens(len(prompt), previous.num_tokens, profile.block_size)
+            if reusable > 0:
+                pull = Pull(previous.prefix(reusable), lease_expire_time=previous.lease_expire_time)
+            result.reused_tokens = reusable if pull is not None else 0
         modes = (
             ["off"]
-            if reuse is None
+            if pull is None
             else (["off", "vllm", "kvferry"] if turn % 2 else ["off", "kvferry", "vllm"])
         )
-        decode_from: vllm_http.KvHandoff | None = None
+        decode_from: Prefilled | None = None
         for repeat in range(args.repeats):
             for mode in modes:
                 rid = f"{name}-t{turn}-{mode}-r{repeat}"
                 options = None if mode == "off" else PullOptions(coalesce=mode == "kvferry", digest=digest)
-                seconds, handoff, first, cached = driver.run_prefill(
+                prefilled = await driver.run_prefill(
                     prompt,
                     rid,
-                    reuse=None if mode == "off" else reuse,
+                    pull=None if mode == "off" else pull,
                     mark=None if mode == "off" else mark,
                     options=options,
                 )
-                if mode != "off" and reuse is not None and cached != reuse.num_tokens:
-                    raise RuntimeError(
-                        f"{rid}: P used {cached} cached tokens, expected a pull of {reuse.num_tokens}"
-                    )
-                result.ttft_ms.setdefault(mode, []).append(round(seconds * 1e3, 2))
-                result.first_token.setdefault(mode, first)
+                usage = prefilled.result.usage
+                cached = usage.cached_tokens if usage is not None else None
+                offered = pull.blocks.num_tokens if pull is not None else None
+                if mode != "off" and pull is not None and cached != offered:
+                    raise RuntimeError(f"{rid}: P used {cached} cached tokens, expected a pull of {offered}")
+                result.ttft_ms.setdefault(mode, []).append(round(prefilled.seconds * 1e3, 2))
+                result.first_token.setdefault(mode, (prefilled.result.first_token_ids or (None,))[0])
                 if mode != "off":
-                    event = pull_of(driver.prefill.log_path, rid)
+                    event = pull_of(driver.prefill.log_path, f"{rid}-p")
                     result.pulls.setdefault(mode, []).append(event or {})
-                if mode == (
-                    "off" if reuse is None else "kvferry" if args.engine_coalesce == "on" else "vllm"
-                ):
-                    decode_from = handoff
+                if mode == ("off" if pull is None else "kvferry" if args.engine_coalesce == "on" else "vllm"):
+                    decode_from = prefilled
         assert decode_from is not None
         rid = f"{name}-t{turn}-decode"
-        output, previous = driver.run_decode(prompt, decode_from, mark, args.max_tokens, rid)
-        result.decode_pull = pull_of(driver.decode.log_path, rid)
+        output, previous = await driver.run_decode(prompt, decode_from, mark, args.max_tokens, rid)
+        result.decode_pull = pull_of(driver.decode.log_path, f"{rid}-d")
         if previous is not None:
             result.retained_blocks = len(previous.block_ids)
             result.retained_consecutive_fraction = round(consecutive_fraction(previous.block_ids), 4)
         history = [*prompt, *output]
         results.append(result)
         if record:
-            with open(out / "proof.jsonl", "a") as sink:
-                sink.write(json.dumps(asdict(result)) + "\n")
-            print(row_text(result), flush=True)
+            record_row(out, result)
     return results
+
+
+def record_row(out: Path, result: TurnResult) -> None:
+    """Appends a finished turn to OUT/proof.jsonl and prints its table row (a small write, between turns)."""
+    with open(out / "proof.jsonl", "a") as sink:
+        sink.write(json.dumps(asdict(result)) + "\n")
+    print(row_text(result), flush=True)
 
 
 def digests_of(r: TurnResult) -> set[Any]:
@@ -502,6 +485,20 @@ HEADER = (
 )
 
 
+async def _run(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Path) -> list[TurnResult]:
+    profile = PROFILES[args.device]
+    driver = Driver(prefill, decode, profile.block_size)
+    try:
+        # Warm-up: first requests, and the NIXL handshakes of both directions, stay out of the table.
+        await run_conversation(args, driver, "warmup", args.warmup_turns, record=False, out=out)
+        print(HEADER, flush=True)
+        return await run_conversation(
+            args, driver, "proof", args.turns or profile.turns, record=True, out=out
+        )
+    finally:
+        await driver.aclose()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -524,7 +521,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--start-timeout-s", type=float, default=420.0)
     args = parser.parse_args(argv)
-    profile = PROFILES[args.device]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "proof.jsonl").unlink(missing_ok=True)
@@ -534,11 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefill, decode = start_engines(args, out)
     print(f"engines up in {time.monotonic() - started:.0f} s", flush=True)
     try:
-        driver = Driver(prefill, decode, profile.block_size)
-        # Warm-up: first requests, and the NIXL handshakes of both directions, stay out of the table.
-        run_conversation(args, driver, "warmup", args.warmup_turns, record=False, out=out)
-        print(HEADER, flush=True)
-        results = run_conversation(args, driver, "proof", args.turns or profile.turns, record=True, out=out)
+        results = asyncio.run(_run(args, prefill, decode, out))
     finally:
         prefill.stop()
         decode.stop()

@@ -209,11 +209,3 @@ def block_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> BlockRuns
         return 1 + sum(1 for (l0, r0), (l1, r1) in itertools.pairwise(seq) if (l1, r1) != (l0 + 1, r0 + 1))
 
     return BlockRuns(blocks=len(pairs), runs_as_listed=runs(pairs), runs_sorted=runs(sorted(pairs)))
-
-
-def consecutive_fraction(block_ids: Sequence[int]) -> float:
-    """Share of neighbouring ids in ``block_ids`` that step by +1 (1.0: one ascending run)."""
-    if len(block_ids) < 2:
-        return 1.0
-    steps = sum(1 for a, b in itertools.pairwise(block_ids) if b == a + 1)
-    return steps / (len(block_ids) - 1)

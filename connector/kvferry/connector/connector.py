@@ -35,17 +35,25 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvferry.common.digest import block_digests
 from kvferry.common.logs import JsonFormatter
-from kvferry.common.marks import ConversationMark, Mark, ReleaseMark, parse_mark
-from kvferry.common.vllm_http import RemoteBlocks, lease_expire_time_from_params
 from kvferry.connector import vllm_internals
 from kvferry.connector.accounting import Accounting, StatsSnapshot, pull_allowed
 from kvferry.connector.compat import KvLayout, kv_compatibility_hash
-from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullOptions, PullRecord
+from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullRecord
 from kvferry.connector.retention import EndReason, RetainedEntry, RetentionTable
 from kvferry.connector.settings import KvferrySettings, SettingsError, parse_settings
 from kvferry.connector.sidecar_link import BackgroundLoop, DueTimer, Eviction, RetentionReport, SidecarLink
+from kvferry.pd import vllm_params
+from kvferry.pd.digest import block_digests
+from kvferry.pd.kvferry_params import (
+    KVFERRY_PARAMS_VERSION,
+    ConversationMark,
+    Mark,
+    PullOptions,
+    ReleaseMark,
+    lease_expire_time_from_params,
+    parse_mark,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlConnectorMetadata,
@@ -64,16 +72,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvferry.connector")
 
-# kv_transfer_params keys vLLM reads to pull from a remote engine (stripped when P declines).
-_REMOTE_KEYS = (
-    "remote_block_ids",
-    "remote_engine_id",
-    "remote_request_id",
-    "remote_host",
-    "remote_port",
-    "remote_num_tokens",
-    "remote_blocks_expiry_time",
-)
 # Released ids stay known to the worker this long, so late read notices are still recognised.
 _FORGET_AFTER_SECONDS = 600.0
 # Per-request pull options the worker keeps at most (a request whose pull never starts is dropped).
@@ -192,6 +190,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 "retained_block_budget": self.table.budget_blocks,
                 "kv_compatibility_hash": compat_hash,
                 "can_wake_engine": self._waker.available,
+                "kvferry_params_version": KVFERRY_PARAMS_VERSION,
             },
         )
 
@@ -202,11 +201,10 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and params.get("remote_block_ids"):
+        if params and vllm_params.wants_remote_decode(params) and vllm_params.names_remote_blocks(params):
             deadline = lease_expire_time_from_params(params)
             if not pull_allowed(deadline, time.time(), self.settings.min_read_seconds):
-                for key in _REMOTE_KEYS:
-                    params.pop(key, None)
+                vllm_params.strip_remote_blocks(params)
                 self.accounting.on_declined()
                 logger.info(
                     "declined a pull: read deadline too near, recomputing",
@@ -259,21 +257,21 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             mark is None
             or not delay_free
             or params is None
-            or not params.get("do_remote_decode")
+            or not vllm_params.wants_remote_decode(params)
             or self._block_pool is None
         ):
             return delay_free, params
-        groups: list[list[int]] = list(params.get("remote_block_ids") or ())
+        groups = vllm_params.block_id_groups(params)
         if len(groups) != 1:
             logger.warning(
                 "not retaining: more than one KV-cache group (hybrid models are not supported)",
                 extra={"request_id": request.request_id, "groups": len(groups)},
             )
             return delay_free, params
-        entry = self._retain(request, mark, list(groups[0]), int(params.get("remote_num_tokens") or 0))
+        entry = self._retain(request, mark, list(groups[0]), vllm_params.remote_num_tokens(params))
         # vLLM's own readers compare this with their clock offset to us (perf_counter domain).
-        params["remote_blocks_expiry_time"] = time.perf_counter() + (
-            entry.free_at(self.table.max_retention_seconds) - time.monotonic()
+        vllm_params.set_blocks_expiry_time(
+            params, time.perf_counter() + (entry.free_at(self.table.max_retention_seconds) - time.monotonic())
         )
         return False, params
 
@@ -282,7 +280,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         """A decode nothing will reuse: its blocks go back to the pool now, not after vLLM's
         decoder_kv_blocks_ttl (during which the engine would keep stepping)."""
-        if not delay_free or params is None or not params.get("do_remote_decode"):
+        if not delay_free or params is None or not vllm_params.wants_remote_decode(params):
             return delay_free, params
         vllm_internals.take_out_of_send_queue(self, request.request_id)
         logger.info("released at finish", extra={"request_id": request.request_id})
@@ -547,5 +545,4 @@ __all__ = [
     "KvferryConnectorMetadata",
     "KvferryScheduler",
     "KvferryWorker",
-    "RemoteBlocks",
 ]

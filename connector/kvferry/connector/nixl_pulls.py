@@ -32,7 +32,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,41 +53,6 @@ logger = logging.getLogger("kvferry.connector.pulls")
 LOCAL_AGENT_NAMES = frozenset({"NIXL_INIT_AGENT", "", b"NIXL_INIT_AGENT", b""})
 # Rows of lists handed to get_xfer_descs and not yet prepared (vLLM prepares right away).
 _MAX_PENDING_LISTS = 8
-
-
-PULL_OPTIONS_KEY = "kvferry_pull"
-
-
-@dataclass(frozen=True)
-class PullOptions:
-    """Per-request pull options, ``kv_transfer_params["kvferry_pull"]`` (comparisons and tests).
-
-    ``{"coalesce": false}`` posts this request's pull with vLLM's own descriptors whatever the
-    engine's ``coalesce_pulls``; ``{"digest": true}`` logs a SHA-256 of the received KV bytes
-    (host memory only) with the pull. Routers send neither.
-    """
-
-    coalesce: bool | None = None
-    digest: bool = False
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any] | None) -> PullOptions | None:
-        """The options in ``params``; None when absent. Raises ValueError when malformed."""
-        raw = (params or {}).get(PULL_OPTIONS_KEY)
-        if raw is None:
-            return None
-        if not isinstance(raw, Mapping) or set(raw) - {"coalesce", "digest"}:
-            raise ValueError(f'{PULL_OPTIONS_KEY} must be {{"coalesce": bool, "digest": bool}}, got {raw!r}')
-        coalesce, digest = raw.get("coalesce"), raw.get("digest", False)
-        if (coalesce is not None and not isinstance(coalesce, bool)) or not isinstance(digest, bool):
-            raise ValueError(f"{PULL_OPTIONS_KEY} values must be booleans, got {raw!r}")
-        return cls(coalesce=coalesce, digest=digest)
-
-    def to_params(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"digest": self.digest}
-        if self.coalesce is not None:
-            body["coalesce"] = self.coalesce
-        return {PULL_OPTIONS_KEY: body}
 
 
 @dataclass(frozen=True)

@@ -116,17 +116,18 @@ def measure_connector(connector: ConnectorKind, args: argparse.Namespace, workdi
 
 
 async def _conversations(prefill_url: str, decode_url: str, model: str, args: argparse.Namespace) -> None:
-    from kvferry.common import vllm_http
-    from kvferry.common.marks import ConversationMark
+    from kvferry.pd.engine_api import ChatMessage
+    from kvferry.pd.engine_client import VllmEngineClient
+    from kvferry.pd.kvferry_params import ConversationMark
     from kvferry.stack.engine import direct_turn
 
     async with (
-        vllm_http.VllmEngineClient(prefill_url, model) as prefill,
-        vllm_http.VllmEngineClient(decode_url, model) as decode,
+        VllmEngineClient(prefill_url, model) as prefill,
+        VllmEngineClient(decode_url, model) as decode,
     ):
         for c in range(args.conversations):
             history = await prefill.render_chat(
-                [vllm_http.ChatMessage("user", f"Conversation {c}: tell me about dataclasses. " * 20)]
+                [ChatMessage("user", f"Conversation {c}: tell me about dataclasses. " * 20)]
             )
             previous = None
             for turn in range(1, args.turns + 1):
@@ -135,9 +136,7 @@ async def _conversations(prefill_url: str, decode_url: str, model: str, args: ar
                     prefill, decode, history, mark=mark, previous=previous, max_tokens=16
                 )
                 previous = result.retained
-                follow_up = await prefill.render_chat(
-                    [vllm_http.ChatMessage("user", f"Turn {turn + 1}, go on.")]
-                )
+                follow_up = await prefill.render_chat([ChatMessage("user", f"Turn {turn + 1}, go on.")])
                 history = [*history, *result.output_token_ids, *follow_up]
 
 

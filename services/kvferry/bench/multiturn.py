@@ -306,7 +306,7 @@ async def _measure(
         gap_sweep,
     )
     from kvferry.bench.multiturn_stack import BENCH_API_KEY, BENCH_MODEL_NAME
-    from kvferry.common import vllm_http
+    from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient
     from kvferry.sdk import Client, Deadlines
 
     notes: list[str] = []
@@ -336,12 +336,12 @@ async def _measure(
             "per-turn counter deltas are shared (turns marked exclusive=false)"
         )
     counters = EngineCounters(engines)
-    timeouts = vllm_http.HttpTimeouts(read=600.0)
+    timeouts = HttpTimeouts(read=600.0)
     vllm_engines = None
     if engines is not None:
         vllm_engines = (
-            vllm_http.VllmEngineClient(engines.prefill_url, engines.model, timeouts=timeouts),
-            vllm_http.VllmEngineClient(engines.decode_url, engines.model, timeouts=timeouts),
+            VllmEngineClient(engines.prefill_url, engines.model, timeouts=timeouts),
+            VllmEngineClient(engines.decode_url, engines.model, timeouts=timeouts),
         )
     client = await Client.connect(
         router,

@@ -5,7 +5,7 @@ Modes (each on its own conversations, alternating turn by turn):
   heartbeats the conversation (SDK ``keep_alive``) as it would while a tool runs.
 - ``recompute``: the same router, a fresh conversation id every turn (closed right after it): nothing
   is found to reuse, the prefill engine computes the whole prompt.
-- ``vllm``: vLLM's own behaviour. The engines are driven directly (``kvferry.common.vllm_http``):
+- ``vllm``: vLLM's own behaviour. The engines are driven directly (``kvferry.pd.sequence``):
   prefill on P, non-streaming decode on D without kvferry's mark, so D keeps the blocks for vLLM's fixed
   ``decoder_kv_blocks_ttl`` and returns them in its response; the client passes them to P next turn.
   No router state, no digest check, no heartbeat.
@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -38,35 +37,21 @@ from kvferry.bench.multiturn_stats import (
     TurnRecord,
 )
 from kvferry.bench.multiturn_workload import ConversationTokens, WorkloadSpec, plan_conversations, seeded_rng
-from kvferry.common import vllm_http
+from kvferry.pd.engine_api import EngineApi, Sampling
+from kvferry.pd.engine_metrics import (
+    TTFT_COUNT,
+    TTFT_SECONDS,
+    XFER_BYTES,
+    XFER_COUNT,
+    XFER_SECONDS,
+    metric_sums,
+)
+from kvferry.pd.sequence import EngineTurn, Pull, run_turn
+from kvferry.pd.vllm_params import RemoteBlocks
 from kvferry.sdk import Client, KeepAlive, SamplingParams, TurnSummary
 
 # Counters read from each engine's /metrics (summed over label sets).
-XFER_SECONDS = "vllm:nixl_xfer_time_seconds_sum"
-XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
-XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
-TTFT_SECONDS = "vllm:time_to_first_token_seconds_sum"
-TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
 METRIC_NAMES = (XFER_SECONDS, XFER_COUNT, XFER_BYTES, TTFT_SECONDS, TTFT_COUNT)
-
-
-def metric_sums(text: str, names: Sequence[str] = METRIC_NAMES) -> dict[str, float]:
-    """Sum of each named series over its label sets, from Prometheus text format."""
-    wanted = set(names)
-    sums = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_and_labels, _, value = line.rpartition(" ")
-        name = name_and_labels.partition("{")[0]
-        if name in wanted:
-            try:
-                number = float(value)
-            except ValueError:
-                continue
-            if math.isfinite(number):
-                sums[name] += number
-    return sums
 
 
 @dataclass(frozen=True)
@@ -94,7 +79,7 @@ class EngineCounters:
             self._http.get(f"{self._engines.prefill_url}/metrics"),
             self._http.get(f"{self._engines.decode_url}/metrics"),
         )
-        return metric_sums(prefill.text), metric_sums(decode.text)
+        return metric_sums(prefill.text, METRIC_NAMES), metric_sums(decode.text, METRIC_NAMES)
 
     async def settled_after(
         self, before: tuple[dict[str, float], dict[str, float]] | None, *, expect_decode_ttft: bool
@@ -179,7 +164,7 @@ class TurnDriver:
         self,
         client: Client,
         counters: EngineCounters,
-        vllm_engines: tuple[vllm_http.VllmEngineClient, vllm_http.VllmEngineClient] | None,
+        vllm_engines: tuple[EngineApi, EngineApi] | None,
         settings: DriverSettings,
         *,
         run_started: float,
@@ -327,26 +312,24 @@ class TurnDriver:
         assert self._vllm_engines is not None
         prefill_engine, decode_engine = self._vllm_engines
         spec = self._settings.workload
-        started = time.perf_counter()
-        prefill = await prefill_engine.prefill(
-            vllm_http.PrefillRequest(token_ids=tuple(prompt), reuse=chain.vllm_blocks)
-        )
-        prefill_ms = (time.perf_counter() - started) * 1000
-        decode = await decode_engine.decode(
-            vllm_http.DecodeRequest(
+        # No mark: vLLM's own handling. D keeps the blocks (no lease) and names them in its answer.
+        done = await run_turn(
+            prefill_engine,
+            decode_engine,
+            EngineTurn(
                 token_ids=tuple(prompt),
-                handoff=prefill.handoff,
-                sampling=vllm_http.Sampling(max_tokens=spec.reply_tokens, ignore_eos=True),
-            )
+                sampling=Sampling(max_tokens=spec.reply_tokens, ignore_eos=True),
+                pull=Pull(chain.vllm_blocks) if chain.vllm_blocks is not None else None,
+            ),
         )
-        cached = prefill.usage.cached_tokens if prefill.usage is not None else None
-        pulled = int(cached or 0) if chain.vllm_blocks is not None else 0
-        chain.vllm_blocks = decode.retained.blocks if decode.retained is not None else None
+        pulled = done.prefilled.pulled_tokens
+        retained = done.decoded.retained
+        chain.vllm_blocks = retained.blocks if retained is not None else None
         return _TurnResult(
             ttft_ms=None,
-            prefill_ms=prefill_ms,
+            prefill_ms=done.prefilled.seconds * 1000,
             pulled_tokens=pulled,
-            reply_ids=decode.token_ids,
+            reply_ids=done.decoded.token_ids,
             router_ttft_ms=None,
             reuse="pull" if pulled else "none",
         )
@@ -367,7 +350,7 @@ class _Chain:
     conversation_id: str
     keep_alive: KeepAlive | None = None
     # vLLM mode: the blocks D returned for this conversation's last turn.
-    vllm_blocks: vllm_http.RemoteBlocks | None = None
+    vllm_blocks: RemoteBlocks | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 

@@ -256,7 +256,7 @@ class Workload:
 
     def __init__(self, address: str, channels: int, num_tokens: int, block_size: int) -> None:
         import grpc
-        from kvferry.common.digest import block_digests
+        from kvferry.pd.digest import block_digests
         from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 
         self._channels = [grpc.aio.insecure_channel(address) for _ in range(max(1, channels))]

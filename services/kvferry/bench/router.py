@@ -2,7 +2,7 @@
 
 Each turn is timed twice on the same engines: through the router (gRPC Generate, token prompts), and by
 calling the engines directly the way the router does (prefill then streamed decode, with
-``kvferry.common.vllm_http``). The difference is what the router adds: auth, registry lookup, digest
+``kvferry.pd.sequence``). The difference is what the router adds: auth, registry lookup, digest
 check, engine choice, the relay of every token, and (``--publish-wait``) waiting for the turn's
 retention to show in the registry.
 
@@ -32,8 +32,10 @@ from typing import Any
 
 import grpc
 import uvicorn
-from kvferry.common.digest import block_digests
-from kvferry.common.marks import ConversationMark
+from kvferry.pd import vllm_params
+from kvferry.pd.digest import block_digests
+from kvferry.pd.kvferry_params import ConversationMark
+from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 from kvferry.stack.readiness import grpc_serving
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
@@ -277,7 +279,7 @@ class StandInEngine:
             return JSONResponse({"error": {"message": "prompt too long", "code": 400}}, 400)
         params = body.get("kv_transfer_params") or {}
         request_id = request.headers.get("x-request-id") or f"standin-{time.monotonic_ns()}"
-        if params.get("do_remote_decode"):
+        if vllm_params.wants_remote_decode(params):
             return await self._prefill(prompt, params, request_id)
         self.counters.decode_headers.append(dict(request.headers))
         return await self._decode(prompt, params, body, request_id)
@@ -289,8 +291,8 @@ class StandInEngine:
             self.fail_prefills -= 1
             return JSONResponse({"error": {"message": "injected prefill failure", "code": 500}}, 500)
         pulled = 0
-        if params.get("remote_block_ids"):
-            pulled = min(int(params.get("remote_num_tokens") or 0), len(prompt) - 1)
+        if vllm_params.names_remote_blocks(params):
+            pulled = min(vllm_params.remote_num_tokens(params), len(prompt) - 1)
             if pulled < self.kv_recompute_threshold:
                 pulled = 0
         computed = len(prompt) - pulled
@@ -321,17 +323,18 @@ class StandInEngine:
                     "total_tokens": len(prompt) + 1,
                     "prompt_tokens_details": {"cached_tokens": pulled},
                 },
-                "kv_transfer_params": {
-                    "do_remote_prefill": True,
-                    "do_remote_decode": False,
-                    "remote_block_ids": [blocks],
-                    "remote_engine_id": self.engine_id,
-                    "remote_request_id": request_id,
-                    "remote_host": "127.0.0.1",
-                    "remote_port": 1,
-                    "remote_num_tokens": len(prompt),
-                    "tp_size": 1,
-                },
+                "kv_transfer_params": KvHandoff(
+                    do_remote_prefill=True,
+                    do_remote_decode=False,
+                    blocks=RemoteBlocks(
+                        engine_id=self.engine_id,
+                        request_id=request_id,
+                        block_ids=(tuple(blocks),),
+                        host="127.0.0.1",
+                        port=1,
+                        num_tokens=len(prompt),
+                    ),
+                ).to_params(),
             }
         )
 
@@ -870,7 +873,9 @@ async def _run_level(
     engines: list[_DirectEngines],
     model: str,
 ) -> LevelResult:
-    from kvferry.common import vllm_http
+    from kvferry.pd.engine_api import DecodeChunk, Sampling
+    from kvferry.pd.engine_client import VllmEngineClient
+    from kvferry.pd.sequence import EngineTurn, prefill_then_decode
     from kvferry.router.aiohttp_transport import AiohttpTransport
     from kvferry.v1 import router_service_pb2 as router_pb2
     from kvferry.v1 import router_service_pb2_grpc as router_grpc
@@ -879,11 +884,11 @@ async def _run_level(
     stub = router_grpc.RouterServiceStub(channel) if channel is not None else None
     metadata = (("authorization", f"Bearer {BENCH_API_KEY}"),)
     pair = engines[0]
-    # The same client stack the router uses (vllm_http over aiohttp), so only the router differs.
-    prefill = vllm_http.VllmEngineClient(
+    # The same client stack the router uses (the pd engine client over aiohttp), so only the router differs.
+    prefill = VllmEngineClient(
         pair.prefill_url, model, transport=AiohttpTransport(max_connections=concurrency * 2 + 8)
     )
-    decode = vllm_http.VllmEngineClient(
+    decode = VllmEngineClient(
         pair.decode_url, model, transport=AiohttpTransport(max_connections=concurrency * 2 + 8)
     )
     timings: list[TurnTiming] = []
@@ -915,21 +920,16 @@ async def _run_level(
         # Marked like the router's decodes, so the connector governs the blocks as it would for them.
         mark = ConversationMark(tenant=f"{BENCH_TENANT}-direct", conversation_id=conv, turn=turn)
         started = time.perf_counter()
-        prefilled = await prefill.prefill(vllm_http.PrefillRequest(token_ids=tuple(tokens)))
         ttft = 0.0
         out: list[int] = []
-        stream = decode.decode_stream(
-            vllm_http.DecodeRequest(
-                token_ids=tuple(tokens),
-                handoff=prefilled.handoff,
-                mark=mark,
-                sampling=vllm_http.Sampling(max_tokens=args.max_tokens, ignore_eos=True),
-            )
+        engine_turn = EngineTurn(
+            token_ids=tuple(tokens), sampling=Sampling(max_tokens=args.max_tokens, ignore_eos=True), mark=mark
         )
-        async for chunk in stream:
-            if chunk.token_ids and not ttft:
-                ttft = time.perf_counter() - started
-            out.extend(chunk.token_ids)
+        async for event in prefill_then_decode(prefill, decode, engine_turn):
+            if isinstance(event, DecodeChunk):
+                if event.token_ids and not ttft:
+                    ttft = time.perf_counter() - started
+                out.extend(event.token_ids)
         return TurnTiming(ttft, time.perf_counter() - started), out
 
     async def client(index: int) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import base64
 import binascii
 
-from kvferry.common.digest import DIGEST_BYTES
 from kvferry.common.ids import check_id
+from kvferry.pd.digest import DIGEST_BYTES
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.errors import InvalidArgument
 from kvferry.registry.keys import ConversationKey
@@ -105,7 +105,7 @@ def validate_retention_shape(retention: resources.Retention) -> ConversationKey:
         if len(digest) != DIGEST_BYTES:
             raise InvalidArgument(
                 f"retention.block_digests[{index}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes "
-                "(kvferry.common.digest.block_digests)"
+                "(kvferry.pd.digest.block_digests)"
             )
     size = retention.ByteSize()
     if size > MAX_RECORD_BYTES:

@@ -2,8 +2,8 @@
 
 httpcore's pool scans every connection for every request (``_assign_requests_to_connections``); with
 dozens of concurrent turns per engine that scan was the largest part of the router's CPU per turn.
-aiohttp's connector hands out a kept-alive connection in constant time. ``vllm_http`` stays the one
-engine client: this only replaces the bytes-on-the-wire layer under its ``httpx.AsyncClient``.
+aiohttp's connector hands out a kept-alive connection in constant time. ``kvferry.pd.engine_client`` stays the
+one engine client: this only replaces the bytes-on-the-wire layer under its ``httpx.AsyncClient``.
 """
 
 from __future__ import annotations

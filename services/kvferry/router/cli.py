@@ -66,7 +66,7 @@ _FLAGS: list[tuple[str, str, type, object, str]] = [
         str,
         _DEFAULTS.cost_profile,
         "default rates for the pull-or-recompute decision until engines report their own ('cpu' or a GPU "
-        "profile of kvferry.common.calibration)",
+        "profile of kvferry.router.calibration)",
     ),
     (
         "--kv-recompute-threshold",

@@ -2,7 +2,7 @@
 
 Pulling costs a fixed setup plus the KV bytes over the link; recomputing costs the prefix's tokens at
 the prefill engine's rate. Rates come from what the engines measured themselves (EngineStats) and
-fall back to a :class:`~kvferry.common.calibration.CostProfile`. Below ``kv_recompute_threshold``
+fall back to a :class:`~kvferry.router.calibration.CostProfile`. Below ``kv_recompute_threshold``
 tokens the engines themselves recompute, so the router does too; a lease that may end before the
 pull finishes (plus a safety margin) also means recompute (rule 3 of the design).
 """
@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from kvferry.common.calibration import CostProfile, pull_seconds, recompute_seconds
+from kvferry.router.calibration import CostProfile, pull_seconds, recompute_seconds
 
 
 class Reuse(enum.Enum):

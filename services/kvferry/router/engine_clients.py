@@ -1,10 +1,10 @@
-"""One shared :class:`~kvferry.common.vllm_http.VllmEngineClient` per registered engine."""
+"""One shared :class:`~kvferry.pd.engine_client.VllmEngineClient` per registered engine."""
 
 from __future__ import annotations
 
 import asyncio
 
-from kvferry.common import vllm_http
+from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient
 from kvferry.router.aiohttp_transport import AiohttpTransport
 from kvferry.router.engines import EngineInfo
 
@@ -13,19 +13,19 @@ class EngineClients:
     """Engine HTTP clients by engine id; a client is replaced when its engine's endpoint or model
     changes, and closed when the engine leaves."""
 
-    def __init__(self, *, timeouts: vllm_http.HttpTimeouts, max_connections: int) -> None:
+    def __init__(self, *, timeouts: HttpTimeouts, max_connections: int) -> None:
         self._timeouts = timeouts
         self._max_connections = max_connections
-        self._clients: dict[str, vllm_http.VllmEngineClient] = {}
+        self._clients: dict[str, VllmEngineClient] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
-    def get(self, engine: EngineInfo) -> vllm_http.VllmEngineClient:
+    def get(self, engine: EngineInfo) -> VllmEngineClient:
         client = self._clients.get(engine.engine_id)
         if client is not None and client.base_url == engine.http_endpoint and client.model == engine.model:
             return client
         if client is not None:
             self._close_later(client)
-        client = vllm_http.VllmEngineClient(
+        client = VllmEngineClient(
             engine.http_endpoint,
             engine.model,
             timeouts=self._timeouts,
@@ -40,7 +40,7 @@ class EngineClients:
         if client is not None:
             self._close_later(client)
 
-    def _close_later(self, client: vllm_http.VllmEngineClient) -> None:
+    def _close_later(self, client: VllmEngineClient) -> None:
         task = asyncio.ensure_future(client.aclose())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

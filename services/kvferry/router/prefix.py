@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvferry.common.digest import block_digests, matching_blocks
+from kvferry.pd.digest import block_digests, matching_blocks
 
 
 @dataclass(frozen=True)

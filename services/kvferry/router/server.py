@@ -16,9 +16,11 @@ from typing import Literal
 
 import grpc
 import uvicorn
-from kvferry.common import telemetry, vllm_http
-from kvferry.common.calibration import CPU_DEFAULT, GPU_PROFILES, CostProfile
+from kvferry.common import telemetry
 from kvferry.common.grpc_server import start_server
+from kvferry.pd.engine_client import HttpTimeouts
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS
+from kvferry.router.calibration import CPU_DEFAULT, GPU_PROFILES, CostProfile
 from kvferry.router.cost import CostSettings
 from kvferry.router.engine_clients import EngineClients
 from kvferry.router.engines import EngineTable, LoadTracker
@@ -62,7 +64,7 @@ class RouterConfig:
     publish_wait_seconds: float = 2.0
     # A prefill may start reading a handed-out retention at most this long after; keep it below the
     # decode engines' release_grace_seconds.
-    read_window_seconds: float = vllm_http.DEFAULT_READ_WINDOW_SECONDS
+    read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
     # Engine HTTP: connect timeout, per-read timeout (a stalled stream fails after it), pool size.
     engine_connect_timeout_seconds: float = 3.0
     engine_read_timeout_seconds: float = 120.0
@@ -193,7 +195,7 @@ async def start_router(
     engines = EngineTable()
     load = LoadTracker()
     clients = EngineClients(
-        timeouts=vllm_http.HttpTimeouts(
+        timeouts=HttpTimeouts(
             connect=config.engine_connect_timeout_seconds, read=config.engine_read_timeout_seconds
         ),
         max_connections=config.engine_max_connections,

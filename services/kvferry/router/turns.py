@@ -21,14 +21,22 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.common import vllm_http
-from kvferry.common.calibration import mean_run_blocks
-from kvferry.common.marks import ConversationMark, ReleaseMark
+from kvferry.pd.block_runs import mean_run_blocks
+from kvferry.pd.engine_api import (
+    ENGINE_ERRORS,
+    ChatMessage,
+    EngineHttpError,
+    EngineUnavailableError,
+    Sampling,
+)
+from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, RetainedKv
+from kvferry.pd.sequence import Decoded, EngineTurn, Prefilled, Pull, prefill_then_decode
 from kvferry.router.cost import CostSettings, RateInputs, Reuse, ReuseChoice, choose_reuse
 from kvferry.router.engine_clients import EngineClients
 from kvferry.router.engines import (
@@ -49,8 +57,6 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
-
-ChatMessage = vllm_http.ChatMessage
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,7 @@ class PreparedTurn:
     request_id: str
     model: str
     token_ids: tuple[int, ...]
-    sampling: vllm_http.Sampling
+    sampling: Sampling
     retention: RetentionRecord | None
     # False when the registry did not answer: this turn neither reuses nor retains.
     registry_ok: bool
@@ -147,8 +153,8 @@ class TurnSettings:
     # How long to wait after the last token for the registry to show the new retention.
     publish_wait_seconds: float = 2.0
     # How long after handing a retention out a prefill may still start reading it; must stay below
-    # the decode engines' release grace (rule 1), see vllm_http.read_deadline.
-    read_window_seconds: float = vllm_http.DEFAULT_READ_WINDOW_SECONDS
+    # the decode engines' release grace (rule 1), see kvferry.pd.reuse.read_deadline.
+    read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
 
 
 class _EngineFailed(Exception):
@@ -242,7 +248,7 @@ class TurnRunner:
             request_id=request_id,
             model=model,
             token_ids=token_ids,
-            sampling=vllm_http.Sampling(**_sampling_fields(request.sampling, max_tokens)),
+            sampling=Sampling(**_sampling_fields(request.sampling, max_tokens)),
             retention=retention,
             registry_ok=registry_ok,
             started=started,
@@ -292,13 +298,13 @@ class TurnRunner:
                 if isinstance(prompt, ChatPrompt):
                     return tuple(await client.render_chat(prompt.messages))
                 return tuple(await client.tokenize(prompt.text))
-            except vllm_http.EngineHttpError as error:
+            except EngineHttpError as error:
                 if 400 <= error.status_code < 500:
                     raise invalid(
                         f"the engine rejected the prompt: {error.message}", param="messages"
                     ) from None
                 last_error = error
-            except vllm_http.EngineUnavailableError as error:
+            except EngineUnavailableError as error:
                 last_error = error
         raise unavailable(f"no engine of model {model!r} could tokenize the prompt: {last_error}")
 
@@ -494,10 +500,10 @@ class TurnRunner:
     async def _attempt(
         self, turn: PreparedTurn, plan: _Plan, mark: ConversationMark | None, attempt: int
     ) -> AsyncGenerator[TextOut | TurnResult, None]:
-        reuse_blocks = None
-        pull_tokens = plan.choice.pull_tokens
-        if pull_tokens and plan.holder is not None and turn.retention is not None:
-            reuse_blocks = vllm_http.RetainedKv(
+        request = turn.request
+        pull = None
+        if plan.choice.pull_tokens and plan.holder is not None and turn.retention is not None:
+            retained = RetainedKv(
                 engine_id=plan.holder.engine_id,
                 engine_request_id=turn.retention.engine_request_id,
                 block_ids=turn.retention.block_ids,
@@ -506,137 +512,106 @@ class TurnRunner:
                 nixl_port=plan.holder.nixl_port,
                 block_size=plan.holder.block_size,
                 lease_expire_time=turn.retention.expire_time,
-            ).prefix(pull_tokens)
+            )
+            pull = Pull(
+                retained.prefix(plan.choice.pull_tokens), lease_expire_time=retained.lease_expire_time
+            )
+        engine_turn = EngineTurn(
+            token_ids=turn.token_ids,
+            sampling=turn.sampling,
+            # Unretained turns still get a mark: the engine frees their blocks at once.
+            mark=mark if mark is not None else ReleaseMark(),
+            pull=pull,
+            request_id=f"{turn.request_id}-{attempt}",
+            read_window_seconds=self._settings.read_window_seconds,
+        )
+        prompt_len = len(turn.token_ids)
+        computed = prompt_len - engine_turn.offered_pull_tokens
         # Counted from the choice on (no await in between), so turns planned meanwhile see this one.
         self._load.add_decode(plan.decode.engine_id, 1)
+        # The decode counts until the turn ends (publication wait included): concurrent turns spread out.
         try:
-            async with aclosing(self._prefill_and_decode(turn, plan, mark, attempt, reuse_blocks)) as events:
-                async for event in events:
-                    yield event
+            self._load.add_prefill(plan.prefill.engine_id, computed)
+            prefilled: Prefilled | None = None
+            decoded: Decoded | None = None
+            ttft_ms = 0.0
+            try:
+                async with aclosing(
+                    prefill_then_decode(
+                        self._clients.get(plan.prefill), self._clients.get(plan.decode), engine_turn
+                    )
+                ) as events:
+                    async for event in events:
+                        if isinstance(event, Prefilled):
+                            prefilled = event
+                            self._load.add_prefill(plan.prefill.engine_id, -computed)
+                        elif isinstance(event, Decoded):
+                            decoded = event
+                        elif event.token_ids or event.text:
+                            if not ttft_ms:
+                                ttft_ms = (time.perf_counter() - turn.started) * 1000
+                            yield TextOut(text=event.text, token_ids=event.token_ids)
+            except ENGINE_ERRORS as error:
+                # Before P answered the error is P's, after it D's.
+                if prefilled is None:
+                    self._raise_engine_error(plan.prefill.engine_id, "prefill", error)
+                self._raise_engine_error(plan.decode.engine_id, "decode", error)
+            finally:
+                if prefilled is None:
+                    self._load.add_prefill(plan.prefill.engine_id, -computed)
+            assert prefilled is not None and decoded is not None
+            pulled = prefilled.pulled_tokens
+            prefill_ms = prefilled.seconds * 1000
+            retained_turn = 0
+            finished = time.perf_counter()
+            polls = 0
+            if mark is not None and decoded.finish_reason in ("stop", "length"):
+                retained_turn, polls = await self._await_publication(mark, plan.decode.engine_id)
+            result = TurnResult(
+                model=turn.model,
+                prompt_tokens=prompt_len,
+                completion_tokens=decoded.completion_tokens,
+                pulled_tokens=pulled,
+                recomputed_tokens=prompt_len - pulled,
+                ttft_ms=ttft_ms,
+                prefill_ms=prefill_ms,
+                reuse=Reuse.RECOMPUTE
+                if plan.choice.reuse is Reuse.PULL and not pulled
+                else plan.choice.reuse,
+                prefill_engine_id=plan.prefill.engine_id,
+                decode_engine_id=plan.decode.engine_id,
+                finish_reason=decoded.finish_reason,
+                turn=retained_turn,
+                request_id=turn.request_id,
+                matched_tokens=plan.match.tokens,
+            )
+            log.info(
+                "turn done",
+                extra={
+                    "request_id": turn.request_id,
+                    "tenant": request.tenant.name,
+                    "conversation_id": request.conversation_id,
+                    "turn": retained_turn,
+                    "prompt_tokens": prompt_len,
+                    "matched_tokens": plan.match.tokens,
+                    "pulled_tokens": pulled,
+                    "reuse": result.reuse.value,
+                    "reuse_reason": plan.choice.reason,
+                    "prefill_engine": plan.prefill.engine_id,
+                    "decode_engine": plan.decode.engine_id,
+                    "ttft_ms": round(ttft_ms, 2),
+                    "prefill_ms": round(prefill_ms, 2),
+                    "publish_wait_ms": round((time.perf_counter() - finished) * 1000, 2),
+                    "publish_polls": polls,
+                },
+            )
+            yield result
         finally:
             self._load.add_decode(plan.decode.engine_id, -1)
 
-    async def _prefill_and_decode(
-        self,
-        turn: PreparedTurn,
-        plan: _Plan,
-        mark: ConversationMark | None,
-        attempt: int,
-        reuse_blocks: vllm_http.RemoteBlocks | None,
-    ) -> AsyncGenerator[TextOut | TurnResult, None]:
-        request = turn.request
-        prefill_client = self._clients.get(plan.prefill)
-        decode_client = self._clients.get(plan.decode)
-        prompt_len = len(turn.token_ids)
-        pull_tokens = plan.choice.pull_tokens if reuse_blocks is not None else 0
-        computed = prompt_len - pull_tokens
-        self._load.add_prefill(plan.prefill.engine_id, computed)
-        prefill_started = time.perf_counter()
-        try:
-            prefilled = await prefill_client.prefill(
-                vllm_http.PrefillRequest(
-                    token_ids=turn.token_ids,
-                    mark=mark if reuse_blocks is not None else None,
-                    reuse=reuse_blocks,
-                    lease_expire_time=vllm_http.read_deadline(
-                        turn.retention.expire_time, time.time(), self._settings.read_window_seconds
-                    )
-                    if reuse_blocks is not None and turn.retention is not None
-                    else None,
-                    request_id=f"{turn.request_id}-p{attempt}",
-                )
-            )
-        except (vllm_http.EngineUnavailableError, vllm_http.EngineHttpError) as error:
-            self._raise_engine_error(plan.prefill.engine_id, "prefill", error)
-        finally:
-            self._load.add_prefill(plan.prefill.engine_id, -computed)
-        prefill_ms = (time.perf_counter() - prefill_started) * 1000
-        if prefilled.usage is not None and prefilled.usage.cached_tokens is not None:
-            # The prefill engine's own count: it may decline a pull (lease too short, threshold).
-            pulled = min(pull_tokens, prefilled.usage.cached_tokens)
-        else:
-            pulled = pull_tokens
-        counted_tokens = 0
-        usage: vllm_http.Usage | None = None
-        finish_reason = ""
-        ttft_ms = 0.0
-        try:
-            stream = decode_client.decode_stream(
-                vllm_http.DecodeRequest(
-                    token_ids=turn.token_ids,
-                    handoff=prefilled.handoff,
-                    # Unretained turns still get a mark: the engine frees their blocks at once.
-                    mark=mark if mark is not None else ReleaseMark(),
-                    sampling=turn.sampling,
-                    request_id=f"{turn.request_id}-d{attempt}",
-                )
-            )
-            try:
-                async for chunk in stream:
-                    if chunk.finish_reason:
-                        finish_reason = chunk.finish_reason
-                    if chunk.usage is not None:
-                        usage = chunk.usage
-                    if chunk.token_ids or chunk.text:
-                        if not ttft_ms:
-                            ttft_ms = (time.perf_counter() - turn.started) * 1000
-                        counted_tokens += len(chunk.token_ids)
-                        yield TextOut(text=chunk.text, token_ids=chunk.token_ids)
-            finally:
-                # Closing the stream closes the HTTP request: vLLM aborts the decode.
-                await _aclose(stream)
-            if not finish_reason:
-                raise vllm_http.EngineUnavailableError(
-                    plan.decode.http_endpoint, EOFError("the stream ended without a finish reason")
-                )
-        except (vllm_http.EngineUnavailableError, vllm_http.EngineHttpError) as error:
-            self._raise_engine_error(plan.decode.engine_id, "decode", error)
-        retained_turn = 0
-        finished = time.perf_counter()
-        polls = 0
-        if mark is not None and finish_reason in ("stop", "length"):
-            retained_turn, polls = await self._await_publication(mark, plan.decode.engine_id)
-        result = TurnResult(
-            model=turn.model,
-            prompt_tokens=prompt_len,
-            completion_tokens=usage.completion_tokens if usage is not None else counted_tokens,
-            pulled_tokens=pulled,
-            recomputed_tokens=prompt_len - pulled,
-            ttft_ms=ttft_ms,
-            prefill_ms=prefill_ms,
-            reuse=Reuse.RECOMPUTE if plan.choice.reuse is Reuse.PULL and not pulled else plan.choice.reuse,
-            prefill_engine_id=plan.prefill.engine_id,
-            decode_engine_id=plan.decode.engine_id,
-            finish_reason=finish_reason,
-            turn=retained_turn,
-            request_id=turn.request_id,
-            matched_tokens=plan.match.tokens,
-        )
-        log.info(
-            "turn done",
-            extra={
-                "request_id": turn.request_id,
-                "tenant": request.tenant.name,
-                "conversation_id": request.conversation_id,
-                "turn": retained_turn,
-                "prompt_tokens": prompt_len,
-                "matched_tokens": plan.match.tokens,
-                "pulled_tokens": pulled,
-                "reuse": result.reuse.value,
-                "reuse_reason": plan.choice.reason,
-                "prefill_engine": plan.prefill.engine_id,
-                "decode_engine": plan.decode.engine_id,
-                "ttft_ms": round(ttft_ms, 2),
-                "prefill_ms": round(prefill_ms, 2),
-                "publish_wait_ms": round((time.perf_counter() - finished) * 1000, 2),
-                "publish_polls": polls,
-            },
-        )
-        yield result
-
     @staticmethod
     def _raise_engine_error(engine_id: str, role: str, error: Exception) -> None:
-        if isinstance(error, vllm_http.EngineHttpError) and 400 <= error.status_code < 500:
+        if isinstance(error, EngineHttpError) and 400 <= error.status_code < 500:
             raise invalid(f"the {role} engine rejected the request: {error.message}") from None
         raise _EngineFailed(engine_id, role, error) from None
 
@@ -693,13 +668,7 @@ def _sampling_fields(options: SamplingOptions, max_tokens: int) -> dict[str, Any
         "ignore_eos": options.ignore_eos,
     }
     if options.stop:
-        if "stop" not in {f.name for f in dataclasses.fields(vllm_http.Sampling)}:
+        if "stop" not in {f.name for f in dataclasses.fields(Sampling)}:
             raise invalid("stop strings are not supported by this router version yet", param="stop")
         fields["stop"] = tuple(options.stop)
     return fields
-
-
-async def _aclose(stream: AsyncIterator[Any]) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()

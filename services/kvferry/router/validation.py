@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvferry.common.ids import check_id
+from kvferry.pd.engine_api import ChatMessage
 from kvferry.router.errors import invalid
-from kvferry.router.turns import ChatMessage, SamplingOptions
+from kvferry.router.turns import SamplingOptions
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 MAX_MODEL_NAME = 256

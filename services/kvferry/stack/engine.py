@@ -22,11 +22,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from kvferry.common import child_process, vllm_http
+from kvferry.common import child_process
 from kvferry.common.etcd_process import free_port
-from kvferry.common.marks import ConversationMark
 from kvferry.connector.compat import kv_compatibility_hash, layout_from_model_dir
 from kvferry.connector.settings import KvferrySettings, settings_to_extra_config
+from kvferry.pd.engine_api import EngineApi, PrefillResult, Sampling
+from kvferry.pd.kvferry_params import ConversationMark
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, RetainedKv, max_reusable_tokens
+from kvferry.pd.sequence import Decoded, EngineTurn, Pull, run_turn
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL_DIR = REPO_ROOT / "deploy" / "models" / "tiny-qwen3"
@@ -407,10 +410,12 @@ def engine_pair(
 class DirectTurn:
     """One turn run straight against a prefill and a decode engine."""
 
-    prefill: vllm_http.PrefillResult
-    decode: vllm_http.DecodeResult
+    prefill: PrefillResult
+    decode: Decoded
     # What the decode engine retained (from its non-streaming answer), ready for the next turn.
-    retained: vllm_http.RetainedKv | None
+    retained: RetainedKv | None
+    # Prompt tokens P pulled from ``previous`` (its own count).
+    pulled_tokens: int
     prefill_seconds: float
     decode_seconds: float
 
@@ -420,57 +425,52 @@ class DirectTurn:
 
 
 async def direct_turn(
-    prefill: vllm_http.VllmEngineClient,
-    decode: vllm_http.VllmEngineClient,
+    prefill: EngineApi,
+    decode: EngineApi,
     token_ids: Sequence[int],
     *,
     mark: ConversationMark | None,
-    previous: vllm_http.RetainedKv | None = None,
+    previous: RetainedKv | None = None,
     max_tokens: int = 16,
     block_size: int = 32,
     request_id: str | None = None,
-    read_window_seconds: float = vllm_http.DEFAULT_READ_WINDOW_SECONDS,
+    read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS,
 ) -> DirectTurn:
-    """Prefill on P (pulling ``previous``'s prefix from D when it matches), then decode on D.
+    """Prefill on P (pulling ``previous``'s prefix from D when it matches), then decode on D, not streamed.
 
     The caller vouches that ``token_ids`` extends ``previous``'s tokens (the router checks
     digests); greedy decoding with ``ignore_eos`` so outputs are comparable across runs.
     """
-    reuse = None
-    lease = None
+    pull = None
     if previous is not None:
-        reusable = vllm_http.max_reusable_tokens(len(token_ids), previous.num_tokens, block_size)
+        reusable = max_reusable_tokens(len(token_ids), previous.num_tokens, block_size)
         if reusable > 0:
-            reuse = previous.prefix(reusable)
-            lease = vllm_http.read_deadline(previous.lease_expire_time, time.time(), read_window_seconds)
-    started = time.perf_counter()
-    prefilled = await prefill.prefill(
-        vllm_http.PrefillRequest(
+            pull = Pull(previous.prefix(reusable), lease_expire_time=previous.lease_expire_time)
+    done = await run_turn(
+        prefill,
+        decode,
+        EngineTurn(
             token_ids=tuple(token_ids),
-            mark=mark if reuse is not None else None,
-            reuse=reuse,
-            lease_expire_time=lease,
-            request_id=f"{request_id}-p" if request_id else None,
-        )
-    )
-    prefill_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    decoded = await decode.decode(
-        vllm_http.DecodeRequest(
-            token_ids=tuple(token_ids),
-            handoff=prefilled.handoff,
+            sampling=Sampling(max_tokens=max_tokens, ignore_eos=True),
             mark=mark,
-            sampling=vllm_http.Sampling(max_tokens=max_tokens, ignore_eos=True),
-            request_id=f"{request_id}-d" if request_id else None,
-        )
+            pull=pull,
+            request_id=request_id,
+            read_window_seconds=read_window_seconds,
+        ),
     )
-    decode_seconds = time.perf_counter() - started
     retained = None
     if mark is not None:
-        retained = vllm_http.RetainedKv.from_decode_answer(
-            decoded.retained,
+        retained = RetainedKv.from_decode_answer(
+            done.decoded.retained,
             block_size=block_size,
             # Without a registry the connector's hard cap bounds it; a minute is plenty here.
             lease_expire_time=time.time() + 60.0,
         )
-    return DirectTurn(prefilled, decoded, retained, prefill_seconds, decode_seconds)
+    return DirectTurn(
+        prefill=done.prefilled.result,
+        decode=done.decoded,
+        retained=retained,
+        pulled_tokens=done.prefilled.pulled_tokens,
+        prefill_seconds=done.prefilled.seconds,
+        decode_seconds=done.decoded.seconds,
+    )

@@ -6,12 +6,11 @@ import math
 from dataclasses import replace
 
 import pytest
-from kvferry.common.calibration import (
+from kvferry.router.calibration import (
     CPU_DEFAULT,
     GPU_PROFILES,
     CostProfile,
     crossover_tokens,
-    mean_run_blocks,
     prefill_seconds,
     pull_seconds,
     pull_wins,
@@ -157,11 +156,3 @@ def test_ttft_saving_grows_with_the_reused_history() -> None:
     assert recompute / (recompute - savings[-1]) > 8
     # Below the crossover the pull's setup is a loss.
     assert ttft_saving_seconds(profile, 16, new) < 0
-
-
-def test_mean_run_blocks() -> None:
-    assert mean_run_blocks([]) == math.inf
-    assert mean_run_blocks([5, 6, 7]) == 3
-    assert mean_run_blocks([1, 3, 5]) == 1
-    assert mean_run_blocks([1, 2, 10, 11]) == 2
-    assert mean_run_blocks([7, 6, 5]) == 1

@@ -17,9 +17,7 @@ costs ``pull(k)``: pulling wins once ``k`` reaches :func:`crossover_tokens`.
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -89,17 +87,6 @@ def _kv_bytes(profile: CostProfile, kv_bytes_per_token: int) -> int:
     if kv <= 0:
         raise ValueError("KV bytes per token unknown: pass the engine's kv_bytes_per_token")
     return kv
-
-
-def mean_run_blocks(block_ids: Sequence[int]) -> float:
-    """Mean length of the runs of consecutive ids in ``block_ids`` (as listed), for ``run_blocks``.
-
-    The runs on the pulling side matter too; where its ids are unknown, the holder's are an upper bound.
-    """
-    if not block_ids:
-        return math.inf
-    runs = 1 + sum(1 for prev, cur in itertools.pairwise(block_ids) if cur != prev + 1)
-    return len(block_ids) / runs
 
 
 def prefill_seconds(profile: CostProfile, new_tokens: int, cached_tokens: int = 0) -> float:

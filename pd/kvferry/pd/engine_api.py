@@ -1,0 +1,233 @@
+"""One engine's requests and answers in P/D mode, typed, and the port kvferry drives an engine through.
+
+Pure: the HTTP client that speaks these over vLLM's OpenAI-compatible API is
+:class:`kvferry.pd.engine_client.VllmEngineClient`; tests drive code written against :class:`EngineApi`
+with fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from kvferry.pd import vllm_params
+from kvferry.pd.kvferry_params import ConversationMark, Mark, PullOptions, mark_params
+from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
+
+
+class EngineHttpError(Exception):
+    """The engine answered with an error (HTTP status >= 400, or an error event in a stream)."""
+
+    def __init__(self, url: str, status_code: int, message: str) -> None:
+        super().__init__(f"{url}: HTTP {status_code}: {message}")
+        self.url = url
+        self.status_code = status_code
+        self.message = message
+
+
+class EngineUnavailableError(Exception):
+    """The engine could not be reached, or did not answer within the timeout."""
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        super().__init__(f"{url}: engine unreachable: {type(cause).__name__}: {cause}")
+        self.url = url
+
+
+# Every error an engine call raises for the engine's sake (not the caller's).
+ENGINE_ERRORS = (EngineHttpError, EngineUnavailableError)
+
+
+# -- kv_transfer_params of a turn's two requests ---------------------------------------------------------
+
+
+def prefill_transfer_params(
+    mark: ConversationMark | None,
+    reuse: RemoteBlocks | None,
+    *,
+    lease_expire_time: float | None,
+    pull_options: PullOptions | None = None,
+) -> dict[str, Any]:
+    """``kv_transfer_params`` for a prefill request (P computes, D will pull), pulling ``reuse`` first."""
+    params = vllm_params.prefill_params(reuse)
+    params.update(mark_params(mark, lease_expire_time=lease_expire_time if reuse else None))
+    if pull_options is not None:
+        params.update(pull_options.to_params())
+    return params
+
+
+def decode_transfer_params(
+    handoff: KvHandoff, mark: Mark | None, *, pull_options: PullOptions | None = None
+) -> dict[str, Any]:
+    """``kv_transfer_params`` for a decode request: P's handoff plus the kvferry mark (and options for D's
+    pull of the prompt from P)."""
+    if not handoff.do_remote_prefill or handoff.blocks is None:
+        raise ValueError("the prefill's handoff does not name blocks to pull (do_remote_prefill unset)")
+    params = handoff.to_params()
+    params.update(mark_params(mark))
+    if pull_options is not None:
+        params.update(pull_options.to_params())
+    return params
+
+
+# -- requests and answers --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling options passed to the decode engine."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def to_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.seed is not None:
+            body["seed"] = self.seed
+        if self.stop_token_ids:
+            body["stop_token_ids"] = list(self.stop_token_ids)
+        return body
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    token_ids: tuple[int, ...]
+    mark: ConversationMark | None = None
+    # Pull this prefix from a decode engine instead of computing it.
+    reuse: RemoteBlocks | None = None
+    # The reused retention's read deadline, unix seconds (required with ``reuse`` and a mark).
+    lease_expire_time: float | None = None
+    # Sent as X-Request-Id; vLLM's engine request id is derived from it.
+    request_id: str | None = None
+    pull_options: PullOptions | None = None
+
+    def transfer_params(self) -> dict[str, Any]:
+        if self.reuse is not None and self.mark is not None and self.lease_expire_time is None:
+            raise ValueError("a marked prefill that reuses a retention must carry its lease_expire_time")
+        return prefill_transfer_params(
+            self.mark, self.reuse, lease_expire_time=self.lease_expire_time, pull_options=self.pull_options
+        )
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    # Prompt tokens whose KV was not computed (local prefix cache + pulled); needs the engine's
+    # --enable-prompt-tokens-details, else None.
+    cached_tokens: int | None = None
+
+    @classmethod
+    def from_body(cls, raw: Mapping[str, Any] | None) -> Usage | None:
+        if not raw:
+            return None
+        details = raw.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        return cls(
+            prompt_tokens=int(raw.get("prompt_tokens") or 0),
+            completion_tokens=int(raw.get("completion_tokens") or 0),
+            cached_tokens=None if cached is None else int(cached),
+        )
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    handoff: KvHandoff
+    first_token_ids: tuple[int, ...]
+    usage: Usage | None
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    token_ids: tuple[int, ...]
+    handoff: KvHandoff
+    # A conversation mark retains the decode's blocks; a release mark frees them at the end; none
+    # leaves them to vLLM (held for its decoder_kv_blocks_ttl).
+    mark: Mark | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    request_id: str | None = None
+
+    def transfer_params(self) -> dict[str, Any]:
+        return decode_transfer_params(self.handoff, self.mark)
+
+
+FinishReason = Literal["stop", "length", "abort", "error"] | str
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    """One streamed piece of the decode: new tokens, and on the last one the finish reason."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    # Only on the trailing usage chunk (then token_ids is empty).
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """A non-streaming decode: D's own returned params name the blocks it retained."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+    usage: Usage | None
+    retained: KvHandoff | None
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    max_model_len: int | None
+
+
+# -- the port --------------------------------------------------------------------------------------------
+
+
+class EngineApi(Protocol):
+    """What kvferry asks of one engine to run turns on it (the HTTP client
+    :class:`~kvferry.pd.engine_client.VllmEngineClient`, or a fake in tests). Engine failures raise
+    :class:`EngineHttpError` / :class:`EngineUnavailableError`."""
+
+    @property
+    def base_url(self) -> str: ...
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    async def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Token ids of ``messages`` rendered through the model's chat template."""
+        ...
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        """Computes the prompt with ``max_tokens=1`` (pulling ``request.reuse`` first when given)."""
+        ...
+
+    def decode_stream(self, request: DecodeRequest) -> AsyncGenerator[DecodeChunk, None]:
+        """Streams the decode; closing the generator aborts the request on the engine."""
+        ...
+
+    async def decode(self, request: DecodeRequest) -> DecodeResult:
+        """Non-streaming decode; its answer names the blocks D retained."""
+        ...

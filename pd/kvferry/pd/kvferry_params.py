@@ -1,0 +1,158 @@
+"""kvferry's own keys in vLLM's ``kv_transfer_params``: the one typed, versioned definition.
+
+The router (or any client) writes them; the kvferry connector inside vLLM reads them. Requests without
+them behave exactly as with vLLM's NixlConnector. vLLM's own keys, which share the dict, are in
+:mod:`kvferry.pd.vllm_params`.
+
+Wire forms (JSON, inside ``kv_transfer_params``)::
+
+    decode, retain for the conversation:  "kvferry": {"tenant": "acme", "conversation_id": "c-42", "turn": 3}
+    decode, free the blocks at finish:    "kvferry": {"retain": false}
+    prefill reusing a retention:          "kvferry": {"tenant": ..., "conversation_id": ..., "turn": ...,
+                                                      "lease_expire_time": 1767225600.0}
+    per-request pull options (tests):     "kvferry_pull": {"coalesce": false, "digest": true}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#
+# kvferry's kv_transfer_params version
+#
+# Increment it with every change to a key below, its shape or its meaning, and add a line here. Engines and
+# routers of different versions may disagree about a request: deploy the connector first, it accepts every
+# earlier form.
+#
+# Version history:
+#   1: the "kvferry" mark {tenant, conversation_id, turn} on decode requests: D retains the finished
+#      request's blocks for the conversation and reports them to its sidecar.
+#   2: "lease_expire_time" (unix seconds) inside the mark of a prefill request that reuses a retention:
+#      the latest time P may start reading it; P declines the pull (and recomputes) when too near.
+#   3: "kvferry_pull" {coalesce, digest}: per-request pull options (vLLM's descriptors for one request,
+#      a digest of the received bytes in the pull's log line).
+#   4: the release mark {"retain": false} on decode requests: D frees the blocks as the request finishes.
+#
+KVFERRY_PARAMS_VERSION: int = 4
+
+# The mark: which conversation a request belongs to, or that nothing will reuse it.
+MARK_KEY = "kvferry"
+RETAIN_KEY = "retain"
+# Inside the mark of a prefill request that reuses a retention: the latest time (unix seconds) the prefill
+# may start reading it. The prefill engine's connector declines the pull (and recomputes) when less than its
+# ``min_read_seconds`` is left. Clients send :func:`kvferry.pd.reuse.read_deadline`: never later than the
+# lease end, and within a read window shorter than the decode engine's release grace, so a retention
+# released meanwhile is still intact (rule 1 of the design).
+LEASE_EXPIRE_KEY = "lease_expire_time"
+# Per-request pull options, beside the mark.
+PULL_OPTIONS_KEY = "kvferry_pull"
+
+_CONVERSATION_FIELDS = ("tenant", "conversation_id", "turn")
+
+
+@dataclass(frozen=True)
+class ConversationMark:
+    tenant: str
+    conversation_id: str
+    turn: int
+
+    def to_params(self) -> dict[str, Any]:
+        return {MARK_KEY: {"tenant": self.tenant, "conversation_id": self.conversation_id, "turn": self.turn}}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> ConversationMark | None:
+        """The conversation mark in ``params``, or None (absent, or a :class:`ReleaseMark`).
+        A malformed mark raises ValueError."""
+        mark = parse_mark(params)
+        return mark if isinstance(mark, ConversationMark) else None
+
+
+@dataclass(frozen=True)
+class ReleaseMark:
+    """Free the decode's blocks when it finishes: nothing will reuse this turn."""
+
+    def to_params(self) -> dict[str, Any]:
+        return {MARK_KEY: {RETAIN_KEY: False}}
+
+
+Mark = ConversationMark | ReleaseMark
+
+
+def parse_mark(params: Mapping[str, Any] | None) -> Mark | None:
+    """The mark in ``params``, or None when absent. A malformed mark raises ValueError."""
+    if not params or MARK_KEY not in params:
+        return None
+    raw = params[MARK_KEY]
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"kv_transfer_params[{MARK_KEY!r}] must be an object, got {type(raw).__name__}")
+    if RETAIN_KEY in raw:
+        if raw[RETAIN_KEY] is not False:
+            raise ValueError(f"kv_transfer_params[{MARK_KEY!r}][{RETAIN_KEY!r}] may only be false: {raw!r}")
+        return ReleaseMark()
+    return _conversation_mark(raw)
+
+
+def _conversation_mark(raw: Mapping[str, Any]) -> ConversationMark:
+    try:
+        tenant, conversation_id, turn = (raw[name] for name in _CONVERSATION_FIELDS)
+    except KeyError as missing:
+        raise ValueError(f"kv_transfer_params[{MARK_KEY!r}] lacks {missing}") from None
+    if not isinstance(tenant, str) or not isinstance(conversation_id, str) or not isinstance(turn, int):
+        raise ValueError(f"kv_transfer_params[{MARK_KEY!r}] has fields of the wrong type: {raw!r}")
+    return ConversationMark(tenant=tenant, conversation_id=conversation_id, turn=turn)
+
+
+def mark_params(mark: Mark | None, *, lease_expire_time: float | None = None) -> dict[str, Any]:
+    """The mark for ``kv_transfer_params`` (empty without one); a reused retention's read deadline rides
+    along with a conversation mark."""
+    if mark is None:
+        return {}
+    params = mark.to_params()
+    if lease_expire_time is not None and isinstance(mark, ConversationMark):
+        params[MARK_KEY][LEASE_EXPIRE_KEY] = lease_expire_time
+    return params
+
+
+def lease_expire_time_from_params(params: Mapping[str, Any] | None) -> float | None:
+    """The read deadline a prefill request carries for the retention it reuses, if any."""
+    if not params:
+        return None
+    raw = params.get(MARK_KEY)
+    if not isinstance(raw, Mapping):
+        return None
+    value = raw.get(LEASE_EXPIRE_KEY)
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class PullOptions:
+    """Per-request pull options, ``kv_transfer_params["kvferry_pull"]`` (comparisons and tests).
+
+    ``{"coalesce": false}`` posts this request's pull with vLLM's own descriptors whatever the
+    engine's ``coalesce_pulls``; ``{"digest": true}`` logs a SHA-256 of the received KV bytes
+    (host memory only) with the pull. Routers send neither.
+    """
+
+    coalesce: bool | None = None
+    digest: bool = False
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> PullOptions | None:
+        """The options in ``params``; None when absent. Raises ValueError when malformed."""
+        raw = (params or {}).get(PULL_OPTIONS_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, Mapping) or set(raw) - {"coalesce", "digest"}:
+            raise ValueError(f'{PULL_OPTIONS_KEY} must be {{"coalesce": bool, "digest": bool}}, got {raw!r}')
+        coalesce, digest = raw.get("coalesce"), raw.get("digest", False)
+        if (coalesce is not None and not isinstance(coalesce, bool)) or not isinstance(digest, bool):
+            raise ValueError(f"{PULL_OPTIONS_KEY} values must be booleans, got {raw!r}")
+        return cls(coalesce=coalesce, digest=digest)
+
+    def to_params(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"digest": self.digest}
+        if self.coalesce is not None:
+            body["coalesce"] = self.coalesce
+        return {PULL_OPTIONS_KEY: body}

