@@ -10,7 +10,9 @@ event explains itself:
 - PUT over a live key under the same lease: RENEWED, with the new expiry.
 
 Events are routed by the engine named in the (previous) record. The watch resumes from the last
-revision it saw when etcd comes back, so no ending is lost across an outage.
+revision it saw when etcd comes back, so no ending is lost across an outage. When etcd no longer
+has that history (compacted), events are lost: every open stream is then cut off (HistoryLost),
+and its client watches again and re-checks what it holds (the sidecar verifies its book).
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class SubscriberTooSlow(Exception):
     """The stream's consumer fell more than SUBSCRIBER_QUEUE_SIZE events behind."""
 
 
+class HistoryLost(Exception):
+    """The hub's etcd watch resumed past compacted history: events of this stream may be missing."""
+
+
 @dataclass(eq=False)
 class Subscription:
     engine_id: str
@@ -56,6 +62,14 @@ class Subscription:
         default_factory=lambda: asyncio.Queue(maxsize=SUBSCRIBER_QUEUE_SIZE)
     )
     overflowed: bool = False
+    # Set when the hub lost events (compacted history): the stream must be re-watched.
+    lost_history: str | None = None
+
+    def lose_history(self, why: str) -> None:
+        if self.lost_history is None:
+            self.lost_history = why
+            with contextlib.suppress(asyncio.QueueFull):
+                self.queue.put_nowait(None)
 
     def offer(self, event: RetentionEvent) -> None:
         if self.overflowed:
@@ -71,6 +85,8 @@ class Subscription:
     async def events(self) -> AsyncIterator[RetentionEvent]:
         while True:
             event = await self.queue.get()
+            if self.lost_history is not None:
+                raise HistoryLost(self.lost_history)
             if event is None or self.overflowed:
                 raise SubscriberTooSlow(
                     f"the watch of engine {self.engine_id} fell {SUBSCRIBER_QUEUE_SIZE} events behind; "
@@ -139,15 +155,26 @@ class RetentionEventHub:
                 )
                 await backoff.wait()
             except RevisionCompacted as compacted:
-                log.error(
-                    "retention watch resumed past compacted history; some endings were not reported",
-                    extra={"compact_revision": compacted.compact_revision},
+                log.warning(
+                    "retention watch resumed past compacted history; cutting off every stream to resync",
+                    extra={"compact_revision": compacted.compact_revision, "revision": revision},
                 )
+                missed_from = revision + 1
                 revision = await self._current_revision_or(revision)
+                self._lose_history(
+                    f"the registry's etcd watch lost history (compacted up to revision "
+                    f"{compacted.compact_revision}; events from revision {missed_from} on may be missing): "
+                    "watch again and re-check the retentions you hold"
+                )
             except Exception:
                 # A bug must not silence every watcher for good: log it and follow on.
                 log.exception("retention watch failed; resuming", extra={"revision": revision})
                 await backoff.wait()
+
+    def _lose_history(self, why: str) -> None:
+        for subscriptions in self._subscribers.values():
+            for subscription in subscriptions:
+                subscription.lose_history(why)
 
     async def _current_revision_or(self, fallback: int) -> int:
         try:

@@ -5,6 +5,7 @@
     {prefix}retention/ended/{tenant}/{conversation_id}       tombstone       the retention's lease
     {prefix}engine-retentions/{engine_id}/{tenant}/{conversation_id}
                                                              incarnation     the retention's lease
+    {prefix}ended-requests/{engine_id}/{engine_request_id}   tombstone       a lease of its own
 
 Ids are restricted to ``[A-Za-z0-9._:-]`` (kvferry.common.ids), so ``/`` separates fields
 unambiguously. The tenant is part of every retention key: no request names another tenant's
@@ -91,6 +92,10 @@ class KeyLayout:
             self.engine_index_prefix(engine_id)
             + f"{conversation.tenant}/{conversation.conversation_id}".encode()
         )
+
+    # engine requests their engine ended: never published again
+    def ended_request(self, engine_id: str, engine_request_id: str) -> bytes:
+        return f"{self.prefix}ended-requests/{engine_id}/{engine_request_id}".encode()
 
     def index_entry_of(self, key: bytes) -> tuple[str, ConversationKey]:
         engine_id, _, tail = key[len(self.engine_indexes) :].partition(b"/")

@@ -8,7 +8,11 @@ etcd transaction guarded by compares, so a concurrent change is never overwritte
 - a lookup or renewal holds only while the engine incarnation that published it is registered
   (rule 3), checked in the same transaction, so correctness never depends on the reaper;
 - ending a retention writes a tombstone with the reason under the retention's lease and deletes
-  the record and its index entry (``end_operations``, shared with the reaper).
+  the record and its index entry (``end_operations``, shared with the reaper);
+- a record is expired when its ``expire_time`` has passed (``is_expired``, the one definition);
+  whichever call finds it so first ends it in etcd, so nothing renews it back to life;
+- an engine ending its own retention (``end_engine_retention``) also leaves a marker that refuses
+  any later publish of that engine request, so a publish still in flight cannot bring it back.
 
 Plain Python over the etcd gateway; the gRPC handlers only translate messages.
 """
@@ -58,6 +62,9 @@ log = logging.getLogger(__name__)
 _TXN_ATTEMPTS = 4
 # Records kept in memory to answer lookups and renewals in one etcd round trip.
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+# How long an engine request its engine ended stays unpublishable. A publish of it can only be in
+# flight for as long as a sidecar's registry call lasts (5 s by default) plus etcd's commit.
+END_MARKER_SECONDS = 300
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,35 @@ class PublishedRetention:
 class FoundRetention:
     retention: resources.Retention
     revision: int
+
+
+@dataclass(frozen=True)
+class EngineEnd:
+    """What ``end_engine_retention`` did: ended the live record or found it not live; at ``revision``."""
+
+    ended: bool
+    revision: int
+
+
+@dataclass(frozen=True)
+class _LiveRecord:
+    """A live record as read: its lease and the revision that wrote it, and the revision of the read."""
+
+    stored: StoredRetention
+    lease: int
+    mod_revision: int
+    revision: int
+
+
+def is_expired(retention: resources.Retention, now: float) -> bool:
+    """The one definition of an expired retention: its ``expire_time`` has passed on the registry's clock.
+
+    The lease alone does not say it: etcd deletes an expired lease's keys up to ~0.5 s late, and an
+    etcd restart or leader change restores leases with a fresh TTL. Lookups, renewals, releases and
+    the sidecar's sweep (a lookup) all judge a record by this, and whichever finds it expired first
+    ends it in etcd (EXPIRED): no later renewal brings it back.
+    """
+    return retention.expire_time.ToNanoseconds() <= now * 1e9
 
 
 def end_operations(
@@ -109,6 +145,13 @@ def _other_request_live(
         f"engine request {live.engine_request_id} (turn {live.turn} on engine {live.engine_id}), not "
         f"{engine_request_id}; nothing was released. A newer turn replaced the one you meant: leave it, "
         "or release without engine_request_id to end whatever turn is live"
+    )
+
+
+def _ended_by_engine(retention: resources.Retention) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"engine {retention.engine_id} ended its request {retention.engine_request_id} (it freed or is "
+        "freeing those blocks); it is never published again. Report the engine's newer retentions instead"
     )
 
 
@@ -160,15 +203,14 @@ class RetentionStore:
                         self._metrics.released(resources.RELEASE_REASON_SUPERSEDED)
                     return published
         finally:
-            await self._drop_unused_lease(grant, published)
+            await self._drop_unused_lease(grant, published.lease if published is not None else 0)
         raise Conflict(
             f"conversation {conversation.conversation_id} changed concurrently {_TXN_ATTEMPTS} times while "
             "publishing; retry"
         )
 
-    async def _drop_unused_lease(
-        self, grant: asyncio.Future[Lease], published: PublishedRetention | None
-    ) -> None:
+    async def _drop_unused_lease(self, grant: asyncio.Future[Lease], used: int) -> None:
+        """Revokes the lease ``grant`` gave unless it is ``used`` (or cancels the grant)."""
         if not grant.done():
             grant.cancel()
             with contextlib.suppress(asyncio.CancelledError, RegistryError):
@@ -177,8 +219,8 @@ class RetentionStore:
         if grant.cancelled() or grant.exception() is not None:
             return
         lease = grant.result()
-        if published is None or published.lease != lease.id:
-            await self.etcd.revoke_quietly(lease.id, "unused publish lease")
+        if lease.id != used:
+            await self.etcd.revoke_quietly(lease.id, "unused lease")
 
     async def _try_publish(
         self, retention: resources.Retention, conversation: ConversationKey, grant: asyncio.Future[Lease]
@@ -186,13 +228,16 @@ class RetentionStore:
         """One optimistic attempt; None when a concurrent change won and the caller should retry."""
         engine_key = self.layout.engine(retention.engine_id)
         live_key = self.layout.live(conversation)
-        snapshot = await self._reads.txn([], [Get(engine_key), Get(live_key)])
+        ended_key = self.layout.ended_request(retention.engine_id, retention.engine_request_id)
+        snapshot = await self._reads.txn([], [Get(engine_key), Get(live_key), Get(ended_key)])
         engine_kv, live_kv = snapshot.range(0).first, snapshot.range(1).first
         if engine_kv is None:
             raise FailedPrecondition(
                 f"engine {retention.engine_id} is not registered; register it (RegisterEngine) before "
                 "publishing its retentions"
             )
+        if snapshot.range(2).first is not None:
+            raise _ended_by_engine(retention)
         incarnation = engine_kv.lease
         validation.validate_against_engine(retention, decode_engine(engine_kv.value))
         superseded_turn = 0
@@ -232,7 +277,13 @@ class RetentionStore:
             Put(index_key, encode_incarnation(incarnation), lease.id),
         ]
         committed = await self._writes.txn(
-            [LeaseIs(engine_key, incarnation), ModRevisionIs(live_key, live_revision)], operations
+            [
+                LeaseIs(engine_key, incarnation),
+                ModRevisionIs(live_key, live_revision),
+                # The engine did not end this request meanwhile (end_engine_retention).
+                ModRevisionIs(ended_key, 0),
+            ],
+            operations,
         )
         if not committed.succeeded:
             return None
@@ -241,15 +292,28 @@ class RetentionStore:
         )
         return PublishedRetention(stored, superseded_turn, committed.revision, lease.id)
 
-    # --- lookup -----------------------------------------------------------------------------
+    # --- lookup ---------------------------------------------------------------------------
 
     async def get_retention(self, tenant: str, conversation_id: str) -> FoundRetention:
-        """The conversation's live retention; NOT_FOUND unless its lease and its engine are both alive.
+        """The conversation's live retention; NOT_FOUND unless its lease and its engine are both alive
+        and it has not expired (an expired record found here is ended in etcd).
 
         One round trip when this registry knows the record: a transaction compares the record's
         revision and the engine's lease, and reads both only when either changed.
         """
         conversation = validation.conversation_key(tenant, conversation_id)
+        for _ in range(_TXN_ATTEMPTS):
+            record = await self._read_live(conversation)
+            if not is_expired(record.stored.retention, self._clock()):
+                retention = resources.Retention()
+                retention.CopyFrom(record.stored.retention)
+                return FoundRetention(retention, record.revision)
+            if await self._end_expired(conversation, record):
+                raise _no_retention(conversation)
+        raise Conflict(f"conversation {conversation_id} changed concurrently while looking it up; retry")
+
+    async def _read_live(self, conversation: ConversationKey) -> _LiveRecord:
+        """The live record while its engine incarnation is registered; NotFound otherwise."""
         live_key = self.layout.live(conversation)
         cached = self._cache.get(live_key)
         engine_kv: KeyValue | None = None
@@ -264,7 +328,7 @@ class RetentionStore:
                 [Get(live_key), Get(engine_key)],
             )
             if checked.succeeded:
-                return self._unexpired(conversation, cached.stored, checked.revision)
+                return _LiveRecord(cached.stored, cached.lease, cached.mod_revision, checked.revision)
             live_kv, engine_kv, revision = checked.range(0).first, checked.range(1).first, checked.revision
         else:
             read = await self._reads.txn([], [Get(live_key)])
@@ -280,52 +344,88 @@ class RetentionStore:
             engine_kv, revision = engine.range(0).first, engine.revision
         if engine_kv is None or engine_kv.lease != stored.engine_incarnation:
             raise NotFound(
-                f"conversation {conversation_id} of tenant {tenant} was retained on engine "
-                f"{stored.retention.engine_id}, which left the registry; recompute"
+                f"conversation {conversation.conversation_id} of tenant {conversation.tenant} was retained "
+                f"on engine {stored.retention.engine_id}, which left the registry; recompute"
             )
-        return self._unexpired(conversation, stored, revision)
+        return _LiveRecord(stored, live_kv.lease, live_kv.mod_revision, revision)
 
-    def _unexpired(
-        self, conversation: ConversationKey, stored: StoredRetention, revision: int
-    ) -> FoundRetention:
-        # etcd deletes an expired lease's keys up to ~0.5 s late; never hand out one past its end.
-        if stored.retention.expire_time.ToNanoseconds() <= self._clock() * 1e9:
-            raise _no_retention(conversation)
-        retention = resources.Retention()
-        retention.CopyFrom(stored.retention)
-        return FoundRetention(retention, revision)
+    async def _end_expired(self, conversation: ConversationKey, record: _LiveRecord) -> bool:
+        """Ends a record found expired (EXPIRED), guarded by the revision it was read at.
+
+        True when the record is gone now; False when it changed since the read (judge it again).
+        """
+        live_key = self.layout.live(conversation)
+        self._cache.drop(live_key)
+        retention = record.stored.retention
+        ending = end_operations(
+            self.layout,
+            conversation,
+            retention.engine_id,
+            record.lease,
+            resources.RELEASE_REASON_EXPIRED,
+            self._clock(),
+        )
+        try:
+            committed = await self.etcd.txn([ModRevisionIs(live_key, record.mod_revision)], ending)
+        except LeaseNotFound:
+            return True  # its lease ran out meanwhile, and etcd deleted it
+        if not committed.succeeded:
+            return False
+        self._metrics.released(resources.RELEASE_REASON_EXPIRED)
+        log.info(
+            "expired retention ended",
+            extra={
+                "tenant": conversation.tenant,
+                "conversation_id": conversation.conversation_id,
+                "engine_id": retention.engine_id,
+                "engine_request_id": retention.engine_request_id,
+            },
+        )
+        await self.etcd.revoke_quietly(record.lease, "expired retention")
+        return True
 
     # --- renewal ----------------------------------------------------------------------------
 
     async def renew_retention(self, tenant: str, conversation_id: str) -> FoundRetention:
         """Extends the retention's lease and records the new expiry (watchers see RENEWED).
 
-        One round trip (a keep-alive and a guarded re-put, sent together) when this registry
-        knows the record; a read first otherwise.
+        An expired record is not renewed (NOT_FOUND) but ended. One round trip (a keep-alive and a
+        guarded re-put, sent together) when this registry knows the record; a read first otherwise.
         """
         conversation = validation.conversation_key(tenant, conversation_id)
         live_key = self.layout.live(conversation)
         cached = self._cache.get(live_key)
-        if cached is not None:
+        # A renewal elsewhere only moves the expiry later: unexpired in the cache is unexpired in etcd.
+        if cached is not None and not is_expired(cached.stored.retention, self._clock()):
             renewed = await self._renew_once(live_key, cached.stored, cached.lease)
             if renewed is not None:
                 return renewed
-            self._cache.drop(live_key)
-        kv = await self.etcd.get(live_key)
-        if kv is None:
-            raise _no_retention(conversation)
-        renewed = await self._renew_once(live_key, decode_record(kv.value), kv.lease)
-        if renewed is None:
-            raise NotFound(
-                f"conversation {conversation_id} of tenant {tenant} has no retention to renew: it was "
-                "superseded, released, or its engine left; recompute"
-            )
-        return renewed
+        self._cache.drop(live_key)
+        for _ in range(_TXN_ATTEMPTS):
+            kv = await self.etcd.get(live_key)
+            if kv is None:
+                raise _no_retention(conversation)
+            stored = decode_record(kv.value)
+            if is_expired(stored.retention, self._clock()):
+                if await self._end_expired(conversation, _LiveRecord(stored, kv.lease, kv.mod_revision, 0)):
+                    raise _no_retention(conversation)
+                continue
+            renewed = await self._renew_once(live_key, stored, kv.lease)
+            if renewed is None:
+                raise NotFound(
+                    f"conversation {conversation_id} of tenant {tenant} has no retention to renew: it was "
+                    "superseded, released, or its engine left; recompute"
+                )
+            return renewed
+        raise Conflict(f"conversation {conversation_id} changed concurrently while renewing; retry")
 
     async def _renew_once(
         self, live_key: bytes, stored: StoredRetention, lease: int
     ) -> FoundRetention | None:
-        """Renews ``lease`` and re-puts the record if it still holds the conversation; else None."""
+        """Renews ``lease`` and re-puts the record if it still holds the conversation; else None.
+
+        The guard is the record's lease: whoever ended the record (expiry included) deleted it first.
+        """
         retention = resources.Retention()
         retention.CopyFrom(stored.retention)
         # A keep-alive restores the granted TTL; the record says so.
@@ -371,7 +471,8 @@ class RetentionStore:
 
         With ``engine_request_id``, only if the live record is that request (else FailedPrecondition):
         the record is checked here and the deletion is guarded by that record's revision, so a turn
-        published after the check fails the transaction and is checked again, never released.
+        published after the check fails the transaction and is checked again, never released. An
+        expired record is ended as EXPIRED and answers NOT_FOUND, as a lookup would.
         """
         reason = validation.release_reason(reason)
         conversation = validation.conversation_key(tenant, conversation_id)
@@ -383,6 +484,11 @@ class RetentionStore:
             if kv is None:
                 raise _no_retention(conversation)
             stored = decode_record(kv.value)
+            if is_expired(stored.retention, self._clock()):
+                if await self._end_expired(conversation, _LiveRecord(stored, kv.lease, kv.mod_revision, 0)):
+                    raise _no_retention(conversation)
+                kv = await self.etcd.get(live_key)
+                continue
             if engine_request_id and stored.retention.engine_request_id != engine_request_id:
                 raise _other_request_live(conversation, stored.retention, engine_request_id)
             ending = end_operations(
@@ -405,3 +511,83 @@ class RetentionStore:
                 return committed.revision
             kv = committed.range(0).first
         raise Conflict(f"conversation {conversation_id} changed concurrently while releasing; retry")
+
+    # --- an engine ending its own retention ----------------------------------------------------
+
+    async def end_engine_retention(
+        self,
+        tenant: str,
+        conversation_id: str,
+        engine_id: str,
+        engine_request_id: str,
+        reason: resources.ReleaseReason.ValueType,
+    ) -> EngineEnd:
+        """Ends the record if it names ``engine_id`` + ``engine_request_id``, and makes sure that request
+        is never published again (a marker under a lease of its own, checked by every publish).
+
+        One transaction, guarded by the record's revision as read: a turn published or renewed
+        meanwhile is judged again, never ended. Success means the request is not served from the
+        returned revision on, whether this call ended it or it was not live.
+        """
+        reason = validation.engine_end_reason(reason)
+        conversation = validation.conversation_key(tenant, conversation_id)
+        validation.require_id("engine_id", engine_id)
+        validation.require_id("engine_request_id", engine_request_id)
+        live_key = self.layout.live(conversation)
+        ended_key = self.layout.ended_request(engine_id, engine_request_id)
+        # The marker's lease is granted while the record is read.
+        grant = asyncio.ensure_future(self.etcd.grant(END_MARKER_SECONDS))
+        used = 0
+        try:
+            kv = await self.etcd.get(live_key)
+            marker_lease = await grant
+            for _ in range(_TXN_ATTEMPTS):
+                live = decode_record(kv.value).retention if kv is not None else None
+                mine = (
+                    live is not None
+                    and live.engine_id == engine_id
+                    and live.engine_request_id == engine_request_id
+                )
+                now = self._clock()
+                operations: list[Op] = [Put(ended_key, encode_tombstone(reason, now), marker_lease.id)]
+                if kv is not None and mine:
+                    operations[:0] = end_operations(
+                        self.layout, conversation, engine_id, kv.lease, reason, now
+                    )
+                try:
+                    committed = await self.etcd.txn(
+                        [ModRevisionIs(live_key, kv.mod_revision if kv is not None else 0)],
+                        operations,
+                        [Get(live_key)],
+                    )
+                except LeaseNotFound:
+                    # The record's lease ran out between the read and the transaction: look again.
+                    kv = await self.etcd.get(live_key)
+                    continue
+                if not committed.succeeded:
+                    kv = committed.range(0).first
+                    continue
+                used = marker_lease.id
+                if kv is not None and mine:
+                    self._cache.drop(live_key)
+                    self._metrics.released(reason)
+                    await self.etcd.revoke_quietly(kv.lease, "retention ended by its engine")
+                log.info(
+                    "engine ended its retention",
+                    extra={
+                        "tenant": tenant,
+                        "conversation_id": conversation_id,
+                        "engine_id": engine_id,
+                        "engine_request_id": engine_request_id,
+                        "reason": resources.ReleaseReason.Name(reason),
+                        "was_live": mine,
+                        "revision": committed.revision,
+                    },
+                )
+                return EngineEnd(mine, committed.revision)
+        finally:
+            await self._drop_unused_lease(grant, used)
+        raise Conflict(
+            f"conversation {conversation_id} changed concurrently {_TXN_ATTEMPTS} times while its engine "
+            "ended a retention; retry"
+        )

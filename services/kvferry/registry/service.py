@@ -17,7 +17,7 @@ import grpc
 from kvferry.registry import validation
 from kvferry.registry.engines import EngineStore
 from kvferry.registry.errors import RegistryError, status_for
-from kvferry.registry.events import RetentionEvent, RetentionEventHub, SubscriberTooSlow
+from kvferry.registry.events import HistoryLost, RetentionEvent, RetentionEventHub, SubscriberTooSlow
 from kvferry.registry.retentions import RetentionStore
 from kvferry.registry.timing import timestamp
 from kvferry.v1 import registry_service_pb2 as registry
@@ -71,6 +71,8 @@ def streaming(
             await _abort(context, error, handler.__name__)
         except SubscriberTooSlow as error:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except HistoryLost as error:
+            await context.abort(grpc.StatusCode.ABORTED, str(error))
 
     return wrapped
 
@@ -177,6 +179,19 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
             request.tenant, request.conversation_id, request.reason, request.engine_request_id
         )
         return registry.ReleaseRetentionResponse(header=_header(revision))
+
+    @unary
+    async def EndEngineRetention(
+        self, request: registry.EndEngineRetentionRequest, context: grpc.aio.ServicerContext
+    ) -> registry.EndEngineRetentionResponse:
+        end = await self._retentions.end_engine_retention(
+            request.tenant,
+            request.conversation_id,
+            request.engine_id,
+            request.engine_request_id,
+            request.reason,
+        )
+        return registry.EndEngineRetentionResponse(header=_header(end.revision), ended=end.ended)
 
     @streaming
     async def WatchRetentions(

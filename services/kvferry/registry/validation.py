@@ -142,6 +142,31 @@ def release_reason(requested: resources.ReleaseReason.ValueType) -> resources.Re
     )
 
 
+# What an engine may give as the reason it let a retention go (EndEngineRetention).
+_ENGINE_END_REASONS = (
+    resources.RELEASE_REASON_RELEASED,
+    resources.RELEASE_REASON_EVICTED,
+    resources.RELEASE_REASON_SUPERSEDED,
+    resources.RELEASE_REASON_HARD_CAP,
+)
+
+
+def engine_end_reason(requested: resources.ReleaseReason.ValueType) -> resources.ReleaseReason.ValueType:
+    if requested == resources.RELEASE_REASON_UNSPECIFIED:
+        return resources.RELEASE_REASON_RELEASED
+    if requested in _ENGINE_END_REASONS:
+        return requested
+    name = (
+        resources.ReleaseReason.Name(requested)
+        if requested in resources.ReleaseReason.values()
+        else requested
+    )
+    raise InvalidArgument(
+        f"release reason {name} is not one an engine gives; use RELEASE_REASON_EVICTED, "
+        "RELEASE_REASON_HARD_CAP, RELEASE_REASON_SUPERSEDED or RELEASE_REASON_RELEASED (default)"
+    )
+
+
 def page_size(requested: int) -> int:
     if requested < 0:
         raise InvalidArgument(

@@ -588,6 +588,76 @@ class ReleaseRetentionResponse(_message.Message):
 Global___ReleaseRetentionResponse: _TypeAlias = ReleaseRetentionResponse  # noqa: Y015
 
 @_typing.final
+class EndEngineRetentionRequest(_message.Message):
+    """Request for EndEngineRetention."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """Conversation whose retention the engine ends."""
+    engine_id: _builtins.str
+    """The engine holding the retention."""
+    engine_request_id: _builtins.str
+    """The engine's request id of the retention; a live record naming another request is left alone."""
+    reason: _resources_pb2.ReleaseReason.ValueType
+    """Why: EVICTED (budget), HARD_CAP, SUPERSEDED (its publish was refused: a turn as new is live);
+    unset means RELEASED.
+    """
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        engine_id: _builtins.str = ...,
+        engine_request_id: _builtins.str = ...,
+        reason: _resources_pb2.ReleaseReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "engine_id", b"engine_id", "engine_request_id", b"engine_request_id", "reason", b"reason", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndEngineRetentionRequest: _TypeAlias = EndEngineRetentionRequest  # noqa: Y015
+
+@_typing.final
+class EndEngineRetentionResponse(_message.Message):
+    """Response for EndEngineRetention."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    ended: _builtins.bool
+    """True when this call ended the live record; false when it was not live (never published, already
+    ended, or another request is live). Either way it is never served again.
+    """
+    @_builtins.property
+    def header(self) -> _resources_pb2.ResponseHeader:
+        """Registry metadata; `revision` is the one at which the end took effect."""
+
+    def __init__(
+        self,
+        *,
+        header: _resources_pb2.ResponseHeader | None = ...,
+        ended: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndEngineRetentionResponse: _TypeAlias = EndEngineRetentionResponse  # noqa: Y015
+
+@_typing.final
 class WatchRetentionsRequest(_message.Message):
     """Request for WatchRetentions."""
 

@@ -81,6 +81,11 @@ class RegistryServiceStub:
                 request_serializer=kvferry_dot_v1_dot_registry__service__pb2.ReleaseRetentionRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.ReleaseRetentionResponse.FromString,
                 _registered_method=True)
+        self.EndEngineRetention = channel.unary_unary(
+                '/kvferry.v1.RegistryService/EndEngineRetention',
+                request_serializer=kvferry_dot_v1_dot_registry__service__pb2.EndEngineRetentionRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.EndEngineRetentionResponse.FromString,
+                _registered_method=True)
         self.WatchRetentions = channel.unary_stream(
                 '/kvferry.v1.RegistryService/WatchRetentions',
                 request_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsRequest.SerializeToString,
@@ -156,6 +161,16 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndEngineRetention(self, request, context):
+        """Ends a retention its own engine let go (budget eviction, hard cap, a refused publish): only the
+        record naming that engine and engine request id ends, and that request can never be published
+        again (a publish of it still in flight is refused). Succeeds whether or not it was live: either
+        way no one is handed it afterwards, which is what the engine waits for before freeing its blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchRetentions(self, request, context):
         """Streams every retention of one engine that ends, and why, and renewals of live ones.
         """
@@ -210,6 +225,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.ReleaseRetention,
                     request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.ReleaseRetentionRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_registry__service__pb2.ReleaseRetentionResponse.SerializeToString,
+            ),
+            'EndEngineRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndEngineRetention,
+                    request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.EndEngineRetentionRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_registry__service__pb2.EndEngineRetentionResponse.SerializeToString,
             ),
             'WatchRetentions': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchRetentions,
@@ -462,6 +482,33 @@ class RegistryService:
             '/kvferry.v1.RegistryService/ReleaseRetention',
             kvferry_dot_v1_dot_registry__service__pb2.ReleaseRetentionRequest.SerializeToString,
             kvferry_dot_v1_dot_registry__service__pb2.ReleaseRetentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndEngineRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.RegistryService/EndEngineRetention',
+            kvferry_dot_v1_dot_registry__service__pb2.EndEngineRetentionRequest.SerializeToString,
+            kvferry_dot_v1_dot_registry__service__pb2.EndEngineRetentionResponse.FromString,
             options,
             channel_credentials,
             insecure,

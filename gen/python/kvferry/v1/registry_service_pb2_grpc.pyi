@@ -53,6 +53,12 @@ class RegistryServiceStub:
     """Extends a retention's lease (heartbeat while the agent is busy)."""
     ReleaseRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.ReleaseRetentionRequest, _registry_service_pb2.ReleaseRetentionResponse]
     """Ends a retention at once; with `engine_request_id`, only if that request is still the live one."""
+    EndEngineRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.EndEngineRetentionRequest, _registry_service_pb2.EndEngineRetentionResponse]
+    """Ends a retention its own engine let go (budget eviction, hard cap, a refused publish): only the
+    record naming that engine and engine request id ends, and that request can never be published
+    again (a publish of it still in flight is refused). Succeeds whether or not it was live: either
+    way no one is handed it afterwards, which is what the engine waits for before freeing its blocks.
+    """
     WatchRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]
     """Streams every retention of one engine that ends, and why, and renewals of live ones."""
 
@@ -81,6 +87,12 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """Extends a retention's lease (heartbeat while the agent is busy)."""
     ReleaseRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.ReleaseRetentionRequest, _registry_service_pb2.ReleaseRetentionResponse]  # type: ignore[assignment]
     """Ends a retention at once; with `engine_request_id`, only if that request is still the live one."""
+    EndEngineRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.EndEngineRetentionRequest, _registry_service_pb2.EndEngineRetentionResponse]  # type: ignore[assignment]
+    """Ends a retention its own engine let go (budget eviction, hard cap, a refused publish): only the
+    record naming that engine and engine request id ends, and that request can never be published
+    again (a publish of it still in flight is refused). Succeeds whether or not it was live: either
+    way no one is handed it afterwards, which is what the engine waits for before freeing its blocks.
+    """
     WatchRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]  # type: ignore[assignment]
     """Streams every retention of one engine that ends, and why, and renewals of live ones."""
 
@@ -160,6 +172,18 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_service_pb2.ReleaseRetentionResponse, _abc.Awaitable[_registry_service_pb2.ReleaseRetentionResponse]]:
         """Ends a retention at once; with `engine_request_id`, only if that request is still the live one."""
+
+    @_abc_1.abstractmethod
+    def EndEngineRetention(
+        self,
+        request: _registry_service_pb2.EndEngineRetentionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_service_pb2.EndEngineRetentionResponse, _abc.Awaitable[_registry_service_pb2.EndEngineRetentionResponse]]:
+        """Ends a retention its own engine let go (budget eviction, hard cap, a refused publish): only the
+        record naming that engine and engine request id ends, and that request can never be published
+        again (a publish of it still in flight is refused). Succeeds whether or not it was live: either
+        way no one is handed it afterwards, which is what the engine waits for before freeing its blocks.
+        """
 
     @_abc_1.abstractmethod
     def WatchRetentions(

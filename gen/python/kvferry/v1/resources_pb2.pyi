@@ -66,6 +66,8 @@ class _ReleaseReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Release
     """The engine holding it left the registry."""
     RELEASE_REASON_EVICTED: _ReleaseReason.ValueType  # 5
     """The engine's retained-block budget evicted it (least recently used first)."""
+    RELEASE_REASON_HARD_CAP: _ReleaseReason.ValueType  # 6
+    """The engine let it go at its hard cap (no word from the registry for too long)."""
 
 class ReleaseReason(_ReleaseReason, metaclass=_ReleaseReasonEnumTypeWrapper):
     """Why a retention ended. Deletion of the retention's etcd key is the release signal;
@@ -84,6 +86,8 @@ RELEASE_REASON_ENGINE_GONE: ReleaseReason.ValueType  # 4
 """The engine holding it left the registry."""
 RELEASE_REASON_EVICTED: ReleaseReason.ValueType  # 5
 """The engine's retained-block budget evicted it (least recently used first)."""
+RELEASE_REASON_HARD_CAP: ReleaseReason.ValueType  # 6
+"""The engine let it go at its hard cap (no word from the registry for too long)."""
 Global___ReleaseReason: _TypeAlias = ReleaseReason  # noqa: Y015
 
 @_typing.final

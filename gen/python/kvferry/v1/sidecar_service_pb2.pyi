@@ -80,6 +80,11 @@ class ReportRetentionResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RETENTION_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """Registry revision the publish is known at; a SYNC whose `revision` is older was read before it
+    and does not end it.
+    """
     @_builtins.property
     def retention(self) -> _resources_pb2.Retention:
         """As published, with its expiry."""
@@ -88,10 +93,11 @@ class ReportRetentionResponse(_message.Message):
         self,
         *,
         retention: _resources_pb2.Retention | None = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -143,6 +149,68 @@ class EvictRetentionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EvictRetentionResponse: _TypeAlias = EvictRetentionResponse  # noqa: Y015
+
+@_typing.final
+class EndRetentionRequest(_message.Message):
+    """Request for EndRetention."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """Conversation whose retention ends."""
+    engine_request_id: _builtins.str
+    """The engine request id of the retention (a newer turn of the conversation is left alone)."""
+    reason: _resources_pb2.ReleaseReason.ValueType
+    """Why: EVICTED, HARD_CAP, SUPERSEDED (its report was refused); unset means RELEASED."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        engine_request_id: _builtins.str = ...,
+        reason: _resources_pb2.ReleaseReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "engine_request_id", b"engine_request_id", "reason", b"reason", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndRetentionRequest: _TypeAlias = EndRetentionRequest  # noqa: Y015
+
+@_typing.final
+class EndRetentionResponse(_message.Message):
+    """Response for EndRetention."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDED_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    ended: _builtins.bool
+    """True when this call ended the live record; false when it was not live (never published, already
+    ended, or a newer turn replaced it).
+    """
+    revision: _builtins.int
+    """Registry revision at which the end took effect."""
+    def __init__(
+        self,
+        *,
+        ended: _builtins.bool = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndRetentionResponse: _TypeAlias = EndRetentionResponse  # noqa: Y015
 
 @_typing.final
 class ReportEngineStatsRequest(_message.Message):
@@ -218,12 +286,17 @@ class WatchReleasesResponse(_message.Message):
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     LIVE_ENGINE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     type: Global___ReleaseEventType.ValueType
     """What happened."""
     engine_request_id: _builtins.str
     """The engine request id of the retention concerned (RENEWED, ENDED)."""
     reason: _resources_pb2.ReleaseReason.ValueType
     """Why it ended (ENDED)."""
+    revision: _builtins.int
+    """SYNC: the registry revision the snapshot covers. A retention acknowledged at a later revision
+    (ReportRetentionResponse.revision) is not ended by its absence. 0: unknown (an older sidecar).
+    """
     @_builtins.property
     def expire_time(self) -> _timestamp_pb2.Timestamp:
         """New lease end (RENEWED)."""
@@ -240,10 +313,11 @@ class WatchReleasesResponse(_message.Message):
         expire_time: _timestamp_pb2.Timestamp | None = ...,
         reason: _resources_pb2.ReleaseReason.ValueType = ...,
         live_engine_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_request_id", b"engine_request_id", "expire_time", b"expire_time", "live_engine_request_ids", b"live_engine_request_ids", "reason", b"reason", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_request_id", b"engine_request_id", "expire_time", b"expire_time", "live_engine_request_ids", b"live_engine_request_ids", "reason", b"reason", "revision", b"revision", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

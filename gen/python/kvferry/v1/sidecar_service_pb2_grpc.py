@@ -47,6 +47,11 @@ class SidecarServiceStub:
                 request_serializer=kvferry_dot_v1_dot_sidecar__service__pb2.EvictRetentionRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_sidecar__service__pb2.EvictRetentionResponse.FromString,
                 _registered_method=True)
+        self.EndRetention = channel.unary_unary(
+                '/kvferry.v1.SidecarService/EndRetention',
+                request_serializer=kvferry_dot_v1_dot_sidecar__service__pb2.EndRetentionRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_sidecar__service__pb2.EndRetentionResponse.FromString,
+                _registered_method=True)
         self.ReportEngineStats = channel.unary_unary(
                 '/kvferry.v1.SidecarService/ReportEngineStats',
                 request_serializer=kvferry_dot_v1_dot_sidecar__service__pb2.ReportEngineStatsRequest.SerializeToString,
@@ -73,7 +78,17 @@ class SidecarServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def EvictRetention(self, request, context):
-        """Asks the registry to end a retention (the engine's budget evicting it).
+        """Asks the registry to end a retention (the engine's budget evicting it). EndRetention with
+        reason EVICTED does the same and says more.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndRetention(self, request, context):
+        """Ends a retention the engine let go (eviction, hard cap, a refused report) in the registry. A
+        success confirms no one is handed it any more, nor will be: only then may the engine start the
+        grace period after which it frees the blocks. UNAVAILABLE: not confirmed, retry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +121,11 @@ def add_SidecarServiceServicer_to_server(servicer, server):
                     servicer.EvictRetention,
                     request_deserializer=kvferry_dot_v1_dot_sidecar__service__pb2.EvictRetentionRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_sidecar__service__pb2.EvictRetentionResponse.SerializeToString,
+            ),
+            'EndRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndRetention,
+                    request_deserializer=kvferry_dot_v1_dot_sidecar__service__pb2.EndRetentionRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_sidecar__service__pb2.EndRetentionResponse.SerializeToString,
             ),
             'ReportEngineStats': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportEngineStats,
@@ -175,6 +195,33 @@ class SidecarService:
             '/kvferry.v1.SidecarService/EvictRetention',
             kvferry_dot_v1_dot_sidecar__service__pb2.EvictRetentionRequest.SerializeToString,
             kvferry_dot_v1_dot_sidecar__service__pb2.EvictRetentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.SidecarService/EndRetention',
+            kvferry_dot_v1_dot_sidecar__service__pb2.EndRetentionRequest.SerializeToString,
+            kvferry_dot_v1_dot_sidecar__service__pb2.EndRetentionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,7 +39,14 @@ class SidecarServiceStub:
     ReportRetention: _grpc.UnaryUnaryMultiCallable[_sidecar_service_pb2.ReportRetentionRequest, _sidecar_service_pb2.ReportRetentionResponse]
     """Reports a retention the engine now holds; the sidecar publishes it."""
     EvictRetention: _grpc.UnaryUnaryMultiCallable[_sidecar_service_pb2.EvictRetentionRequest, _sidecar_service_pb2.EvictRetentionResponse]
-    """Asks the registry to end a retention (the engine's budget evicting it)."""
+    """Asks the registry to end a retention (the engine's budget evicting it). EndRetention with
+    reason EVICTED does the same and says more.
+    """
+    EndRetention: _grpc.UnaryUnaryMultiCallable[_sidecar_service_pb2.EndRetentionRequest, _sidecar_service_pb2.EndRetentionResponse]
+    """Ends a retention the engine let go (eviction, hard cap, a refused report) in the registry. A
+    success confirms no one is handed it any more, nor will be: only then may the engine start the
+    grace period after which it frees the blocks. UNAVAILABLE: not confirmed, retry.
+    """
     ReportEngineStats: _grpc.UnaryUnaryMultiCallable[_sidecar_service_pb2.ReportEngineStatsRequest, _sidecar_service_pb2.ReportEngineStatsResponse]
     """Reports the engine's self-measured rates; forwarded on the next heartbeat."""
     WatchReleases: _grpc.UnaryStreamMultiCallable[_sidecar_service_pb2.WatchReleasesRequest, _sidecar_service_pb2.WatchReleasesResponse]
@@ -58,7 +65,14 @@ class SidecarServiceAsyncStub(SidecarServiceStub):
     ReportRetention: _aio.UnaryUnaryMultiCallable[_sidecar_service_pb2.ReportRetentionRequest, _sidecar_service_pb2.ReportRetentionResponse]  # type: ignore[assignment]
     """Reports a retention the engine now holds; the sidecar publishes it."""
     EvictRetention: _aio.UnaryUnaryMultiCallable[_sidecar_service_pb2.EvictRetentionRequest, _sidecar_service_pb2.EvictRetentionResponse]  # type: ignore[assignment]
-    """Asks the registry to end a retention (the engine's budget evicting it)."""
+    """Asks the registry to end a retention (the engine's budget evicting it). EndRetention with
+    reason EVICTED does the same and says more.
+    """
+    EndRetention: _aio.UnaryUnaryMultiCallable[_sidecar_service_pb2.EndRetentionRequest, _sidecar_service_pb2.EndRetentionResponse]  # type: ignore[assignment]
+    """Ends a retention the engine let go (eviction, hard cap, a refused report) in the registry. A
+    success confirms no one is handed it any more, nor will be: only then may the engine start the
+    grace period after which it frees the blocks. UNAVAILABLE: not confirmed, retry.
+    """
     ReportEngineStats: _aio.UnaryUnaryMultiCallable[_sidecar_service_pb2.ReportEngineStatsRequest, _sidecar_service_pb2.ReportEngineStatsResponse]  # type: ignore[assignment]
     """Reports the engine's self-measured rates; forwarded on the next heartbeat."""
     WatchReleases: _aio.UnaryStreamMultiCallable[_sidecar_service_pb2.WatchReleasesRequest, _sidecar_service_pb2.WatchReleasesResponse]  # type: ignore[assignment]
@@ -86,7 +100,20 @@ class SidecarServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _sidecar_service_pb2.EvictRetentionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_sidecar_service_pb2.EvictRetentionResponse, _abc.Awaitable[_sidecar_service_pb2.EvictRetentionResponse]]:
-        """Asks the registry to end a retention (the engine's budget evicting it)."""
+        """Asks the registry to end a retention (the engine's budget evicting it). EndRetention with
+        reason EVICTED does the same and says more.
+        """
+
+    @_abc_1.abstractmethod
+    def EndRetention(
+        self,
+        request: _sidecar_service_pb2.EndRetentionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sidecar_service_pb2.EndRetentionResponse, _abc.Awaitable[_sidecar_service_pb2.EndRetentionResponse]]:
+        """Ends a retention the engine let go (eviction, hard cap, a refused report) in the registry. A
+        success confirms no one is handed it any more, nor will be: only then may the engine start the
+        grace period after which it frees the blocks. UNAVAILABLE: not confirmed, retry.
+        """
 
     @_abc_1.abstractmethod
     def ReportEngineStats(
