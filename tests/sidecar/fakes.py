@@ -54,6 +54,11 @@ class FakeRegistry:
     def __init__(self) -> None:
         self.engines: dict[str, resources_pb2.Engine] = {}
         self.retentions: dict[tuple[str, str], resources_pb2.Retention] = {}
+        # Engine requests their engine ended: never published again (as the real registry keeps them).
+        self.ended_requests: set[tuple[str, str]] = set()
+        # The store revision: every change bumps it, every answer carries it.
+        self.store_revision = 1
+        self.seen_revision = 0
         self.streams: set[FakeStream] = set()
         self.unavailable = False
         self.scripted: dict[str, deque[grpc.StatusCode]] = {}
@@ -72,7 +77,19 @@ class FakeRegistry:
         if queued:
             raise RegistryError(queued.popleft(), f"scripted failure of {op}")
 
+    @property
+    def revision(self) -> int:
+        return self.seen_revision
+
+    def _header(self, *, write: bool = False) -> resources_pb2.ResponseHeader:
+        if write:
+            self.store_revision += 1
+        self.seen_revision = max(self.seen_revision, self.store_revision)
+        return resources_pb2.ResponseHeader(revision=self.store_revision)
+
     def emit(self, event: registry_pb2.WatchRetentionsResponse) -> None:
+        if not event.header.revision:
+            event.header.CopyFrom(self._header(write=True))
         for stream in list(self.streams):
             stream.queue.put_nowait(event)
 
@@ -85,7 +102,9 @@ class FakeRegistry:
     ) -> registry_pb2.RegisterEngineResponse:
         self._enter("register_engine")
         self.engines[engine.engine_id] = engine
-        return registry_pb2.RegisterEngineResponse(engine=engine, ttl_seconds=ttl_seconds or 10)
+        return registry_pb2.RegisterEngineResponse(
+            header=self._header(write=True), engine=engine, ttl_seconds=ttl_seconds or 10
+        )
 
     async def heartbeat_engine(
         self, engine_id: str, stats: resources_pb2.EngineStats | None
@@ -93,7 +112,7 @@ class FakeRegistry:
         self._enter("heartbeat_engine")
         if engine_id not in self.engines:
             raise RegistryError(grpc.StatusCode.NOT_FOUND, f"engine {engine_id} is not registered")
-        return registry_pb2.HeartbeatEngineResponse(ttl_seconds=10)
+        return registry_pb2.HeartbeatEngineResponse(header=self._header(), ttl_seconds=10)
 
     async def deregister_engine(self, engine_id: str) -> None:
         self._enter("deregister_engine")
@@ -111,44 +130,54 @@ class FakeRegistry:
                 f"engine {retention.engine_id} is not registered; register it (RegisterEngine) before "
                 "publishing its retentions",
             )
+        if (retention.engine_id, retention.engine_request_id) in self.ended_requests:
+            raise RegistryError(
+                grpc.StatusCode.FAILED_PRECONDITION, "ended by its engine; never published again"
+            )
         stored = resources_pb2.Retention()
         stored.CopyFrom(retention)
         stored.expire_time.CopyFrom(_ts(time.time() + (retention.ttl_seconds or 60)))
         self.retentions[(retention.tenant, retention.conversation_id)] = stored
+        header = self._header(write=True)
         if self.lose_publish_answer:
             raise RegistryError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost")
-        return registry_pb2.PublishRetentionResponse(retention=stored)
+        return registry_pb2.PublishRetentionResponse(header=header, retention=stored)
 
-    async def get_retention(self, tenant: str, conversation_id: str) -> resources_pb2.Retention:
+    async def get_retention(self, tenant: str, conversation_id: str) -> registry_pb2.GetRetentionResponse:
         self._enter("get_retention")
         found = self.retentions.get((tenant, conversation_id))
         if found is None:
             raise RegistryError(grpc.StatusCode.NOT_FOUND, "no live retention")
-        return found
+        return registry_pb2.GetRetentionResponse(header=self._header(), retention=found)
 
-    async def release_retention(
+    async def end_engine_retention(
         self,
         tenant: str,
         conversation_id: str,
+        engine_id: str,
+        engine_request_id: str,
         reason: resources_pb2.ReleaseReason.ValueType,
-        *,
-        engine_request_id: str = "",
-    ) -> None:
-        self._enter("release_retention")
+    ) -> registry_pb2.EndEngineRetentionResponse:
+        self._enter("end_engine_retention")
+        self.ended_requests.add((engine_id, engine_request_id))
         found = self.retentions.get((tenant, conversation_id))
-        if found is None:
-            raise RegistryError(grpc.StatusCode.NOT_FOUND, "no live retention")
-        if engine_request_id and found.engine_request_id != engine_request_id:
-            raise RegistryError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"now retains engine request {found.engine_request_id}, not {engine_request_id}",
-            )
-        del self.retentions[(tenant, conversation_id)]
-        self.emit(
-            registry_pb2.WatchRetentionsResponse(
-                type=registry_pb2.RETENTION_EVENT_TYPE_ENDED, retention=found, reason=reason
-            )
+        mine = (
+            found is not None
+            and found.engine_id == engine_id
+            and found.engine_request_id == engine_request_id
         )
+        header = self._header(write=True)
+        if found is not None and mine:
+            del self.retentions[(tenant, conversation_id)]
+            self.emit(
+                registry_pb2.WatchRetentionsResponse(
+                    header=header,
+                    type=registry_pb2.RETENTION_EVENT_TYPE_ENDED,
+                    retention=found,
+                    reason=reason,
+                )
+            )
+        return registry_pb2.EndEngineRetentionResponse(header=header, ended=mine)
 
     def watch_retentions(self, engine_id: str) -> FakeStream:
         self.calls.append("watch_retentions")

@@ -105,8 +105,8 @@ def test_book_tracks_ends_and_snapshots() -> None:
     book.track(_retention("a", expire=100.0, blocks=3))
     book.track(_retention("u"), confirmed=False)
     assert (len(book), book.retained_blocks) == (3, 7)
-    snapshot = book.snapshot()
-    assert snapshot[0].type == SYNC
+    snapshot = book.snapshot(revision=7)
+    assert (snapshot[0].type, snapshot[0].revision) == (SYNC, 7)
     assert list(snapshot[0].live_engine_request_ids) == ["a", "b", "u"]
     # Expiries follow for confirmed ones only.
     assert [(e.type, e.engine_request_id) for e in snapshot[1:]] == [(RENEWED, "a"), (RENEWED, "b")]
@@ -122,7 +122,7 @@ def test_book_tracks_ends_and_snapshots() -> None:
 async def test_a_stuck_subscriber_gets_a_snapshot_instead_of_an_unbounded_queue() -> None:
     book = RetentionBook()
     book.track(_retention("live", expire=100.0))
-    subscription = Subscription(limit=3, snapshot=book.snapshot)
+    subscription = Subscription(limit=3, snapshot=lambda: book.snapshot(revision=1))
     for i in range(5):
         subscription.push([Event(type=ENDED, engine_request_id=f"gone-{i}")])
     assert subscription.compactions == 1
@@ -208,8 +208,8 @@ async def test_a_broken_stream_resyncs_and_drops_what_ended_meanwhile(
     sidecar: Sidecar, fake: FakeRegistry
 ) -> None:
     await eventually(lambda: sidecar.fanout.synced, what="synced")
-    kept = await sidecar.publisher.report(retention("t", "kept"))
-    lost = await sidecar.publisher.report(retention("t", "lost"))
+    kept = (await sidecar.publisher.report(retention("t", "kept"))).retention
+    lost = (await sidecar.publisher.report(retention("t", "lost"))).retention
     subscription = sidecar.fanout.subscribe()
     events = aiter(subscription)
     first = await anext(events)
@@ -238,7 +238,7 @@ async def _next_of_type(events: AsyncIterator[Event], kind: int) -> Event:
 
 async def test_the_sweep_ends_a_retention_whose_end_was_missed(sidecar: Sidecar, fake: FakeRegistry) -> None:
     await eventually(lambda: sidecar.fanout.synced, what="synced")
-    stored = await sidecar.publisher.report(retention("t", "c"))
+    stored = (await sidecar.publisher.report(retention("t", "c"))).retention
     subscription = sidecar.fanout.subscribe()
     events = aiter(subscription)
     await _next_of_type(events, SYNC)
@@ -256,7 +256,7 @@ async def test_a_publish_whose_answer_was_lost_is_found_and_kept(
 ) -> None:
     await eventually(lambda: sidecar.registration.registered, what="registered")
     fake.lose_publish_answer = True
-    stored = await sidecar.publisher.report(retention("t", "c"))
+    stored = (await sidecar.publisher.report(retention("t", "c"))).retention
     assert stored.engine_id == "e1" and stored.engine_request_id in sidecar.book
 
     # If the registry cannot even be asked, the retention is kept unconfirmed: a SYNC lists it.
@@ -285,7 +285,7 @@ async def test_renewals_pass_through_and_late_renewals_of_ended_ones_do_not(
     sidecar: Sidecar, fake: FakeRegistry
 ) -> None:
     await eventually(lambda: sidecar.fanout.synced, what="synced")
-    stored = await sidecar.publisher.report(retention("t", "c"))
+    stored = (await sidecar.publisher.report(retention("t", "c"))).retention
     subscription = sidecar.fanout.subscribe()
     events = aiter(subscription)
     await _next_of_type(events, SYNC)

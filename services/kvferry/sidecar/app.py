@@ -104,7 +104,7 @@ class Sidecar:
             config.fanout,
         )
         self.publisher = RetentionPublisher(
-            identity.engine_id, self.registry, self.registration, self.book, self.metrics
+            identity.engine_id, self.registry, self.registration, self.fanout, self.metrics
         )
         self._servicer = SidecarServicer(identity.engine_id, self.publisher, self.fanout, self.registration)
         self._server: grpc.aio.Server | None = None

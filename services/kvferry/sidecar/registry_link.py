@@ -1,5 +1,8 @@
 """The sidecar's view of the registry: the calls it makes, behind a Protocol so its logic can be
-driven by an in-memory registry in unit tests and by the real gRPC service everywhere else."""
+driven by an in-memory registry in unit tests and by the real gRPC service everywhere else.
+
+The link also keeps the highest registry revision any answer carried (``revision``): the revision a
+SYNC snapshot of the sidecar's book covers (releases.py)."""
 
 from __future__ import annotations
 
@@ -56,6 +59,11 @@ class RetentionStream(Protocol):
 class RegistryApi(Protocol):
     """The registry calls the sidecar makes. Every failure raises RegistryError."""
 
+    @property
+    def revision(self) -> int:
+        """The highest registry revision any answer (or watch event) carried so far."""
+        ...
+
     async def register_engine(
         self, engine: resources_pb2.Engine, ttl_seconds: int
     ) -> registry_pb2.RegisterEngineResponse: ...
@@ -70,31 +78,38 @@ class RegistryApi(Protocol):
         self, retention: resources_pb2.Retention
     ) -> registry_pb2.PublishRetentionResponse: ...
 
-    async def get_retention(self, tenant: str, conversation_id: str) -> resources_pb2.Retention: ...
+    async def get_retention(self, tenant: str, conversation_id: str) -> registry_pb2.GetRetentionResponse: ...
 
-    async def release_retention(
+    async def end_engine_retention(
         self,
         tenant: str,
         conversation_id: str,
+        engine_id: str,
+        engine_request_id: str,
         reason: resources_pb2.ReleaseReason.ValueType,
-        *,
-        engine_request_id: str = "",
-    ) -> None:
-        """Ends the retention; with ``engine_request_id``, only if that request is still the live one
-        (else FAILED_PRECONDITION)."""
+    ) -> registry_pb2.EndEngineRetentionResponse:
+        """Ends the retention if it is still that engine request, and keeps it from being published
+        again; succeeds whether or not it was live."""
         ...
 
     def watch_retentions(self, engine_id: str) -> RetentionStream: ...
 
 
 class _GrpcRetentionStream:
-    def __init__(self, call: grpc.aio.UnaryStreamCall, on_error: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        on_error: Callable[[str], None],
+        observe: Callable[[int], None],
+    ) -> None:
         self._call = call
         self._on_error = on_error
+        self._observe = observe
 
     async def _events(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]:
         try:
             async for event in self._call:
+                self._observe(event.header.revision)
                 yield event
         except grpc.aio.AioRpcError as err:
             self._on_error("watch_retentions")
@@ -133,6 +148,15 @@ class GrpcRegistry:
         self._on_error = on_error
         self._channel = grpc.aio.insecure_channel(address, interceptors=list(interceptors))
         self._stub = registry_grpc.RegistryServiceStub(self._channel)
+        self._revision = 0
+
+    @property
+    def revision(self) -> int:
+        return self._revision
+
+    def _observe(self, revision: int) -> None:
+        if revision > self._revision:
+            self._revision = revision
 
     async def close(self) -> None:
         await self._channel.close()
@@ -171,33 +195,43 @@ class GrpcRegistry:
         )
         return response
 
-    async def get_retention(self, tenant: str, conversation_id: str) -> resources_pb2.Retention:
+    async def get_retention(self, tenant: str, conversation_id: str) -> registry_pb2.GetRetentionResponse:
         request = registry_pb2.GetRetentionRequest(tenant=tenant, conversation_id=conversation_id)
         response: registry_pb2.GetRetentionResponse = await self._call(
             "get_retention", self._stub.GetRetention, request
         )
-        return response.retention
+        return response
 
-    async def release_retention(
+    async def end_engine_retention(
         self,
         tenant: str,
         conversation_id: str,
+        engine_id: str,
+        engine_request_id: str,
         reason: resources_pb2.ReleaseReason.ValueType,
-        *,
-        engine_request_id: str = "",
-    ) -> None:
-        request = registry_pb2.ReleaseRetentionRequest(
-            tenant=tenant, conversation_id=conversation_id, reason=reason, engine_request_id=engine_request_id
+    ) -> registry_pb2.EndEngineRetentionResponse:
+        request = registry_pb2.EndEngineRetentionRequest(
+            tenant=tenant,
+            conversation_id=conversation_id,
+            engine_id=engine_id,
+            engine_request_id=engine_request_id,
+            reason=reason,
         )
-        await self._call("release_retention", self._stub.ReleaseRetention, request)
+        response: registry_pb2.EndEngineRetentionResponse = await self._call(
+            "end_engine_retention", self._stub.EndEngineRetention, request
+        )
+        return response
 
     def watch_retentions(self, engine_id: str) -> RetentionStream:
         call = self._stub.WatchRetentions(registry_pb2.WatchRetentionsRequest(engine_id=engine_id))
-        return _GrpcRetentionStream(call, self._on_error)
+        return _GrpcRetentionStream(call, self._on_error, self._observe)
 
     async def _call(self, op: str, method: grpc.aio.UnaryUnaryMultiCallable, request: object) -> Any:
         try:
-            return await method(request, timeout=self._timeout)
+            response = await method(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as err:
             self._on_error(op)
             raise RegistryError(err.code(), err.details() or "") from None
+        if response.HasField("header"):
+            self._observe(response.header.revision)
+        return response

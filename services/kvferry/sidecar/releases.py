@@ -7,6 +7,11 @@ stream is (re)opened), followed by one RENEWED per live retention carrying its c
 then the RENEWED/ENDED events as they come. Events are idempotent: a connector may see ENDED
 for a request it never held, or twice.
 
+Every event carries a registry revision. A SYNC carries the highest revision the sidecar has seen
+when it is built; a retention is in the book from before its publish is sent, so every publish
+that committed at or below that revision is listed unless it ended since. The connector therefore
+never ends a retention acknowledged at a later revision because an older SYNC lacks it.
+
 A sweep re-checks retentions whose expiry passed without news (an event missed while the stream
 was being reopened), so the book never keeps a retention the registry dropped.
 """
@@ -45,6 +50,8 @@ class TrackedRetention:
     num_blocks: int
     # Wall-clock seconds; None until the registry confirmed it (a publish whose outcome is unknown).
     expire_time: float | None
+    # Publishes of it in flight: until they settle, no lookup may judge it gone.
+    publishing: int = 0
 
 
 def _seconds(ts: timestamp_pb2.Timestamp) -> float:
@@ -62,8 +69,9 @@ class RetentionBook:
 
     def __init__(self, on_change: Callable[[], None] = lambda: None, ended_memory: int = 10_000) -> None:
         self._entries: dict[str, TrackedRetention] = {}
-        # Ends seen recently: a late RENEWED must not bring one back, nor a second ENDED repeat it.
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        # Ends seen recently, with their revision: a late RENEWED must not bring one back, nor a
+        # second ENDED repeat it.
+        self._ended: OrderedDict[str, int] = OrderedDict()
         self._ended_memory = ended_memory
         self._on_change = on_change
 
@@ -86,7 +94,9 @@ class RetentionBook:
     def has_ended(self, engine_request_id: str) -> bool:
         return engine_request_id in self._ended
 
-    def track(self, retention: resources_pb2.Retention, *, confirmed: bool = True) -> TrackedRetention:
+    def track(
+        self, retention: resources_pb2.Retention, *, confirmed: bool = True, publishing: bool = False
+    ) -> TrackedRetention:
         """Tracks a retention the registry holds (or, unconfirmed, may hold).
 
         Tracking always wins over a remembered end: a request id published again is live again,
@@ -107,12 +117,39 @@ class RetentionBook:
             self._entries[request_id] = entry
         elif expire is not None:
             entry.expire_time = expire
+        if publishing:
+            entry.publishing += 1
         self._on_change()
         return entry
 
-    def end(self, engine_request_id: str) -> TrackedRetention | None:
-        """Forgets a retention that ended; returns what was tracked, if anything."""
-        self._ended[engine_request_id] = None
+    def published(
+        self,
+        engine_request_id: str,
+        stored: resources_pb2.Retention | None,
+        *,
+        revision: int = 0,
+        may_have_landed: bool = False,
+    ) -> None:
+        """A publish of it settled: ``stored`` as the registry holds it; None when it was refused, or
+        when its outcome is unknown (``may_have_landed``: kept, unconfirmed, until a sweep settles it)."""
+        entry = self._entries.get(engine_request_id)
+        if entry is None:
+            # It ended while its publish was under way; a publish that landed after that end
+            # (``revision`` newer) made it live again.
+            if stored is not None and self._ended.get(engine_request_id, 0) < revision:
+                self.track(stored)
+            return
+        entry.publishing = max(0, entry.publishing - 1)
+        if stored is not None:
+            self.track(stored)
+        elif not may_have_landed and entry.publishing == 0 and entry.expire_time is None:
+            # Refused, and never confirmed: the registry does not hold it.
+            self._entries.pop(engine_request_id)
+            self._on_change()
+
+    def end(self, engine_request_id: str, revision: int = 0) -> TrackedRetention | None:
+        """Forgets a retention that ended (at registry ``revision``); returns what was tracked, if any."""
+        self._ended[engine_request_id] = revision
         self._ended.move_to_end(engine_request_id)
         while len(self._ended) > self._ended_memory:
             self._ended.popitem(last=False)
@@ -121,15 +158,21 @@ class RetentionBook:
             self._on_change()
         return entry
 
-    def snapshot(self) -> list[Event]:
-        """SYNC with every live id, then a RENEWED per confirmed one carrying its expiry."""
+    def snapshot(self, revision: int) -> list[Event]:
+        """SYNC with every live id (as of registry ``revision``), then a RENEWED per confirmed one
+        carrying its expiry."""
         ids = sorted(self._entries)
-        events = [Event(type=SYNC, live_engine_request_ids=ids)]
+        events = [Event(type=SYNC, live_engine_request_ids=ids, revision=revision)]
         for request_id in ids:
             expire = self._entries[request_id].expire_time
             if expire is not None:
                 events.append(
-                    Event(type=RENEWED, engine_request_id=request_id, expire_time=_timestamp(expire))
+                    Event(
+                        type=RENEWED,
+                        engine_request_id=request_id,
+                        expire_time=_timestamp(expire),
+                        revision=revision,
+                    )
                 )
         return events
 
@@ -227,7 +270,7 @@ class ReleaseFanout:
         self._subscribers.add(subscription)
         self._metrics.release_subscribers.set(len(self._subscribers))
         if self.synced:
-            subscription.push(self.book.snapshot())
+            subscription.push(self._snapshot())
         # Otherwise the SYNC comes when the stream to the registry is (re)established.
         return subscription
 
@@ -244,8 +287,11 @@ class ReleaseFanout:
     def subscriber_count(self) -> int:
         return len(self._subscribers)
 
+    def _snapshot(self) -> list[Event]:
+        return self.book.snapshot(self._registry.revision)
+
     def _snapshot_if_synced(self) -> list[Event] | None:
-        return self.book.snapshot() if self.synced else None
+        return self._snapshot() if self.synced else None
 
     def _broadcast(self, events: Sequence[Event]) -> None:
         for subscription in self._subscribers:
@@ -256,11 +302,14 @@ class ReleaseFanout:
     def engine_gone(self) -> None:
         """The engine was deregistered: every retention it had ended with ENGINE_GONE."""
         reason = resources_pb2.RELEASE_REASON_ENGINE_GONE
+        revision = self._registry.revision
         events = []
         for entry in self.book.entries():
-            self.book.end(entry.engine_request_id)
+            self.book.end(entry.engine_request_id, revision)
             self._metrics.release(reason)
-            events.append(Event(type=ENDED, engine_request_id=entry.engine_request_id, reason=reason))
+            events.append(
+                Event(type=ENDED, engine_request_id=entry.engine_request_id, reason=reason, revision=revision)
+            )
         if events:
             log.info("engine gone: ended its retentions", extra={"count": len(events)})
         self._broadcast(events)
@@ -305,7 +354,7 @@ class ReleaseFanout:
         await stream.ready()
         await self.verify(self.book.entries(), announce=False)
         self.synced = True
-        self._broadcast(self.book.snapshot())
+        self._broadcast(self._snapshot())
         log.info(
             "releases in sync with the registry", extra={"engine_id": self.engine_id, "live": len(self.book)}
         )
@@ -319,22 +368,31 @@ class ReleaseFanout:
         request_id = retention.engine_request_id
         if retention.engine_id and retention.engine_id != self.engine_id:
             return
+        revision = event.header.revision
         if event.type == registry_pb2.RETENTION_EVENT_TYPE_RENEWED:
             if self.book.has_ended(request_id):
                 return  # a renewal that raced the end
             self.book.track(retention)
             self._broadcast(
-                [Event(type=RENEWED, engine_request_id=request_id, expire_time=retention.expire_time)]
+                [
+                    Event(
+                        type=RENEWED,
+                        engine_request_id=request_id,
+                        expire_time=retention.expire_time,
+                        revision=revision,
+                    )
+                ]
             )
         elif event.type == registry_pb2.RETENTION_EVENT_TYPE_ENDED:
-            self._end(request_id, event.reason)
+            self.end(request_id, event.reason, revision)
 
-    def _end(self, request_id: str, reason: resources_pb2.ReleaseReason.ValueType) -> None:
+    def end(self, request_id: str, reason: resources_pb2.ReleaseReason.ValueType, revision: int) -> None:
+        """The registry ended ``request_id`` at ``revision``: forget it and tell every connector once."""
         if self.book.has_ended(request_id):
             return  # already told (e.g. ENGINE_GONE the sidecar announced itself)
-        self.book.end(request_id)
+        self.book.end(request_id, revision)
         self._metrics.release(reason)
-        self._broadcast([Event(type=ENDED, engine_request_id=request_id, reason=reason)])
+        self._broadcast([Event(type=ENDED, engine_request_id=request_id, reason=reason, revision=revision)])
 
     # ---- verification ------------------------------------------------------------------------
 
@@ -351,17 +409,20 @@ class ReleaseFanout:
                 await self._verify_one(entry, announce)
 
         async with self._verify_lock:
-            await asyncio.gather(*(check(entry) for entry in entries))
+            # A retention whose publish is in flight may not be in the registry yet: not judged.
+            await asyncio.gather(*(check(entry) for entry in entries if not entry.publishing))
 
     async def _verify_one(self, entry: TrackedRetention, announce: bool) -> None:
         try:
-            live = await self._registry.get_retention(entry.tenant, entry.conversation_id)
+            found = await self._registry.get_retention(entry.tenant, entry.conversation_id)
         except RegistryError as err:
             if err.code is not grpc.StatusCode.NOT_FOUND:
                 raise
-            live = None
-        if self.book.get(entry.engine_request_id) is not entry:
-            return  # an event about it arrived meanwhile; that is newer news
+            live, revision = None, self._registry.revision
+        else:
+            live, revision = found.retention, found.header.revision
+        if self.book.get(entry.engine_request_id) is not entry or entry.publishing:
+            return  # an event or a publish of it came meanwhile; that is newer news
         if live is not None and live.engine_request_id == entry.engine_request_id:
             renewed = live.HasField("expire_time") and entry.expire_time != _seconds(live.expire_time)
             self.book.track(live)
@@ -372,6 +433,7 @@ class ReleaseFanout:
                             type=RENEWED,
                             engine_request_id=entry.engine_request_id,
                             expire_time=live.expire_time,
+                            revision=revision,
                         )
                     ]
                 )
@@ -383,9 +445,9 @@ class ReleaseFanout:
         else:
             reason = resources_pb2.RELEASE_REASON_UNSPECIFIED
         if announce:
-            self._end(entry.engine_request_id, reason)
+            self.end(entry.engine_request_id, reason, revision)
         else:
-            self.book.end(entry.engine_request_id)
+            self.book.end(entry.engine_request_id, revision)
             self._metrics.release(reason)
 
     async def sweep_forever(self) -> None:

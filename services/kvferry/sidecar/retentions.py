@@ -1,15 +1,23 @@
-"""ReportRetention and EvictRetention: the connector's retentions published to (and ended in) the registry."""
+"""ReportRetention and EndRetention (EvictRetention): the connector's retentions published to, and ended
+in, the registry.
+
+A report is tracked in the book before its publish is sent (so a SYNC built meanwhile lists it) and
+settled by the registry's answer. An end the engine starts goes to the registry's
+EndEngineRetention, which ends the record only if it is still that request and keeps the request
+from ever being published again: its success is the confirmation the connector waits for before
+starting the grace after which it frees the blocks."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 from kvferry.sidecar.errors import SidecarError
 from kvferry.sidecar.metrics import SidecarMetrics
 from kvferry.sidecar.registry_link import AMBIGUOUS_CODES, TRANSIENT_CODES, RegistryApi, RegistryError
-from kvferry.sidecar.releases import RetentionBook
+from kvferry.sidecar.releases import ReleaseFanout, RetentionBook
 from kvferry.v1 import resources_pb2
 
 log = logging.getLogger("kvferry.sidecar.retentions")
@@ -41,22 +49,39 @@ class RegistrationState(Protocol):
     def check_lease(self, generation: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class Reported:
+    """A retention as the registry stored it, and the registry revision it is known at."""
+
+    retention: resources_pb2.Retention
+    revision: int
+
+
+@dataclass(frozen=True)
+class Ended:
+    """An end the engine asked for, confirmed: whether it ended the live record, and at which revision."""
+
+    ended: bool
+    revision: int
+
+
 class RetentionPublisher:
     def __init__(
         self,
         engine_id: str,
         registry: RegistryApi,
         registration: RegistrationState,
-        book: RetentionBook,
+        fanout: ReleaseFanout,
         metrics: SidecarMetrics,
     ) -> None:
         self.engine_id = engine_id
         self._registry = registry
         self._registration = registration
-        self._book = book
+        self._fanout = fanout
+        self._book: RetentionBook = fanout.book
         self._metrics = metrics
 
-    async def report(self, retention: resources_pb2.Retention) -> resources_pb2.Retention:
+    async def report(self, retention: resources_pb2.Retention) -> Reported:
         """Publishes ``retention`` for this engine; returns it as stored (with its expiry)."""
         try:
             stored = await self._publish(retention)
@@ -75,7 +100,7 @@ class RetentionPublisher:
         self._metrics.publishes.inc()
         return stored
 
-    async def _publish(self, retention: resources_pb2.Retention) -> resources_pb2.Retention:
+    async def _publish(self, retention: resources_pb2.Retention) -> Reported:
         if retention.engine_id and retention.engine_id != self.engine_id:
             raise SidecarError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -93,38 +118,48 @@ class RetentionPublisher:
         to_publish.CopyFrom(retention)
         to_publish.engine_id = self.engine_id
         generation = self._registration.generation
+        request_id = to_publish.engine_request_id
+        # In the book before the publish is sent: a SYNC built meanwhile lists it (see releases.py).
+        self._book.track(to_publish, confirmed=False, publishing=True)
         try:
             response = await self._registry.publish_retention(to_publish)
         except RegistryError as err:
             if err.code in AMBIGUOUS_CODES:
-                stored = await self._stored_despite(to_publish, err)
-                if stored is not None:
-                    return stored
+                found = await self._stored_despite(to_publish, err)
+                if found is not None:
+                    return found
+            else:
+                self._book.published(request_id, None)
             raise self._failure(err, generation) from err
+        except BaseException:
+            self._book.published(request_id, None)
+            raise
         stored = response.retention
         if not stored.engine_request_id:
             stored = to_publish
-        self._book.track(stored)
-        return stored
+        self._book.published(request_id, stored, revision=response.header.revision)
+        return Reported(stored, response.header.revision)
 
     async def _stored_despite(
         self, retention: resources_pb2.Retention, err: RegistryError
-    ) -> resources_pb2.Retention | None:
+    ) -> Reported | None:
         """After a publish whose outcome is unknown: the stored retention if it did land.
 
-        If even that cannot be asked, the retention is tracked unconfirmed: the next SYNC keeps
-        it live (never freeing blocks the registry may hand out) until a sweep settles it.
+        Otherwise the retention stays in the book unconfirmed: SYNCs keep listing it (never freeing
+        blocks the registry may hand out) until a sweep settles it.
         """
+        request_id = retention.engine_request_id
         try:
-            live = await self._registry.get_retention(retention.tenant, retention.conversation_id)
-        except RegistryError as check_err:
-            if check_err.code is not grpc.StatusCode.NOT_FOUND:
-                self._book.track(retention, confirmed=False)
+            found = await self._registry.get_retention(retention.tenant, retention.conversation_id)
+        except RegistryError:
+            self._book.published(request_id, None, may_have_landed=True)
             return None
-        if live.engine_request_id == retention.engine_request_id and live.engine_id == self.engine_id:
+        live = found.retention
+        if live.engine_request_id == request_id and live.engine_id == self.engine_id:
             log.info("publish landed despite a failed answer", extra={"error": str(err)})
-            self._book.track(live)
-            return live
+            self._book.published(request_id, live, revision=found.header.revision)
+            return Reported(live, found.header.revision)
+        self._book.published(request_id, None, may_have_landed=True)
         return None
 
     def _failure(self, err: RegistryError, generation: int) -> SidecarError:
@@ -148,9 +183,15 @@ class RetentionPublisher:
             )
         return SidecarError(grpc.StatusCode.INTERNAL, f"registry failed the publish: {err}")
 
-    async def evict(self, tenant: str, conversation_id: str, engine_request_id: str) -> bool:
-        """Ends the conversation's retention with EVICTED if it is still ``engine_request_id`` on this
-        engine; True if it did, False if there was nothing of ours to end (already ended, or a newer turn)."""
+    async def end(
+        self,
+        tenant: str,
+        conversation_id: str,
+        engine_request_id: str,
+        reason: resources_pb2.ReleaseReason.ValueType,
+    ) -> Ended:
+        """Ends this engine's retention ``engine_request_id`` in the registry (only if it is still live
+        there, never a newer turn) and keeps it from being published again. Returns once confirmed."""
         for name, value in (
             ("tenant", tenant),
             ("conversation_id", conversation_id),
@@ -158,39 +199,31 @@ class RetentionPublisher:
         ):
             if not value:
                 raise SidecarError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is required")
-        self._metrics.evictions.inc()
+        if reason == resources_pb2.RELEASE_REASON_EVICTED:
+            self._metrics.evictions.inc()
         try:
-            # The lookup keeps other engines' retentions out of reach (the guard names only the
-            # request) and spares a write when there is nothing of ours to end.
-            live = await self._registry.get_retention(tenant, conversation_id)
-            if live.engine_request_id != engine_request_id or live.engine_id != self.engine_id:
-                return False
-            # The registry re-checks the request inside its release transaction, so a newer turn
-            # published since the lookup is refused (FAILED_PRECONDITION), never evicted.
-            await self._registry.release_retention(
-                tenant,
-                conversation_id,
-                resources_pb2.RELEASE_REASON_EVICTED,
-                engine_request_id=engine_request_id,
+            response = await self._registry.end_engine_retention(
+                tenant, conversation_id, self.engine_id, engine_request_id, reason
             )
         except RegistryError as err:
-            if err.code is grpc.StatusCode.NOT_FOUND:
-                return False
-            if err.code is grpc.StatusCode.FAILED_PRECONDITION:
-                log.info(
-                    "retention not evicted: a newer turn replaced it",
-                    extra={"conversation_id": conversation_id, "engine_request_id": engine_request_id},
-                )
-                return False
             if err.code in _PASSED_ON:
-                raise SidecarError(err.code, f"the registry refused the eviction: {err.message}") from err
+                raise SidecarError(err.code, f"the registry refused the end: {err.message}") from err
             raise SidecarError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"registry unreachable ({err.code.name}: {err.message}); retention not evicted; "
+                f"registry unreachable ({err.code.name}: {err.message}); retention not ended yet; "
                 f"{_HARD_CAP_HINT}",
             ) from err
+        revision = response.header.revision
+        # Every connector stream hears it (the registry's own ENDED event, if any, is then a repeat).
+        self._fanout.end(engine_request_id, reason or resources_pb2.RELEASE_REASON_RELEASED, revision)
         log.info(
-            "retention evicted",
-            extra={"conversation_id": conversation_id, "engine_request_id": engine_request_id},
+            "retention ended by its engine",
+            extra={
+                "conversation_id": conversation_id,
+                "engine_request_id": engine_request_id,
+                "reason": resources_pb2.ReleaseReason.Name(reason),
+                "was_live": response.ended,
+                "revision": revision,
+            },
         )
-        return True
+        return Ended(response.ended, revision)

@@ -9,6 +9,7 @@ from kvferry.sidecar.errors import SidecarError
 from kvferry.sidecar.registration import EngineRegistration
 from kvferry.sidecar.releases import ReleaseFanout
 from kvferry.sidecar.retentions import RetentionPublisher
+from kvferry.v1 import resources_pb2
 from kvferry.v1 import sidecar_service_pb2 as sidecar_pb2
 from kvferry.v1 import sidecar_service_pb2_grpc as sidecar_grpc
 
@@ -32,19 +33,35 @@ class SidecarServicer(sidecar_grpc.SidecarServiceServicer):  # type: ignore[misc
         self, request: sidecar_pb2.ReportRetentionRequest, context: grpc.aio.ServicerContext
     ) -> sidecar_pb2.ReportRetentionResponse:
         try:
-            stored = await self._publisher.report(request.retention)
+            reported = await self._publisher.report(request.retention)
         except SidecarError as err:
             await context.abort(err.code, err.message)
-        return sidecar_pb2.ReportRetentionResponse(retention=stored)
+        return sidecar_pb2.ReportRetentionResponse(retention=reported.retention, revision=reported.revision)
 
     async def EvictRetention(
         self, request: sidecar_pb2.EvictRetentionRequest, context: grpc.aio.ServicerContext
     ) -> sidecar_pb2.EvictRetentionResponse:
         try:
-            await self._publisher.evict(request.tenant, request.conversation_id, request.engine_request_id)
+            await self._publisher.end(
+                request.tenant,
+                request.conversation_id,
+                request.engine_request_id,
+                resources_pb2.RELEASE_REASON_EVICTED,
+            )
         except SidecarError as err:
             await context.abort(err.code, err.message)
         return sidecar_pb2.EvictRetentionResponse()
+
+    async def EndRetention(
+        self, request: sidecar_pb2.EndRetentionRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.EndRetentionResponse:
+        try:
+            ended = await self._publisher.end(
+                request.tenant, request.conversation_id, request.engine_request_id, request.reason
+            )
+        except SidecarError as err:
+            await context.abort(err.code, err.message)
+        return sidecar_pb2.EndRetentionResponse(ended=ended.ended, revision=ended.revision)
 
     async def ReportEngineStats(
         self, request: sidecar_pb2.ReportEngineStatsRequest, context: grpc.aio.ServicerContext
