@@ -1,8 +1,9 @@
 """The connector's sidecar link against a STAND-IN SidecarService (a gRPC server in the test).
 
-The stand-in records calls and scripts WatchReleases events; the real sidecar is exercised with
-real engines in the sidecar's own tests. Covered here: reports and their acknowledgement, release
-events reaching the listener, retries across a sidecar outage, and the due-timer's wake-ups.
+The stand-in records calls and scripts WatchReleases events; the same link runs against the real
+sidecar and registry in test_ends.py, and with real engines in the sidecar's own tests. Covered
+here: reports, ends and their answers, refusals reaching the listener, release events with their
+revisions, calls waiting across a sidecar outage, and the due-timer's wake-ups.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from kvferry.common.etcd_process import free_port
 from kvferry.connector.accounting import Accounting, StatsSnapshot
 from kvferry.connector.retention import EndReason
-from kvferry.connector.sidecar_link import BackgroundLoop, DueTimer, Eviction, RetentionReport, SidecarLink
+from kvferry.connector.sidecar_link import BackgroundLoop, DueTimer, EndCall, RetentionReport, SidecarLink
 from kvferry.v1 import resources_pb2
 from kvferry.v1 import sidecar_service_pb2 as pb
 from kvferry.v1 import sidecar_service_pb2_grpc as pb_grpc
@@ -27,20 +28,27 @@ from kvferry.v1 import sidecar_service_pb2_grpc as pb_grpc
 class StandInSidecar(pb_grpc.SidecarServiceServicer):  # type: ignore[misc]
     def __init__(self) -> None:
         self.reports: list[Any] = []
-        self.evictions: list[Any] = []
+        self.ends: list[Any] = []
         self.stats: list[Any] = []
         self.events: asyncio.Queue[pb.WatchReleasesResponse] = asyncio.Queue()
         self.watchers = 0
+        # Request ids whose report is refused (as the registry refuses a turn that is not newer).
+        self.refuse: set[str] = set()
 
     async def ReportRetention(self, request: Any, context: Any) -> Any:
         self.reports.append(request.retention)
+        if request.retention.engine_request_id in self.refuse:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "turn 2 is not newer")
         retention = pb.ReportRetentionResponse(retention=request.retention).retention
         retention.expire_time.FromSeconds(int(time.time()) + 600)
-        return pb.ReportRetentionResponse(retention=retention)
+        return pb.ReportRetentionResponse(retention=retention, revision=40 + len(self.reports))
 
     async def EvictRetention(self, request: Any, context: Any) -> Any:
-        self.evictions.append(request)
-        return pb.EvictRetentionResponse()
+        raise AssertionError("the connector ends retentions with EndRetention")
+
+    async def EndRetention(self, request: Any, context: Any) -> Any:
+        self.ends.append(request)
+        return pb.EndRetentionResponse(ended=True, revision=90 + len(self.ends))
 
     async def ReportEngineStats(self, request: Any, context: Any) -> Any:
         self.stats.append(request.stats)
@@ -48,34 +56,55 @@ class StandInSidecar(pb_grpc.SidecarServiceServicer):  # type: ignore[misc]
 
     async def WatchReleases(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self.watchers += 1
-        yield pb.WatchReleasesResponse(type=pb.RELEASE_EVENT_TYPE_SYNC, live_engine_request_ids=["r-live"])
+        yield pb.WatchReleasesResponse(
+            type=pb.RELEASE_EVENT_TYPE_SYNC, live_engine_request_ids=["r-live"], revision=33
+        )
         while True:
             yield await self.events.get()
 
 
 class Listener:
+    """Records what the link reports; hands out the calls in ``calls_to_make`` until each settles."""
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
-        self.unpublished: list[RetentionReport] = []
-        self.gone: set[str] = set()
+        self.calls_to_make: list[RetentionReport | EndCall] = []
 
-    def on_acknowledged(self, request_id: str, lease_expire_wall: float | None) -> None:
-        self.calls.append(("ack", (request_id, lease_expire_wall)))
+    def take_call(self) -> RetentionReport | EndCall | None:
+        return self.calls_to_make[0] if self.calls_to_make else None
 
-    def on_sync(self, live_request_ids: list[str]) -> None:
-        self.calls.append(("sync", live_request_ids))
+    def _settled(self, call: RetentionReport | EndCall) -> None:
+        self.calls_to_make.remove(call)
 
-    def on_renewed(self, request_id: str, lease_expire_wall: float | None) -> None:
-        self.calls.append(("renewed", (request_id, lease_expire_wall)))
+    def on_acknowledged(
+        self, report: RetentionReport, lease_expire_wall: float | None, revision: int
+    ) -> None:
+        self._settled(report)
+        self.calls.append(("ack", (report.request_id, lease_expire_wall, revision)))
 
-    def on_ended(self, request_id: str, reason: EndReason) -> None:
-        self.calls.append(("ended", (request_id, reason)))
+    def on_report_refused(self, report: RetentionReport, code: grpc.StatusCode, details: str) -> None:
+        self._settled(report)
+        self.calls.append(("refused", (report.request_id, code)))
 
-    def unpublished_reports(self) -> list[RetentionReport]:
-        return self.unpublished
+    def on_report_failed(self, report: RetentionReport) -> None:
+        self.calls.append(("failed", report.request_id))
 
-    def still_retained(self, request_id: str) -> bool:
-        return request_id not in self.gone
+    def on_end_confirmed(self, call: EndCall, ended: bool, revision: int) -> None:
+        self._settled(call)
+        self.calls.append(("end_confirmed", (call.request_id, ended, revision)))
+
+    def on_end_refused(self, call: EndCall, code: grpc.StatusCode, details: str) -> None:
+        self._settled(call)
+        self.calls.append(("end_refused", (call.request_id, code)))
+
+    def on_sync(self, live_request_ids: list[str], revision: int) -> None:
+        self.calls.append(("sync", (live_request_ids, revision)))
+
+    def on_renewed(self, request_id: str, lease_expire_wall: float | None, revision: int) -> None:
+        self.calls.append(("renewed", (request_id, lease_expire_wall, revision)))
+
+    def on_ended(self, request_id: str, reason: EndReason, revision: int) -> None:
+        self.calls.append(("ended", (request_id, reason, revision)))
 
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.calls]
@@ -121,7 +150,7 @@ def link_parts() -> Any:
     loop.stop()
 
 
-async def test_reports_events_and_stats_flow_both_ways(link_parts: Any) -> None:
+async def test_reports_ends_events_and_stats_flow_both_ways(link_parts: Any) -> None:
     loop, link, listener, port, accounting = link_parts
     sidecar = StandInSidecar()
     server = await _serve(sidecar, port)
@@ -129,10 +158,10 @@ async def test_reports_events_and_stats_flow_both_ways(link_parts: Any) -> None:
         loop.start()
         link.start()
         await _eventually(lambda: link.connected and "sync" in listener.kinds())
-        assert listener.calls[0] == ("sync", ["r-live"])
-        link.report(REPORT)
-        link.evict(Eviction("acme", "c0", "r0"))
-        await _eventually(lambda: "ack" in listener.kinds() and bool(sidecar.evictions))
+        assert listener.calls[0] == ("sync", (["r-live"], 33))
+        listener.calls_to_make += [REPORT, EndCall("acme", "c0", "r0", EndReason.EVICTED)]
+        link.poke()
+        await _eventually(lambda: "ack" in listener.kinds() and "end_confirmed" in listener.kinds())
         (sent,) = sidecar.reports
         assert (sent.engine_request_id, list(sent.block_ids), sent.turn, sent.ttl_seconds) == (
             "r1",
@@ -141,14 +170,17 @@ async def test_reports_events_and_stats_flow_both_ways(link_parts: Any) -> None:
             30,
         )
         assert list(sent.block_digests) == [b"\x01" * 16]
-        acked = dict(listener.calls)["ack"]
-        assert acked[0] == "r1" and acked[1] > time.time() + 500
+        calls = dict(listener.calls)
+        assert calls["ack"][0] == "r1" and calls["ack"][1] > time.time() + 500 and calls["ack"][2] == 41
+        (end,) = sidecar.ends
+        assert (end.engine_request_id, end.reason) == ("r0", resources_pb2.RELEASE_REASON_EVICTED)
+        assert calls["end_confirmed"] == ("r0", True, 91)
 
         expire = Timestamp()
         expire.FromSeconds(int(time.time()) + 900)
         await sidecar.events.put(
             pb.WatchReleasesResponse(
-                type=pb.RELEASE_EVENT_TYPE_RENEWED, engine_request_id="r1", expire_time=expire
+                type=pb.RELEASE_EVENT_TYPE_RENEWED, engine_request_id="r1", expire_time=expire, revision=50
             )
         )
         await sidecar.events.put(
@@ -156,12 +188,13 @@ async def test_reports_events_and_stats_flow_both_ways(link_parts: Any) -> None:
                 type=pb.RELEASE_EVENT_TYPE_ENDED,
                 engine_request_id="r1",
                 reason=resources_pb2.RELEASE_REASON_SUPERSEDED,
+                revision=51,
             )
         )
         await _eventually(lambda: "ended" in listener.kinds())
         calls = dict(listener.calls)
-        assert calls["renewed"] == ("r1", float(expire.seconds))
-        assert calls["ended"] == ("r1", EndReason.SUPERSEDED)
+        assert calls["renewed"] == ("r1", float(expire.seconds), 50)
+        assert calls["ended"] == ("r1", EndReason.SUPERSEDED, 51)
 
         accounting.set_retained_blocks(2)
         await _eventually(lambda: any(s.retained_blocks == 2 for s in sidecar.stats))
@@ -169,26 +202,42 @@ async def test_reports_events_and_stats_flow_both_ways(link_parts: Any) -> None:
         await server.stop(None)
 
 
-async def test_calls_made_while_the_sidecar_is_away_are_delivered_when_it_returns(link_parts: Any) -> None:
+async def test_a_refused_report_reaches_the_listener(link_parts: Any) -> None:
+    """The registry refuses a second publish of a turn: the connector must hear it, not drop it."""
     loop, link, listener, port, _ = link_parts
-    listener.unpublished = [REPORT]
+    sidecar = StandInSidecar()
+    sidecar.refuse.add("r1")
+    server = await _serve(sidecar, port)
+    try:
+        loop.start()
+        link.start()
+        listener.calls_to_make.append(REPORT)
+        link.poke()
+        await _eventually(lambda: "refused" in listener.kinds())
+        assert dict(listener.calls)["refused"] == ("r1", grpc.StatusCode.FAILED_PRECONDITION)
+        assert len(sidecar.reports) == 1
+    finally:
+        await server.stop(None)
+
+
+async def test_calls_waiting_while_the_sidecar_is_away_go_out_when_it_returns(link_parts: Any) -> None:
+    loop, link, listener, port, _ = link_parts
+    listener.calls_to_make += [REPORT, EndCall("acme", "c9", "r9", EndReason.HARD_CAP)]
     loop.start()
     link.start()
-    await asyncio.sleep(1.0)
+    await _eventually(lambda: "failed" in listener.kinds(), within=5.0)
     assert not link.connected
-    link.evict(Eviction("acme", "c9", "r9"))
-    stale = RetentionReport(**{**REPORT.__dict__, "request_id": "r-freed"})
-    listener.gone.add("r-freed")
-    link.report(stale)
     sidecar = StandInSidecar()
     server = await _serve(sidecar, port)
     try:
-        # The link reconnects by itself (backoff <= 5 s), re-reports what was never acknowledged.
-        await _eventually(lambda: bool(sidecar.reports) and bool(sidecar.evictions), within=15.0)
+        # The link reconnects by itself (backoff <= 10 s); nothing was dropped meanwhile.
+        await _eventually(lambda: bool(sidecar.reports) and bool(sidecar.ends), within=20.0)
         assert sidecar.reports[0].engine_request_id == "r1"
-        assert sidecar.evictions[0].engine_request_id == "r9"
-        await asyncio.sleep(0.5)
-        assert [r.engine_request_id for r in sidecar.reports] == ["r1"], "a freed retention is not published"
+        assert (sidecar.ends[0].engine_request_id, sidecar.ends[0].reason) == (
+            "r9",
+            resources_pb2.RELEASE_REASON_HARD_CAP,
+        )
+        assert listener.calls_to_make == []
     finally:
         await server.stop(None)
 

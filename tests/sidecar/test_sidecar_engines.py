@@ -9,6 +9,7 @@ Run under the machine-wide engine lock::
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import uuid
 from collections.abc import AsyncIterator
@@ -184,3 +185,66 @@ async def test_a_restarted_sidecar_reregisters_and_the_connector_follows(
     # And the next marked turn is published through it.
     await _marked_turn(engine_pair, tenant, unique("conv"))
     await restarted.wait_for(lambda: len(restarted.sidecar.book) >= 1, 20, "a retention published")
+
+
+async def test_two_concurrent_turns_of_one_conversation_d_keeps_exactly_what_the_registry_serves(
+    registry: RegistryHandle, engine_pair: EnginePair, sidecars: tuple[SidecarHandle, SidecarHandle]
+) -> None:
+    """Two calls with the same conversation id and turn (a retry, say) decode at once on D. The
+    registry keeps one publish and refuses the other. D must free the refused one (soon, not at its
+    hard cap) and keep the one the registry hands out: before issue 13, D superseded the first
+    locally and freed it after the grace while the registry went on serving it."""
+    tenant, conversation = unique("tenant"), unique("conv")
+    mark = ConversationMark(tenant=tenant, conversation_id=conversation, turn=3)
+    tokens = [2000 + i for i in range(3 * engine_pair.block_size + 5)]
+    async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
+        turns = await asyncio.gather(
+            *(
+                direct_turn(
+                    prefill,
+                    decode,
+                    tokens,
+                    mark=mark,
+                    block_size=engine_pair.block_size,
+                    request_id=f"twin-{i}-{uuid.uuid4().hex[:8]}",
+                )
+                for i in range(2)
+            )
+        )
+    assert all(turn.retained is not None for turn in turns), "both decodes retained their blocks"
+    engine = engine_pair.decode
+    retained = {
+        str(e["request_id"])
+        for e in engine.connector_events("retained")
+        if e.get("conversation_id") == conversation
+    }
+    assert len(retained) == 2
+
+    async def served() -> str | None:
+        try:
+            found = await registry.stub().GetRetention(
+                registry_pb2.GetRetentionRequest(tenant=tenant, conversation_id=conversation), timeout=5
+            )
+        except grpc.aio.AioRpcError:
+            return None
+        return str(found.retention.engine_request_id)
+
+    def freed(request_id: str) -> list[dict[str, object]]:
+        return [
+            e for e in engine.connector_events("freed retained blocks") if e.get("request_id") == request_id
+        ]
+
+    live = await eventually(served, within=20, what="one of them published")
+    (other,) = retained - {live}
+    # The other one goes within a grace or so (not at the hard cap), confirmed by the registry.
+    settings = engine_pair.settings
+    (gone,) = await eventually(lambda: freed(other), within=settings.release_grace_seconds + 10, what="freed")
+    assert gone["confirmed"] is True and gone["reason"] in ("refused", "superseded")
+    # The one served stays held and served well past the grace.
+    await asyncio.sleep(settings.release_grace_seconds + 2)
+    assert freed(live) == []
+    assert await served() == live
+    await registry.stub().ReleaseRetention(
+        registry_pb2.ReleaseRetentionRequest(tenant=tenant, conversation_id=conversation), timeout=5
+    )
+    await eventually(lambda: freed(live), within=settings.release_grace_seconds + 15, what="released")

@@ -16,8 +16,9 @@ between them. What kvferry changes:
 
 - decode engine: a finished request marked with kvferry's mark keeps its blocks, held by the
   connector through the block pool (the request itself finishes normally, so an engine holding
-  retentions idles like any idle engine), until the registry ends the retention plus a grace
-  period, or the hard cap. A prefill reading them frees nothing.
+  retentions idles like any idle engine), until the registry has confirmed the retention ended,
+  plus a grace period, or the hard cap (kvferry.connector.retention). A prefill reading them frees
+  nothing. Every free goes through ``_free_due`` and is logged as ``freed retained blocks``.
 - prefill engine: declines a pull whose read deadline is too near, and counts pulled versus
   computed tokens.
 - both: report to the local sidecar (retentions, evictions, engine stats) from a background
@@ -39,10 +40,11 @@ from kvferry.common.logs import JsonFormatter
 from kvferry.connector import vllm_internals
 from kvferry.connector.accounting import Accounting, StatsSnapshot, pull_allowed
 from kvferry.connector.compat import KvLayout, kv_compatibility_hash
+from kvferry.connector.keeper import RetentionKeeper
 from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullRecord
-from kvferry.connector.retention import EndReason, RetainedEntry, RetentionTable
+from kvferry.connector.retention import RetainedEntry, RetentionTable
 from kvferry.connector.settings import KvferrySettings, SettingsError, parse_settings
-from kvferry.connector.sidecar_link import BackgroundLoop, DueTimer, Eviction, RetentionReport, SidecarLink
+from kvferry.connector.sidecar_link import BackgroundLoop, DueTimer, SidecarLink
 from kvferry.pd import vllm_params
 from kvferry.pd.digest import block_digests
 from kvferry.pd.kvferry_params import (
@@ -163,12 +165,18 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._loop = BackgroundLoop("kvferry-connector")
         self._timer = DueTimer(self._loop, self.table.next_due, self._waker.wake)
         self._link: SidecarLink | None = None
+        self.keeper = RetentionKeeper(
+            self.table,
+            engine_id=engine_id,
+            lease_ttl_seconds=settings.lease_ttl_seconds,
+            on_change=self._registry_word_changed,
+        )
         if settings.sidecar_address:
             self._link = SidecarLink(
                 loop=self._loop,
                 address=settings.sidecar_address,
                 engine_id=engine_id,
-                listener=self,
+                listener=self.keeper,
                 stats=self._stats,
                 timeout_seconds=settings.sidecar_timeout_seconds,
                 stats_interval_seconds=settings.stats_interval_seconds,
@@ -314,15 +322,13 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             block_digests=digests,
         )
         self._worker_added.append(request_id)
-        if self._link is not None:
-            self._link.report(self._report(entry))
         for evicted in self.table.evict_over_budget():
             logger.info(
-                "evicting least recently used retention (over budget)",
+                "evicting least recently used retention (over budget); freed once the registry confirms",
                 extra={"request_id": evicted.request_id, "conversation_id": evicted.conversation_id},
             )
-            if self._link is not None:
-                self._link.evict(Eviction(evicted.tenant, evicted.conversation_id, evicted.request_id))
+        if self._link is not None:
+            self._link.poke()
         self.accounting.set_retained_blocks(self.table.held_blocks())
         self._timer.poke()
         logger.info(
@@ -339,19 +345,6 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         )
         return entry
 
-    def _report(self, entry: RetainedEntry) -> RetentionReport:
-        return RetentionReport(
-            tenant=entry.tenant,
-            conversation_id=entry.conversation_id,
-            engine_id=self.engine_id,
-            request_id=entry.request_id,
-            block_ids=entry.block_ids,
-            num_tokens=entry.num_tokens,
-            block_digests=entry.block_digests,
-            turn=entry.turn,
-            ttl_seconds=self.settings.lease_ttl_seconds,
-        )
-
     def build_connector_meta(self, scheduler_output: Any) -> KvferryConnectorMetadata:
         base = super().build_connector_meta(scheduler_output)
         assert isinstance(base, NixlConnectorMetadata)
@@ -363,24 +356,49 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         return meta
 
     def _free_due(self) -> None:
-        due = self.table.collect_due()
+        """The one path by which retained blocks go back to vLLM (the engine core's thread)."""
+        due = self.keeper.collect_frees()
         if not due:
             return
+        unconfirmed = [entry for entry in due if not entry.confirmed]
+        if unconfirmed:
+            self._before_unconfirmed_free(unconfirmed)
         for entry in due:
-            blocks = self._held.pop(entry.request_id, [])
-            if self._block_pool is not None and blocks:
-                vllm_internals.release_blocks(self._block_pool, blocks)
-            self._worker_released.append(entry.request_id)
-            logger.info(
-                "freed retained blocks",
-                extra={
-                    "request_id": entry.request_id,
-                    "conversation_id": entry.conversation_id,
-                    "blocks": len(blocks),
-                    "reason": entry.end_reason.value if entry.end_reason else None,
-                },
-            )
+            self._free(entry)
         self.accounting.set_retained_blocks(self.table.held_blocks())
+
+    def _before_unconfirmed_free(self, entries: list[RetainedEntry]) -> None:
+        """Blocks about to be freed without the registry's confirmation (it stayed unreachable past
+        the hard cap), so the registry may still hand them out. Pull-time fencing hooks in here:
+        it makes these blocks unpullable (bumps their generations) before vLLM can reuse them."""
+        logger.warning(
+            "freeing retained blocks the registry never confirmed ended (hard cap)",
+            extra={
+                "request_ids": [e.request_id for e in entries],
+                "unconfirmed_frees_total": self.table.unconfirmed_frees,
+            },
+        )
+
+    def _free(self, entry: RetainedEntry) -> None:
+        blocks = self._held.pop(entry.request_id, [])
+        if self._block_pool is not None and blocks:
+            vllm_internals.release_blocks(self._block_pool, blocks)
+        self._worker_released.append(entry.request_id)
+        logger.info(
+            "freed retained blocks",
+            extra={
+                "request_id": entry.request_id,
+                "tenant": entry.tenant,
+                "conversation_id": entry.conversation_id,
+                "turn": entry.turn,
+                "block_ids": list(entry.block_ids),
+                "blocks": len(blocks),
+                "reason": entry.end_reason.value if entry.end_reason else None,
+                # False: freed at the hard cap without the registry confirming the end.
+                "confirmed": entry.confirmed,
+                "end_revision": entry.end_revision,
+            },
+        )
 
     def has_pending_push_work(self) -> bool:
         # The engine core asks this (through Scheduler.has_requests) on its own thread each time
@@ -396,38 +414,11 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._loop.stop()
         super().shutdown()
 
-    # -- ReleaseListener (called on the link's thread) --------------------------------------------
-
-    def on_acknowledged(self, request_id: str, lease_expire_wall: float | None) -> None:
-        self.table.acknowledge(request_id, lease_expire_wall)
+    def _registry_word_changed(self) -> None:
+        # Called on the link's thread: a call to the sidecar may be due, or a free may have moved.
+        if self._link is not None:
+            self._link.poke()
         self._timer.poke()
-
-    def on_sync(self, live_request_ids: list[str]) -> None:
-        ended = self.table.sync(live_request_ids)
-        if ended:
-            logger.info(
-                "registry no longer holds retentions; releasing after grace", extra={"request_ids": ended}
-            )
-        self._timer.poke()
-
-    def on_renewed(self, request_id: str, lease_expire_wall: float | None) -> None:
-        self.table.renew(request_id, lease_expire_wall)
-        self._timer.poke()
-
-    def on_ended(self, request_id: str, reason: EndReason) -> None:
-        if self.table.end(request_id, reason):
-            logger.info(
-                "retention ended; releasing after grace",
-                extra={"request_id": request_id, "reason": reason.value},
-            )
-        self._timer.poke()
-
-    def unpublished_reports(self) -> list[RetentionReport]:
-        return [self._report(entry) for entry in self.table.unpublished()]
-
-    def still_retained(self, request_id: str) -> bool:
-        entry = self.table.get(request_id)
-        return entry is not None and not entry.ended
 
     def _stats(self) -> tuple[int, StatsSnapshot]:
         return self.accounting.version, self.accounting.snapshot()

@@ -53,8 +53,9 @@ class KvferrySettings:
     min_read_seconds: float = 2.0
     # How often engine stats go to the sidecar while they change.
     stats_interval_seconds: float = 5.0
-    # Timeout of each unary call to the sidecar.
-    sidecar_timeout_seconds: float = 2.0
+    # Timeout of each unary call to the sidecar. A report or an end takes the sidecar up to two
+    # registry calls (5 s each by default): a shorter deadline only makes the connector ask again.
+    sidecar_timeout_seconds: float = 12.0
     # Delay of NIXL's progress thread between polls, microseconds. vLLM's NIXL agent polls
     # with no delay and spins a core while idle; with a delay the thread sleeps in epoll and
     # still wakes at once for incoming traffic. 0 keeps vLLM's behaviour.

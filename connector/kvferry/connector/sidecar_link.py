@@ -3,8 +3,10 @@ never waits on the network.
 
 One daemon thread hosts an asyncio loop with four tasks:
 
-- sender: ReportRetention / EvictRetention calls, queued by the scheduler thread. Failed calls
-  stay queued and are retried after the link comes back.
+- sender: ReportRetention / EndRetention calls, one at a time. What to send is not queued here but
+  asked of the listener (the retention table) each time (:meth:`ReleaseListener.take_call`), so no
+  call is ever dropped or sent for a retention that no longer needs it; the scheduler thread only
+  pokes the sender (:meth:`SidecarLink.poke`).
 - watcher: the WatchReleases stream (SYNC, RENEWED, ENDED), fed to a :class:`ReleaseListener`;
   reconnects with backoff.
 - stats: ReportEngineStats every ``stats_interval_seconds`` while the stats change.
@@ -18,9 +20,9 @@ to the connector's hard cap.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,7 +43,15 @@ _REASONS = {
 }
 # Calls that fail with these codes are retried once the sidecar is back; others are dropped.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-_MAX_PENDING = 10_000
+# The sender looks for calls at least this often (an end refused is asked again after a while).
+_IDLE_RECHECK_SECONDS = 5.0
+# The reason an EndRetention gives the registry, from why the connector ends the retention.
+_END_REASONS = {
+    EndReason.EVICTED: resources_pb2.RELEASE_REASON_EVICTED,
+    EndReason.HARD_CAP: resources_pb2.RELEASE_REASON_HARD_CAP,
+    EndReason.SUPERSEDED: resources_pb2.RELEASE_REASON_SUPERSEDED,
+    EndReason.REFUSED: resources_pb2.RELEASE_REASON_SUPERSEDED,
+}
 
 
 @dataclass(frozen=True)
@@ -71,26 +81,49 @@ class RetentionReport:
 
 
 @dataclass(frozen=True)
-class Eviction:
+class EndCall:
+    """An end the engine started, for the registry to confirm (EndRetention)."""
+
     tenant: str
     conversation_id: str
     request_id: str
+    reason: EndReason
+
+    def to_proto(self) -> sidecar_service_pb2.EndRetentionRequest:
+        return sidecar_service_pb2.EndRetentionRequest(
+            tenant=self.tenant,
+            conversation_id=self.conversation_id,
+            engine_request_id=self.request_id,
+            reason=_END_REASONS.get(self.reason, resources_pb2.RELEASE_REASON_RELEASED),
+        )
 
 
 class ReleaseListener(Protocol):
-    """What the link reports back (called on the link's thread)."""
+    """What the link asks for and reports back (called on the link's thread)."""
 
-    def on_acknowledged(self, request_id: str, lease_expire_wall: float | None) -> None: ...
+    def take_call(self) -> RetentionReport | EndCall | None:
+        """The next call to make; a report taken is in flight until one of its outcomes is given."""
+        ...
 
-    def on_sync(self, live_request_ids: list[str]) -> None: ...
+    def on_acknowledged(
+        self, report: RetentionReport, lease_expire_wall: float | None, revision: int
+    ) -> None: ...
 
-    def on_renewed(self, request_id: str, lease_expire_wall: float | None) -> None: ...
+    def on_report_refused(self, report: RetentionReport, code: grpc.StatusCode, details: str) -> None: ...
 
-    def on_ended(self, request_id: str, reason: EndReason) -> None: ...
+    def on_report_failed(self, report: RetentionReport) -> None:
+        """No answer (the link failed): the report may have landed all the same."""
+        ...
 
-    def unpublished_reports(self) -> list[RetentionReport]: ...
+    def on_end_confirmed(self, call: EndCall, ended: bool, revision: int) -> None: ...
 
-    def still_retained(self, request_id: str) -> bool: ...
+    def on_end_refused(self, call: EndCall, code: grpc.StatusCode, details: str) -> None: ...
+
+    def on_sync(self, live_request_ids: list[str], revision: int) -> None: ...
+
+    def on_renewed(self, request_id: str, lease_expire_wall: float | None, revision: int) -> None: ...
+
+    def on_ended(self, request_id: str, reason: EndReason, revision: int) -> None: ...
 
 
 class BackgroundLoop:
@@ -205,7 +238,6 @@ class SidecarLink:
         self._stats = stats
         self._timeout = timeout_seconds
         self._stats_interval = stats_interval_seconds
-        self._pending: deque[RetentionReport | Eviction] = deque()
         self._wakeup: asyncio.Event | None = None
         self._connected: asyncio.Event | None = None
         self._link_up: bool | None = None
@@ -217,11 +249,9 @@ class SidecarLink:
     def start(self) -> None:
         self._loop.submit(self._main())
 
-    def report(self, report: RetentionReport) -> None:
-        self._loop.call_soon(lambda: self._enqueue(report))
-
-    def evict(self, eviction: Eviction) -> None:
-        self._loop.call_soon(lambda: self._enqueue(eviction))
+    def poke(self) -> None:
+        """Something may need sending (a retention to report, an end to confirm)."""
+        self._loop.call_soon(self._wake_sender)
 
     @property
     def connected(self) -> bool:
@@ -229,11 +259,7 @@ class SidecarLink:
 
     # -- on the link's loop ---------------------------------------------------------------------
 
-    def _enqueue(self, item: RetentionReport | Eviction) -> None:
-        if len(self._pending) >= _MAX_PENDING:
-            dropped = self._pending.popleft()
-            logger.warning("sidecar backlog full; dropping oldest call", extra={"dropped": repr(dropped)})
-        self._pending.append(item)
+    def _wake_sender(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -281,9 +307,7 @@ class SidecarLink:
                     if not self.connected:
                         self._set_link(True)
                         backoff = 0.5
-                        for report in self._listener.unpublished_reports():
-                            if report not in self._pending:
-                                self._enqueue(report)
+                        self._wake_sender()  # what waited for the link goes out now
                     self._dispatch(event)
                 self._set_link(False, ConnectionError("WatchReleases stream ended"))
             except grpc.aio.AioRpcError as error:
@@ -299,13 +323,13 @@ class SidecarLink:
     def _dispatch(self, event: sidecar_service_pb2.WatchReleasesResponse) -> None:
         kind = event.type
         if kind == sidecar_service_pb2.RELEASE_EVENT_TYPE_SYNC:
-            self._listener.on_sync(list(event.live_engine_request_ids))
+            self._listener.on_sync(list(event.live_engine_request_ids), event.revision)
         elif kind == sidecar_service_pb2.RELEASE_EVENT_TYPE_RENEWED:
             expire = event.expire_time.ToNanoseconds() / 1e9 if event.HasField("expire_time") else None
-            self._listener.on_renewed(event.engine_request_id, expire)
+            self._listener.on_renewed(event.engine_request_id, expire, event.revision)
         elif kind == sidecar_service_pb2.RELEASE_EVENT_TYPE_ENDED:
             reason = _REASONS.get(event.reason, EndReason.RELEASED)
-            self._listener.on_ended(event.engine_request_id, reason)
+            self._listener.on_ended(event.engine_request_id, reason, event.revision)
         else:
             logger.warning("unknown release event type", extra={"type": int(kind)})
 
@@ -313,55 +337,52 @@ class SidecarLink:
         assert self._stub is not None and self._wakeup is not None
         backoff = 0.5
         while True:
-            if not self._pending:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            item = self._pending[0]
-            if isinstance(item, RetentionReport) and not self._listener.still_retained(item.request_id):
-                # Freed (or ended) before it could be published: nothing to announce any more.
-                self._pending.popleft()
+            # Cleared before asking, so a poke that comes meanwhile is not lost.
+            self._wakeup.clear()
+            call = self._listener.take_call()
+            if call is None:
+                # Woken by a poke; now and then regardless, for calls asked to wait a while.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), _IDLE_RECHECK_SECONDS)
                 continue
             try:
-                await self._call(item)
+                await self._make(call)
                 backoff = 0.5
             except grpc.aio.AioRpcError as error:
-                if error.code() in _RETRYABLE:
+                code = error.code()
+                if code in _RETRYABLE:
+                    if isinstance(call, RetentionReport):
+                        self._listener.on_report_failed(call)
                     self._set_link(False, error)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 10.0)
                     continue
-                logger.warning(
-                    "sidecar rejected a call; dropping it",
-                    extra={
-                        "call": type(item).__name__,
-                        "code": error.code().name,
-                        "details": error.details(),
-                    },
-                )
-            if self._pending and self._pending[0] is item:
-                self._pending.popleft()
+                details = error.details() or ""
+                if isinstance(call, RetentionReport):
+                    self._listener.on_report_refused(call, code, details)
+                else:
+                    self._listener.on_end_refused(call, code, details)
+            except Exception:
+                # A bug must not stop the sender: the call is asked for again after a pause.
+                logger.exception("sidecar call failed", extra={"call": type(call).__name__})
+                if isinstance(call, RetentionReport):
+                    self._listener.on_report_failed(call)
+                await asyncio.sleep(backoff)
 
-    async def _call(self, item: RetentionReport | Eviction) -> None:
+    async def _make(self, call: RetentionReport | EndCall) -> None:
         assert self._stub is not None
-        if isinstance(item, RetentionReport):
+        if isinstance(call, RetentionReport):
             response = await self._stub.ReportRetention(
-                sidecar_service_pb2.ReportRetentionRequest(retention=item.to_proto()), timeout=self._timeout
+                sidecar_service_pb2.ReportRetentionRequest(retention=call.to_proto()), timeout=self._timeout
             )
             retention = response.retention
             expire = (
                 retention.expire_time.ToNanoseconds() / 1e9 if retention.HasField("expire_time") else None
             )
-            self._listener.on_acknowledged(item.request_id, expire)
+            self._listener.on_acknowledged(call, expire, response.revision)
         else:
-            await self._stub.EvictRetention(
-                sidecar_service_pb2.EvictRetentionRequest(
-                    tenant=item.tenant,
-                    conversation_id=item.conversation_id,
-                    engine_request_id=item.request_id,
-                ),
-                timeout=self._timeout,
-            )
+            ended = await self._stub.EndRetention(call.to_proto(), timeout=self._timeout)
+            self._listener.on_end_confirmed(call, ended.ended, ended.revision)
 
     async def _send_stats(self) -> None:
         assert self._stub is not None and self._connected is not None
