@@ -53,6 +53,7 @@ class FakeRegistry:
 
     def __init__(self) -> None:
         self.engines: dict[str, resources_pb2.Engine] = {}
+        self.incarnations: dict[str, int] = {}
         self.retentions: dict[tuple[str, str], resources_pb2.Retention] = {}
         # Engine requests their engine ended: never published again (as the real registry keeps them).
         self.ended_requests: set[tuple[str, str]] = set()
@@ -98,20 +99,27 @@ class FakeRegistry:
             stream.queue.put_nowait(RegistryError(grpc.StatusCode.UNAVAILABLE, "fake stream broke"))
 
     async def register_engine(
-        self, engine: resources_pb2.Engine, ttl_seconds: int
+        self, engine: resources_pb2.Engine, ttl_seconds: int, *, seen_revision: int = 0, seen_epoch: str = ""
     ) -> registry_pb2.RegisterEngineResponse:
         self._enter("register_engine")
         self.engines[engine.engine_id] = engine
+        self.incarnations[engine.engine_id] = self.incarnations.get(engine.engine_id, 0) + 1
         return registry_pb2.RegisterEngineResponse(
-            header=self._header(write=True), engine=engine, ttl_seconds=ttl_seconds or 10
+            header=self._header(write=True),
+            engine=engine,
+            ttl_seconds=ttl_seconds or 10,
+            epoch="1.0",
+            incarnation=self.incarnations[engine.engine_id],
         )
 
     async def heartbeat_engine(
-        self, engine_id: str, stats: resources_pb2.EngineStats | None
+        self, engine_id: str, stats: resources_pb2.EngineStats | None, incarnation: int = 0
     ) -> registry_pb2.HeartbeatEngineResponse:
         self._enter("heartbeat_engine")
         if engine_id not in self.engines:
             raise RegistryError(grpc.StatusCode.NOT_FOUND, f"engine {engine_id} is not registered")
+        if incarnation and incarnation != self.incarnations.get(engine_id):
+            raise RegistryError(grpc.StatusCode.NOT_FOUND, f"engine {engine_id} registered again")
         return registry_pb2.HeartbeatEngineResponse(header=self._header(), ttl_seconds=10)
 
     async def deregister_engine(self, engine_id: str) -> None:

@@ -1,9 +1,11 @@
 """Engines in etcd: each registered engine is one key under its own lease (its incarnation).
 
 ``RegisterEngine`` grants a fresh lease every time, so a re-registered engine is a new
-incarnation and the reaper ends what the old one retained; heartbeats keep the lease alive;
-when it ends, the key goes and the engine has left. Plain Python over the etcd gateway; the
-gRPC handlers only translate messages.
+incarnation and the reaper ends what the old one retained; heartbeats keep the lease alive
+(only the incarnation they name, when they name one); when it ends, the key goes and the engine
+has left. A registration carrying evidence that etcd went back in time starts a new epoch first
+(kvferry.registry.epochs). Plain Python over the etcd gateway; the gRPC handlers only translate
+messages.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from dataclasses import dataclass
 
 from kvferry.registry import validation
 from kvferry.registry.config import TtlPolicy
+from kvferry.registry.epochs import NO_EPOCH, Epoch, EpochKeeper
 from kvferry.registry.errors import Conflict, EtcdFailure, EtcdUnavailable, NotFound, RegistryError
 from kvferry.registry.etcd import (
     Delete,
     EtcdGateway,
     EventType,
+    Get,
     LeaseIs,
     LeaseNotFound,
     LeaseRenewal,
@@ -45,6 +49,9 @@ class RegisteredEngine:
     engine: resources.Engine
     ttl_seconds: int
     revision: int
+    # The registration's lease (its incarnation), and the registry's epoch at registration.
+    incarnation: int = 0
+    epoch: str = ""
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class EngineStore:
         ttl: TtlPolicy,
         reaper: EngineReaper,
         *,
+        epochs: EpochKeeper | None = None,
         clock: Clock = time.time,
         metrics: RegistryMetrics | None = None,
     ) -> None:
@@ -93,21 +101,41 @@ class EngineStore:
         self.layout = layout
         self.ttl = ttl
         self._reaper = reaper
+        self.epochs = epochs if epochs is not None else EpochKeeper(etcd, layout, metrics=metrics)
         self._clock = clock
         self._metrics = metrics if metrics is not None else RegistryMetrics()
 
-    async def register_engine(self, engine: resources.Engine, ttl_seconds: int) -> RegisteredEngine:
-        """Stores ``engine`` under a fresh lease; a previous incarnation's retentions end."""
+    async def register_engine(
+        self, engine: resources.Engine, ttl_seconds: int, *, seen_revision: int = 0, seen_epoch: str = ""
+    ) -> RegisteredEngine:
+        """Stores ``engine`` under a fresh lease; a previous incarnation's retentions end.
+
+        ``seen_revision`` above etcd's current revision means etcd went back in time since the
+        caller's previous registration (in ``seen_epoch``): a new epoch starts first.
+        """
         validation.validate_engine(engine)
         ttl = validation.engine_ttl(ttl_seconds, self.ttl)
+        if seen_revision > 0:
+            current = await self.etcd.current_revision()
+            if seen_revision > current:
+                known = Epoch.parse(seen_epoch) or NO_EPOCH
+                await self.epochs.restored(
+                    known,
+                    f"engine {engine.engine_id} saw revision {seen_revision} in epoch {seen_epoch or '?'}, "
+                    f"etcd is at {current}",
+                )
         lease = await self.etcd.grant(ttl)
         stored = resources.Engine()
         stored.CopyFrom(engine)
         stored.name = f"engines/{engine.engine_id}"
         stored.register_time.CopyFrom(timestamp(self._clock()))
         key = self.layout.engine(engine.engine_id)
-        written = await self.etcd.txn([], [Put(key, stored.SerializeToString(), lease.id, prev_kv=True)])
+        written = await self.etcd.txn(
+            [], [Put(key, stored.SerializeToString(), lease.id, prev_kv=True), Get(self.layout.epoch)]
+        )
         previous = written.put(0).previous
+        epoch_kv = written.range(1).first
+        epoch = self.epochs.saw(epoch_kv.value if epoch_kv is not None else None)
         log.info(
             "engine registered",
             extra={
@@ -127,15 +155,26 @@ class EngineStore:
                     "old incarnation not reaped yet",
                     extra={"engine_id": engine.engine_id, "error": str(error)},
                 )
-        return RegisteredEngine(stored, lease.ttl_seconds, written.revision)
+        return RegisteredEngine(stored, lease.ttl_seconds, written.revision, lease.id, str(epoch))
 
-    async def heartbeat_engine(self, engine_id: str, stats: resources.EngineStats | None) -> LeaseRenewal:
-        """Renews the engine's lease (and stores fresh stats): the TTL left, and the revision."""
+    async def heartbeat_engine(
+        self, engine_id: str, stats: resources.EngineStats | None, incarnation: int = 0
+    ) -> LeaseRenewal:
+        """Renews the engine's lease (and stores fresh stats): the TTL left, and the revision.
+
+        With ``incarnation``, only that registration: another one live is NOT_FOUND (register again).
+        """
         validation.require_id("engine_id", engine_id)
         key = self.layout.engine(engine_id)
         kv = await self.etcd.get(key)
         if kv is None:
             raise _not_registered(engine_id)
+        if incarnation and kv.lease != incarnation:
+            raise NotFound(
+                f"engine {engine_id} is registered under another incarnation than {incarnation:x} "
+                "(registered again elsewhere, or etcd was restored from an older snapshot); call "
+                "RegisterEngine again"
+            )
         try:
             renewal = await self.etcd.keep_alive_once(kv.lease)
         except LeaseNotFound:

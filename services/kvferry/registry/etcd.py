@@ -11,7 +11,13 @@ messages into small typed values both ways:
   revision at a time (all events of one transaction together);
 - errors: ``EtcdUnavailable`` for deadlines and refused connections (so callers fail fast),
   ``EtcdFailure`` for anything unexpected, ``LeaseNotFound`` and ``RevisionCompacted`` for the
-  answers callers act on.
+  answers callers act on (``RevisionRewound`` when a watch asks for revisions etcd no longer
+  reaches).
+
+It also notices etcd going back in time (restored from an older snapshot): etcd answers
+linearizably, so an answer older than one seen before its call was sent means the history went
+back. That answer is refused (``EtcdUnavailable``), ``on_rewind`` runs, and until it has returned
+every other call waits for it; the calls ``on_rewind`` makes itself go through.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import enum
 import ipaddress
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -62,6 +69,25 @@ class RevisionCompacted(Exception):
     def __init__(self, compact_revision: int) -> None:
         super().__init__(f"etcd compacted its history up to revision {compact_revision}")
         self.compact_revision = compact_revision
+
+
+class RevisionRewound(RevisionCompacted):
+    """A watch asked to resume after a revision etcd has not reached: etcd went back in time
+    (restored from an older snapshot). Handled as compacted history: what happened since is lost."""
+
+    def __init__(self, current_revision: int, start_revision: int) -> None:
+        Exception.__init__(
+            self,
+            f"etcd is at revision {current_revision}, behind the watch's {start_revision - 1}: it went back "
+            "in time (restored from an older snapshot?)",
+        )
+        self.compact_revision = current_revision
+
+
+# Set in the task resolving a rewind (and the tasks it starts): its own calls do not wait for it.
+_resolving_rewind: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "kvferry_etcd_resolving_rewind", default=False
+)
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -133,7 +159,10 @@ class Put:
 
 @dataclass(slots=True)
 class Delete:
+    """Deletes ``key``, or every key in ``[key, range_end)`` when ``range_end`` is given."""
+
     key: bytes
+    range_end: bytes = b""
 
 
 @dataclass(slots=True)
@@ -291,7 +320,9 @@ def _op_message(operation: Op) -> Any:
     if isinstance(operation, Get):
         return rpc.RequestOp(request_range=_range_request(operation))
     if isinstance(operation, Delete):
-        return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=operation.key))
+        return rpc.RequestOp(
+            request_delete_range=rpc.DeleteRangeRequest(key=operation.key, range_end=operation.range_end)
+        )
     return rpc.RequestOp(request_txn=_txn_request(operation))
 
 
@@ -458,20 +489,35 @@ def _ignore_error(op: str) -> None:
     pass
 
 
+async def _ignore_rewind(seen_revision: int, revision: int) -> None:
+    pass
+
+
 class EtcdGateway:
     """etcd's KV, Lease and Watch calls with deadlines, typed values and registry errors.
 
     ``on_error(op)`` is told of every failed call (``op``: etcd's RPC name, e.g. ``txn``,
     ``lease_keepalive``); outcomes that are answers, not failures (an unknown lease, compacted
-    history), are not reported.
+    history), are not reported. ``on_rewind(seen_revision, revision)`` is awaited when etcd
+    answers at a revision older than one seen before (see the module docstring).
     """
 
     # Renewals spread over a few keep-alive streams, since etcd serves one stream sequentially.
     KEEPALIVE_STREAMS = 4
 
-    def __init__(self, settings: EtcdSettings, *, on_error: Callable[[str], None] = _ignore_error) -> None:
+    def __init__(
+        self,
+        settings: EtcdSettings,
+        *,
+        on_error: Callable[[str], None] = _ignore_error,
+        on_rewind: Callable[[int, int], Awaitable[None]] = _ignore_rewind,
+    ) -> None:
         self.settings = settings
         self._on_error = on_error
+        self.on_rewind = on_rewind
+        # The highest store revision an answer carried, and a rewind being resolved.
+        self.high_water = 0
+        self._rewind: asyncio.Future[None] | None = None
         host, port = grpc_target(settings.endpoints)
         self._client = aetcd.Client(host=host, port=port, timeout=None, options=dict(_CHANNEL_OPTIONS))
         self._kv: Any = None
@@ -525,10 +571,42 @@ class EtcdGateway:
         return error
 
     async def _call(self, op: str, what: str, method: Any, request: Any) -> Any:
+        if self._rewind is not None and not _resolving_rewind.get():
+            await asyncio.shield(self._rewind)
+        seen = self.high_water
         try:
-            return await method(request, timeout=self.settings.timeout_seconds)
+            response = await method(request, timeout=self.settings.timeout_seconds)
         except grpc.aio.AioRpcError as error:
             raise self._failed(op, self._translate(error, what)) from None
+        revision = int(response.header.revision)
+        if revision < seen:
+            await self._rewound(seen, revision)
+            raise EtcdUnavailable(
+                f"etcd at {self.endpoints_text} answered at revision {revision}, behind revision {seen} seen "
+                "before: it went back in time (restored from an older snapshot?). The registry started "
+                "a new epoch; retry"
+            )
+        if revision > self.high_water:
+            self.high_water = revision
+        return response
+
+    async def _rewound(self, seen: int, revision: int) -> None:
+        """Runs ``on_rewind`` once per rewind; calls meanwhile wait for it."""
+        if self._rewind is not None:
+            if not _resolving_rewind.get():
+                await asyncio.shield(self._rewind)
+            return
+        self.high_water = revision
+        self._rewind = asyncio.get_running_loop().create_future()
+        token = _resolving_rewind.set(True)
+        try:
+            await self.on_rewind(seen, revision)
+        except Exception:
+            log.exception("resolving etcd's rewind failed", extra={"seen": seen, "revision": revision})
+        finally:
+            _resolving_rewind.reset(token)
+            resolved, self._rewind = self._rewind, None
+            resolved.set_result(None)
 
     # --- keys and revisions -----------------------------------------------------------------
 
@@ -665,6 +743,8 @@ class EtcdGateway:
                     )
                 if response.compact_revision:
                     raise RevisionCompacted(int(response.compact_revision))
+                if response.created and int(response.header.revision) < start_revision - 1:
+                    raise RevisionRewound(int(response.header.revision), start_revision)
                 if response.canceled:
                     raise self._failed(
                         "watch", EtcdFailure(f"etcd canceled a watch: {response.cancel_reason}")

@@ -6,6 +6,7 @@
     {prefix}engine-retentions/{engine_id}/{tenant}/{conversation_id}
                                                              incarnation     the retention's lease
     {prefix}ended-requests/{engine_id}/{engine_request_id}   tombstone       a lease of its own
+    {prefix}epoch                                            epoch           none
 
 Ids are restricted to ``[A-Za-z0-9._:-]`` (kvferry.common.ids), so ``/`` separates fields
 unambiguously. The tenant is part of every retention key: no request names another tenant's
@@ -36,6 +37,10 @@ class KeyLayout:
     def __post_init__(self) -> None:
         if not self.prefix.endswith("/"):
             raise ValueError(f"key prefix {self.prefix!r} must end with '/'")
+
+    @property
+    def epoch(self) -> bytes:
+        return f"{self.prefix}epoch".encode()
 
     # engines
     @property

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from kvferry.common import telemetry
 from kvferry.v1 import resources_pb2 as resources
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 # The etcd calls the gateway makes, as ``op`` labels of kvferry_etcd_errors_total (etcd's RPC names).
 ETCD_OPS = ("range", "txn", "compact", "lease_grant", "lease_revoke", "lease_keepalive", "watch")
@@ -38,6 +38,11 @@ class RegistryMetrics:
             "Live retention records in etcd (cluster-wide; refreshed every few seconds).",
             registry=self.registry,
         )
+        self.epochs_started = Counter(
+            "kvferry_registry_epochs_started",
+            "New epochs this registry started because etcd was found restored from an older snapshot.",
+            registry=self.registry,
+        )
         # Closed label sets start at zero so rates exist before the first event.
         for op in ETCD_OPS:
             self.shared.etcd_errors.labels(op=op)
@@ -53,6 +58,9 @@ class RegistryMetrics:
     def released(self, reason: resources.ReleaseReason.ValueType, count: int = 1) -> None:
         if count > 0:
             self.shared.releases.labels(reason=telemetry.release_reason_label(reason)).inc(count)
+
+    def restore_detected(self) -> None:
+        self.epochs_started.inc()
 
     def set_live(self, engines: int, retentions: int) -> None:
         self.live_engines.set(engines)

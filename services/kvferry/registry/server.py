@@ -21,6 +21,7 @@ from kvferry.common import telemetry
 from kvferry.common.grpc_server import start_server
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.engines import EngineStore
+from kvferry.registry.epochs import EpochKeeper
 from kvferry.registry.errors import EtcdUnavailable, RegistryError
 from kvferry.registry.etcd import EtcdGateway, EtcdSettings, prefix_end
 from kvferry.registry.events import RetentionEventHub
@@ -86,8 +87,14 @@ class Registry:
             await asyncio.to_thread(telemetry.shutdown_tracing, self.tracer_provider)
 
 
-async def _probe_etcd(etcd: EtcdGateway, health_servicer: health.aio.HealthServicer) -> None:
-    """Reports NOT_SERVING while etcd does not answer, so load balancers route elsewhere."""
+async def _probe_etcd(
+    etcd: EtcdGateway, epochs: EpochKeeper, health_servicer: health.aio.HealthServicer
+) -> None:
+    """Reports NOT_SERVING while etcd does not answer, so load balancers route elsewhere.
+
+    The probe is also how an idle registry notices etcd going back in time (the gateway checks
+    every answer's revision), and it reads the epoch once etcd first answers.
+    """
     serving: bool | None = None
     while True:
         try:
@@ -95,6 +102,11 @@ async def _probe_etcd(etcd: EtcdGateway, health_servicer: health.aio.HealthServi
             ok = True
         except EtcdUnavailable:
             ok = False
+        if ok and epochs.known is None:
+            try:
+                await epochs.load()
+            except RegistryError as error:
+                log.debug("epoch not read yet", extra={"error": str(error)})
         if ok != serving:
             status = (
                 health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -179,8 +191,10 @@ async def create_registry(
     )
     await etcd.connect()
     layout = KeyLayout(config.key_prefix)
+    epochs = EpochKeeper(etcd, layout, metrics=metrics)
+    etcd.on_rewind = epochs.on_rewind
     reaper = EngineReaper(etcd, layout, clock=clock, metrics=metrics)
-    engines = EngineStore(etcd, layout, config.ttl, reaper, clock=clock, metrics=metrics)
+    engines = EngineStore(etcd, layout, config.ttl, reaper, epochs=epochs, clock=clock, metrics=metrics)
     retentions = RetentionStore(etcd, layout, config.ttl, clock=clock, metrics=metrics)
     hub = RetentionEventHub(etcd, layout, clock, metrics=metrics)
     servicer = RegistryServicer(engines, retentions, hub)
@@ -207,7 +221,7 @@ async def create_registry(
     host = config.listen_address.rpartition(":")[0] or "127.0.0.1"
     tasks = [
         asyncio.create_task(reaper.run(), name="registry-reaper"),
-        asyncio.create_task(_probe_etcd(etcd, health_servicer), name="registry-etcd-probe"),
+        asyncio.create_task(_probe_etcd(etcd, epochs, health_servicer), name="registry-etcd-probe"),
         asyncio.create_task(_count_live(etcd, layout, metrics), name="registry-live-counts"),
     ]
     if config.history_seconds:

@@ -96,9 +96,18 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
     async def RegisterEngine(
         self, request: registry.RegisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> registry.RegisterEngineResponse:
-        result = await self._engines.register_engine(request.engine, request.ttl_seconds)
+        result = await self._engines.register_engine(
+            request.engine,
+            request.ttl_seconds,
+            seen_revision=request.seen_revision,
+            seen_epoch=request.seen_epoch,
+        )
         return registry.RegisterEngineResponse(
-            header=_header(result.revision), engine=result.engine, ttl_seconds=result.ttl_seconds
+            header=_header(result.revision),
+            engine=result.engine,
+            ttl_seconds=result.ttl_seconds,
+            epoch=result.epoch,
+            incarnation=result.incarnation,
         )
 
     @unary
@@ -106,7 +115,7 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
         self, request: registry.HeartbeatEngineRequest, context: grpc.aio.ServicerContext
     ) -> registry.HeartbeatEngineResponse:
         stats = request.stats if request.HasField("stats") else None
-        renewal = await self._engines.heartbeat_engine(request.engine_id, stats)
+        renewal = await self._engines.heartbeat_engine(request.engine_id, stats, request.incarnation)
         return registry.HeartbeatEngineResponse(
             header=_header(renewal.revision), ttl_seconds=renewal.ttl_seconds
         )

@@ -94,6 +94,8 @@ class Sidecar:
             on_change=self._health_dirty.set,
             on_deregistered=self._engine_gone,
         )
+        if isinstance(self.registry, GrpcRegistry):
+            self.registry.on_rewind = self.registration.rewound
         self.fanout = ReleaseFanout(
             identity.engine_id,
             self.registry,

@@ -3,6 +3,8 @@
 WAITING_FOR_ENGINE -> (engine /health OK, facts read) -> REGISTERING -> REGISTERED
 REGISTERED -> heartbeat every granted TTL / 3, carrying the connector's latest EngineStats
 REGISTERED -> (heartbeat NOT_FOUND: the lease was lost) -> REGISTERING again, on its own
+REGISTERED -> (the registry's revisions went back: etcd restored from an older snapshot) ->
+    REGISTERING again, telling the registry the revision it saw (a new epoch starts)
 
 Every RegisterEngine starts a fresh engine incarnation in the registry, which ends whatever the
 previous incarnation retained (ENGINE_GONE). That is what makes the connector's first SYNC after
@@ -150,6 +152,11 @@ class EngineRegistration:
         self.granted_ttl_seconds = 0
         self.last_heartbeat_time: float | None = None
         self.engine: resources_pb2.Engine | None = None
+        # The live registration (heartbeats name it) and the registry's epoch it was made in.
+        self.incarnation = 0
+        self.epoch = ""
+        # The highest revision seen before the registry's revisions went back; 0: no rewind pending.
+        self._rewind_evidence = 0
         self._stats: resources_pb2.EngineStats | None = None
         self._wake = asyncio.Event()
         self._pulse = asyncio.Event()
@@ -178,6 +185,20 @@ class EngineRegistration:
         re-register if the registry confirms (NOT_FOUND)."""
         if generation == self.generation and self.phase is Phase.REGISTERED:
             self._wake.set()
+
+    def rewound(self, seen_revision: int, revision: int) -> None:
+        """The registry answered at ``revision`` after this sidecar saw ``seen_revision``: etcd went
+        back in time. The registration is registered again, with that evidence."""
+        log.error(
+            "the registry's revisions went back (etcd restored from an older snapshot?); registering again",
+            extra={
+                "engine_id": self.identity.engine_id,
+                "seen_revision": seen_revision,
+                "revision": revision,
+            },
+        )
+        self._rewind_evidence = max(self._rewind_evidence, seen_revision)
+        self._wake.set()
 
     async def wait_registered(self) -> int:
         """Waits until the engine is registered; returns that registration's generation."""
@@ -234,7 +255,12 @@ class EngineRegistration:
         backoff = Backoff(self._settings.backoff)
         while self._monitor.state is not EngineState.DOWN and self.phase is not Phase.STOPPED:
             try:
-                response = await self._registry.register_engine(engine, self._settings.ttl_seconds)
+                response = await self._registry.register_engine(
+                    engine,
+                    self._settings.ttl_seconds,
+                    seen_revision=self._rewind_evidence,
+                    seen_epoch=self.epoch,
+                )
             except RegistryError as err:
                 if err.code in _REJECTING_CODES:
                     raise RegistrationRejected(
@@ -246,6 +272,9 @@ class EngineRegistration:
                 continue
             self.engine = response.engine if response.HasField("engine") else engine
             self.granted_ttl_seconds = int(response.ttl_seconds or self._settings.ttl_seconds or 1)
+            self.incarnation = response.incarnation
+            self.epoch = response.epoch
+            self._rewind_evidence = 0
             is_first = self.generation == 0
             self.generation += 1
             self._metrics.registrations.inc()
@@ -275,8 +304,12 @@ class EngineRegistration:
             self._wake.clear()
             if self.phase is Phase.STOPPED or self._monitor.state is EngineState.DOWN:
                 return _Outcome.ENGINE_DOWN
+            if self._rewind_evidence:
+                return self._lost(
+                    f"etcd went back in time (this sidecar saw revision {self._rewind_evidence})"
+                )
             try:
-                await self._registry.heartbeat_engine(self.identity.engine_id, self._stats)
+                await self._registry.heartbeat_engine(self.identity.engine_id, self._stats, self.incarnation)
             except RegistryError as err:
                 if err.code is grpc.StatusCode.NOT_FOUND:
                     return self._lost(err.message)

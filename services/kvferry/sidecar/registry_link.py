@@ -2,7 +2,14 @@
 driven by an in-memory registry in unit tests and by the real gRPC service everywhere else.
 
 The link also keeps the highest registry revision any answer carried (``revision``): the revision a
-SYNC snapshot of the sidecar's book covers (releases.py)."""
+SYNC snapshot of the sidecar's book covers (releases.py). The registry answers linearizably, so an
+answer older than one seen before its call was sent means etcd went back in time (restored from an
+older snapshot): the link then calls ``on_rewind(seen_revision, revision)``, and the sidecar
+registers its engine again with that evidence (kvferry.registry.epochs).
+
+Revisions the sidecar passes on (answers' headers, watch events) stay one increasing sequence
+across such a rewind: the link adds an offset to every revision it hands out, raised at each
+rewind, so the connector never takes news from after a restore for news older than what it has."""
 
 from __future__ import annotations
 
@@ -65,11 +72,11 @@ class RegistryApi(Protocol):
         ...
 
     async def register_engine(
-        self, engine: resources_pb2.Engine, ttl_seconds: int
+        self, engine: resources_pb2.Engine, ttl_seconds: int, *, seen_revision: int = 0, seen_epoch: str = ""
     ) -> registry_pb2.RegisterEngineResponse: ...
 
     async def heartbeat_engine(
-        self, engine_id: str, stats: resources_pb2.EngineStats | None
+        self, engine_id: str, stats: resources_pb2.EngineStats | None, incarnation: int = 0
     ) -> registry_pb2.HeartbeatEngineResponse: ...
 
     async def deregister_engine(self, engine_id: str) -> None: ...
@@ -100,7 +107,7 @@ class _GrpcRetentionStream:
         self,
         call: grpc.aio.UnaryStreamCall,
         on_error: Callable[[str], None],
-        observe: Callable[[int], None],
+        observe: Callable[[resources_pb2.ResponseHeader], None],
     ) -> None:
         self._call = call
         self._on_error = on_error
@@ -109,7 +116,7 @@ class _GrpcRetentionStream:
     async def _events(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]:
         try:
             async for event in self._call:
-                self._observe(event.header.revision)
+                self._observe(event.header)
                 yield event
         except grpc.aio.AioRpcError as err:
             self._on_error("watch_retentions")
@@ -142,38 +149,56 @@ class GrpcRegistry:
         timeout_seconds: float = 5.0,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         on_error: Callable[[str], None] = lambda op: None,
+        on_rewind: Callable[[int, int], None] = lambda seen, revision: None,
     ) -> None:
         self.address = address
         self._timeout = timeout_seconds
         self._on_error = on_error
+        self.on_rewind = on_rewind
         self._channel = grpc.aio.insecure_channel(address, interceptors=list(interceptors))
         self._stub = registry_grpc.RegistryServiceStub(self._channel)
-        self._revision = 0
+        # The highest revision the registry sent, and what is added to the ones handed out.
+        self._raw_revision = 0
+        self._offset = 0
 
     @property
     def revision(self) -> int:
-        return self._revision
+        return self._raw_revision + self._offset
 
-    def _observe(self, revision: int) -> None:
-        if revision > self._revision:
-            self._revision = revision
+    def _observe(self, header: resources_pb2.ResponseHeader, seen: int | None = None) -> None:
+        """Notes ``header.revision`` (and a rewind, when it is below ``seen``, the highest revision seen
+        before the call was sent), then rewrites it as handed out."""
+        raw = header.revision
+        if raw <= 0:
+            return
+        if seen is not None and raw < seen:
+            self._offset += seen - raw + 1
+            self._raw_revision = raw
+            self.on_rewind(seen, raw)
+        elif raw > self._raw_revision:
+            self._raw_revision = raw
+        header.revision = raw + self._offset
 
     async def close(self) -> None:
         await self._channel.close()
 
     async def register_engine(
-        self, engine: resources_pb2.Engine, ttl_seconds: int
+        self, engine: resources_pb2.Engine, ttl_seconds: int, *, seen_revision: int = 0, seen_epoch: str = ""
     ) -> registry_pb2.RegisterEngineResponse:
-        request = registry_pb2.RegisterEngineRequest(engine=engine, ttl_seconds=ttl_seconds)
+        request = registry_pb2.RegisterEngineRequest(
+            engine=engine, ttl_seconds=ttl_seconds, seen_revision=seen_revision, seen_epoch=seen_epoch
+        )
         response: registry_pb2.RegisterEngineResponse = await self._call(
             "register_engine", self._stub.RegisterEngine, request
         )
         return response
 
     async def heartbeat_engine(
-        self, engine_id: str, stats: resources_pb2.EngineStats | None
+        self, engine_id: str, stats: resources_pb2.EngineStats | None, incarnation: int = 0
     ) -> registry_pb2.HeartbeatEngineResponse:
-        request = registry_pb2.HeartbeatEngineRequest(engine_id=engine_id, stats=stats)
+        request = registry_pb2.HeartbeatEngineRequest(
+            engine_id=engine_id, stats=stats, incarnation=incarnation
+        )
         response: registry_pb2.HeartbeatEngineResponse = await self._call(
             "heartbeat_engine", self._stub.HeartbeatEngine, request
         )
@@ -227,11 +252,12 @@ class GrpcRegistry:
         return _GrpcRetentionStream(call, self._on_error, self._observe)
 
     async def _call(self, op: str, method: grpc.aio.UnaryUnaryMultiCallable, request: object) -> Any:
+        seen = self._raw_revision
         try:
             response = await method(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as err:
             self._on_error(op)
             raise RegistryError(err.code(), err.details() or "") from None
         if response.HasField("header"):
-            self._observe(response.header.revision)
+            self._observe(response.header, seen)
         return response

@@ -81,8 +81,17 @@ class RegisterEngineRequest(_message.Message):
 
     ENGINE_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    SEEN_REVISION_FIELD_NUMBER: _builtins.int
+    SEEN_EPOCH_FIELD_NUMBER: _builtins.int
     ttl_seconds: _builtins.int
     """Lease length; the caller heartbeats well within it. 0 takes the server default."""
+    seen_revision: _builtins.int
+    """The highest `ResponseHeader.revision` the caller has seen, when it registers again because the
+    registry's revisions went back (etcd restored from an older snapshot); 0 otherwise. A registry
+    finding etcd behind it starts a new epoch: every registration from before is void.
+    """
+    seen_epoch: _builtins.str
+    """The `epoch` of the caller's previous registration (with `seen_revision`)."""
     @_builtins.property
     def engine(self) -> _resources_pb2.Engine:
         """The engine; `name`, `register_time` are ignored."""
@@ -92,10 +101,12 @@ class RegisterEngineRequest(_message.Message):
         *,
         engine: _resources_pb2.Engine | None = ...,
         ttl_seconds: _builtins.int = ...,
+        seen_revision: _builtins.int = ...,
+        seen_epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "seen_epoch", b"seen_epoch", "seen_revision", b"seen_revision", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -110,8 +121,16 @@ class RegisterEngineResponse(_message.Message):
     HEADER_FIELD_NUMBER: _builtins.int
     ENGINE_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     ttl_seconds: _builtins.int
     """Lease length granted, in seconds."""
+    epoch: _builtins.str
+    """The registry's epoch; it changes when etcd is found restored from an older snapshot."""
+    incarnation: _builtins.int
+    """This registration (the engine incarnation): heartbeats name it, so a caller never renews a
+    registration that is not its own.
+    """
     @_builtins.property
     def header(self) -> _resources_pb2.ResponseHeader:
         """Registry metadata."""
@@ -126,10 +145,12 @@ class RegisterEngineResponse(_message.Message):
         header: _resources_pb2.ResponseHeader | None = ...,
         engine: _resources_pb2.Engine | None = ...,
         ttl_seconds: _builtins.int = ...,
+        epoch: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "header", b"header", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "epoch", b"epoch", "header", b"header", "incarnation", b"incarnation", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -143,8 +164,13 @@ class HeartbeatEngineRequest(_message.Message):
 
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Engine to renew."""
+    incarnation: _builtins.int
+    """The registration to renew (RegisterEngineResponse.incarnation): NOT_FOUND when the engine is
+    registered under another one. 0: whatever registration is live.
+    """
     @_builtins.property
     def stats(self) -> _resources_pb2.EngineStats:
         """Fresh self-measured rates (optional)."""
@@ -154,10 +180,11 @@ class HeartbeatEngineRequest(_message.Message):
         *,
         engine_id: _builtins.str = ...,
         stats: _resources_pb2.EngineStats | None = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
