@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import grpc
 import pytest
@@ -27,6 +29,8 @@ from tests.fixtures.sidecar import SidecarFactory, SidecarHandle
 from tests.sidecar.helpers import eventually, find_engine
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
+
+EVICTING = "evicting least recently used retention (over budget); freed once the registry confirms"
 
 
 async def _sidecar_for(factory: SidecarFactory, engine: EngineHandle, **overrides: object) -> SidecarHandle:
@@ -248,3 +252,71 @@ async def test_two_concurrent_turns_of_one_conversation_d_keeps_exactly_what_the
         registry_pb2.ReleaseRetentionRequest(tenant=tenant, conversation_id=conversation), timeout=5
     )
     await eventually(lambda: freed(live), within=settings.release_grace_seconds + 15, what="released")
+
+
+async def test_an_eviction_on_d_is_freed_only_after_the_registry_stopped_serving_it(
+    registry: RegistryHandle, engine_pair: EnginePair, sidecars: tuple[SidecarHandle, SidecarHandle]
+) -> None:
+    """Long conversations fill D's retained-block budget: the least recently used one is evicted. D
+    asks the registry to end it and frees its blocks only once that end is confirmed, so nothing the
+    registry still hands out is freed (before issue 13 the grace started at once and a dropped or
+    failed EvictRetention left the record served)."""
+    tenant = unique("tenant")
+    budget = engine_pair.retained_block_budget
+    block = engine_pair.block_size
+    # Three turns of this length do not fit the budget together; two do. Whatever D still holds from
+    # other tests is older, so it goes first, and then the first of these.
+    length = (budget // 2 - 2) * block
+    conversations = [unique("conv") for _ in range(3)]
+    stop = asyncio.Event()
+    served_at: dict[str, float] = {}
+
+    async def watch_registry() -> None:
+        # When each conversation was last seen served by the registry.
+        while not stop.is_set():
+            for conversation in conversations:
+                try:
+                    await registry.stub().GetRetention(
+                        registry_pb2.GetRetentionRequest(tenant=tenant, conversation_id=conversation),
+                        timeout=5,
+                    )
+                except grpc.aio.AioRpcError:
+                    continue
+                served_at[conversation] = time.time()
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.ensure_future(watch_registry())
+    try:
+        async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
+            for index, conversation in enumerate(conversations):
+                await direct_turn(
+                    prefill,
+                    decode,
+                    [3000 + 7 * index + i % 1000 for i in range(length)],
+                    mark=ConversationMark(tenant=tenant, conversation_id=conversation, turn=1),
+                    block_size=block,
+                    max_tokens=2,
+                    request_id=f"budget-{index}-{uuid.uuid4().hex[:8]}",
+                )
+        engine = engine_pair.decode
+        (evicted,) = [
+            e for e in engine.connector_events(EVICTING) if e.get("conversation_id") in conversations
+        ]
+        assert evicted["conversation_id"] == conversations[0]
+
+        def freed() -> list[dict[str, object]]:
+            events = engine.connector_events("freed retained blocks")
+            return [e for e in events if e.get("request_id") == evicted["request_id"]]
+
+        (gone,) = await eventually(
+            freed, within=engine_pair.settings.release_grace_seconds + 15, what="freed"
+        )
+    finally:
+        stop.set()
+        await watcher
+    assert (gone["reason"], gone["confirmed"]) == ("evicted", True)
+    freed_at = datetime.strptime(str(gone["ts"]), "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
+    assert served_at[conversations[0]] < freed_at, "the registry stopped serving it before D freed it"
+    assert served_at[conversations[0]] < freed_at - engine_pair.settings.release_grace_seconds + 1.0
+    for conversation in conversations[1:]:
+        assert conversation in served_at
