@@ -18,6 +18,19 @@ from kvferry.connector.sidecar_link import EndCall, RetentionReport
 
 logger = logging.getLogger("kvferry.connector.keeper")
 
+# Refusals that say the report was not published (the registry or sidecar judged it and said no).
+_NOT_PUBLISHED = frozenset(
+    {
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    }
+)
+
 
 class RetentionKeeper:
     """Implements :class:`kvferry.connector.sidecar_link.ReleaseListener` over a table.
@@ -92,6 +105,9 @@ class RetentionKeeper:
         self._on_change()
 
     def on_report_refused(self, report: RetentionReport, code: grpc.StatusCode, details: str) -> None:
+        if code not in _NOT_PUBLISHED:
+            # An internal failure may come after the publish landed: end it in the registry first.
+            self.table.report_failed(report.request_id)
         restored = self.table.refused(report.request_id)
         logger.info(
             "retention refused by the registry; freed once the end is confirmed",
