@@ -4,8 +4,11 @@ the LRU budget. Pure logic with a fake clock."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
+from kvferry.connector.keeper import RetentionKeeper
 from kvferry.connector.retention import END_CALL_RETRY_SECONDS, EndReason, RetainedEntry, RetentionTable
+from kvferry.connector.sidecar_link import EndCall, RetentionReport
 
 CAP = 100.0
 GRACE = 10.0
@@ -362,3 +365,21 @@ def test_an_end_call_the_sidecar_refuses_is_asked_again_later(clock: FakeClock) 
     clock.advance(END_CALL_RETRY_SECONDS)
     taken = t.take_call()
     assert taken is not None and taken[0] == "end"
+
+
+def test_a_report_failing_internally_is_ended_through_the_registry(clock: FakeClock) -> None:
+    t = table(clock)
+    keeper = RetentionKeeper(t, engine_id="decode-0", lease_ttl_seconds=30)
+    add(t, "definitive", conversation="a")
+    add(t, "internal", conversation="b")
+    for request_id, code in (
+        ("definitive", grpc.StatusCode.FAILED_PRECONDITION),
+        ("internal", grpc.StatusCode.INTERNAL),
+    ):
+        call = keeper.take_call()
+        assert isinstance(call, RetentionReport) and call.request_id == request_id
+        keeper.on_report_refused(call, code, "no")
+    clock.advance(GRACE)
+    assert freed(t) == [("definitive", True)]
+    end = keeper.take_call()
+    assert isinstance(end, EndCall) and (end.request_id, end.reason) == ("internal", EndReason.REFUSED)
