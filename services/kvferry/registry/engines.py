@@ -166,7 +166,8 @@ class EngineStore:
         """
         validation.require_id("engine_id", engine_id)
         key = self.layout.engine(engine_id)
-        kv = await self.etcd.get(key)
+        read = await self.etcd.range(key)
+        kv = read.first
         if kv is None:
             raise _not_registered(engine_id)
         if incarnation and kv.lease != incarnation:
@@ -181,7 +182,9 @@ class EngineStore:
             raise _not_registered(engine_id) from None
         self._metrics.lease_renewed(LEASE_ENGINE)
         if stats is None:
-            return renewal
+            # The keep-alive's revision comes from etcd's leader, which may apply a little behind the
+            # member that served the read; callers compare revisions, so never answer below the read.
+            return LeaseRenewal(renewal.ttl_seconds, max(renewal.revision, read.revision))
         engine = decode_engine(kv.value)
         engine.stats.CopyFrom(stats)
         try:

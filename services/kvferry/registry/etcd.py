@@ -84,6 +84,9 @@ class RevisionRewound(RevisionCompacted):
         self.compact_revision = current_revision
 
 
+# The calls whose answer's revision is evidence of etcd going back in time (see _call).
+_REVISION_EVIDENCE = frozenset({"range", "txn"})
+
 # Set in the task resolving a rewind (and the tasks it starts): its own calls do not wait for it.
 _resolving_rewind: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "kvferry_etcd_resolving_rewind", default=False
@@ -579,7 +582,10 @@ class EtcdGateway:
         except grpc.aio.AioRpcError as error:
             raise self._failed(op, self._translate(error, what)) from None
         revision = int(response.header.revision)
-        if revision < seen:
+        # Reads and transactions answer at the serving member's applied revision, which a
+        # linearizable call never sees go back; lease calls answer from the leader, which may apply
+        # a little behind another member: only the former are evidence.
+        if op in _REVISION_EVIDENCE and revision < seen:
             await self._rewound(seen, revision)
             raise EtcdUnavailable(
                 f"etcd at {self.endpoints_text} answered at revision {revision}, behind revision {seen} seen "
