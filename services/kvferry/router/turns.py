@@ -5,13 +5,14 @@
   template) while looking the conversation's retention up in the registry; 3. check the length
   against the model's limit.
 ``execute`` (an async stream of :class:`TextOut`, then one :class:`TurnResult`):
-  4. prove the longest block-aligned prefix the retention holds (digest chain); 5. choose pull or
-  recompute (cost model); 6. pick prefill (by load) and decode (affinity, else load) engines;
-  7. prefill with ``max_tokens=1`` (pulling the prefix if chosen), then stream the decode, marked
-  so its connector retains the conversation for the next turn; 8. wait (bounded) until the
-  registry shows the new retention, so the next turn - on any router replica - finds it.
+  4-6. plan the attempt (:func:`kvferry.router.plan.plan_turn`: the proven prefix, pull or recompute,
+  the engines); 7. run :func:`kvferry.pd.sequence.prefill_then_decode`: prefill with ``max_tokens=1``
+  (pulling the prefix if chosen), then stream the decode, marked so its connector retains the
+  conversation for the next turn; 8. wait (bounded) until the registry shows the new retention, so the
+  next turn - on any router replica - finds it.
 An engine failing before the first token reaches the client is retried once on other engines by
 recompute; after the first token the client gets a clear error. The retention is renewed every turn.
+The engines and the registry come in through ports (:class:`EnginePort`, :class:`RetentionPort`).
 """
 
 from __future__ import annotations
@@ -21,35 +22,28 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from kvferry.pd.block_runs import mean_run_blocks
 from kvferry.pd.engine_api import (
     ENGINE_ERRORS,
     ChatMessage,
+    EngineApi,
     EngineHttpError,
     EngineUnavailableError,
     Sampling,
 )
 from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
-from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, RetainedKv
-from kvferry.pd.sequence import Decoded, EngineTurn, Prefilled, Pull, prefill_then_decode
-from kvferry.router.cost import CostSettings, RateInputs, Reuse, ReuseChoice, choose_reuse
-from kvferry.router.engine_clients import EngineClients
-from kvferry.router.engines import (
-    EngineInfo,
-    EngineTable,
-    LoadTracker,
-    pick_decode_engine,
-    pick_prefill_engine,
-)
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS
+from kvferry.pd.sequence import Decoded, EngineTurn, Prefilled, prefill_then_decode
+from kvferry.router.cost import CostSettings, Reuse
+from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.router.errors import Failure, RouterError, invalid, unavailable
 from kvferry.router.observe import TurnTelemetry
-from kvferry.router.prefix import NO_MATCH, PrefixMatch, match_retained_prefix
-from kvferry.router.registry_client import RegistryApi, RegistryUnavailable, RetentionRecord
+from kvferry.router.plan import PlanSettings, TurnPlan, plan_turn
+from kvferry.router.registry_client import RegistryUnavailable, RetentionRecord
 from kvferry.router.summary import summary_proto
 from kvferry.router.tenants import Tenant
 from opentelemetry import context as otel_context
@@ -157,12 +151,32 @@ class TurnSettings:
     read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
 
 
-class _EngineFailed(Exception):
-    def __init__(self, engine_id: str, role: str, cause: BaseException) -> None:
-        super().__init__(f"{role} engine {engine_id} failed: {cause}")
-        self.engine_id = engine_id
-        self.role = role
-        self.cause = cause
+class EnginePort(Protocol):
+    """How a turn reaches a registered engine (:class:`~kvferry.router.engine_clients.EngineClients` over
+    HTTP; fakes in tests)."""
+
+    def get(self, engine: EngineInfo) -> EngineApi: ...
+
+
+class RetentionPort(Protocol):
+    """What a turn asks of the registry (:class:`~kvferry.router.registry_client.GrpcRegistry`; fakes in
+    tests). A registry that does not answer raises :class:`RegistryUnavailable`."""
+
+    async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None: ...
+
+    async def renew_retention(self, tenant: str, conversation_id: str) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class _EngineFailure:
+    """An engine failed the turn (unreachable, 5xx, a stream cut): retried by recompute before any output."""
+
+    engine_id: str
+    role: str
+    cause: BaseException
+
+    def __str__(self) -> str:
+        return f"{self.role} engine {self.engine_id} failed: {self.cause}"
 
 
 class TurnRunner:
@@ -173,10 +187,11 @@ class TurnRunner:
         *,
         engines: EngineTable,
         load: LoadTracker,
-        clients: EngineClients,
-        registry: RegistryApi,
+        clients: EnginePort,
+        registry: RetentionPort,
         settings: TurnSettings,
         telemetry: TurnTelemetry | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.telemetry = telemetry or TurnTelemetry()
         self._engines = engines
@@ -184,6 +199,8 @@ class TurnRunner:
         self._clients = clients
         self._registry = registry
         self._settings = settings
+        self._plan_settings = PlanSettings(settings.cost, settings.read_window_seconds)
+        self._clock = clock
         self._background: set[asyncio.Task[None]] = set()
 
     # -- prepare ------------------------------------------------------------------------------
@@ -340,11 +357,10 @@ class TurnRunner:
     async def execute(self, turn: PreparedTurn) -> AsyncGenerator[TextOut | TurnResult, None]:
         """Streams the turn's text and ends with its :class:`TurnResult`."""
         request = turn.request
-        mark = self._mark(turn)
         published = False
         span_context = trace.set_span_in_context(turn.span)
         try:
-            async with aclosing(self._attempts(turn, mark)) as events:
+            async with aclosing(self._run(turn)) as events:
                 while True:
                     # The turn's span is current while the turn's own code runs (its registry and engine
                     # calls nest under it), never across a yield into the caller's code.
@@ -376,23 +392,68 @@ class TurnRunner:
                 # after the turn, off the time to first token.
                 self._spawn(self._renew(request.tenant.name, turn.retention.conversation_id))
 
-    async def _attempts(
-        self, turn: PreparedTurn, mark: ConversationMark | None
-    ) -> AsyncGenerator[TextOut | TurnResult, None]:
-        request = turn.request
+    async def _run(self, turn: PreparedTurn) -> AsyncGenerator[TextOut | TurnResult, None]:
+        """The attempts: plan, then the engines' prefill-then-decode; an engine failing before any output is
+        retried by recompute on other engines."""
+        mark = self._mark(turn)
         failed: set[str] = set()
-        allow_reuse = True
+        retention = turn.retention
         for attempt in range(1, self._settings.max_attempts + 1):
-            plan = self._plan(turn, exclude=frozenset(failed), allow_reuse=allow_reuse)
+            plan = plan_turn(
+                turn.token_ids,
+                retention,
+                model=turn.model,
+                engines=self._engines,
+                load=self._load,
+                settings=self._plan_settings,
+                now=self._clock(),
+                exclude=frozenset(failed),
+            )
+            engine_turn = EngineTurn(
+                token_ids=turn.token_ids,
+                sampling=turn.sampling,
+                # Unretained turns still get a mark: the engine frees their blocks at once.
+                mark=mark if mark is not None else ReleaseMark(),
+                pull=plan.pull,
+                request_id=f"{turn.request_id}-{attempt}",
+                read_window_seconds=self._settings.read_window_seconds,
+            )
+            computed = len(turn.token_ids) - engine_turn.offered_pull_tokens
+            # Counted from the plan on (no await in between), so turns planned meanwhile see this one: P's
+            # tokens until P answered, D's request until the turn ends (publication wait included).
+            self._load.add_decode(plan.decode.engine_id, 1)
+            self._load.add_prefill(plan.prefill.engine_id, computed)
+            prefilled: Prefilled | None = None
+            decoded: Decoded | None = None
             emitted = False
+            ttft_ms = 0.0
             try:
-                async with aclosing(self._attempt(turn, plan, mark, attempt)) as events:
+                async with aclosing(
+                    prefill_then_decode(
+                        self._clients.get(plan.prefill),
+                        self._clients.get(plan.decode),
+                        engine_turn,
+                        clock=self._clock,
+                    )
+                ) as events:
                     async for event in events:
-                        if isinstance(event, TextOut):
-                            emitted = True
-                        yield event
+                        if isinstance(event, Prefilled):
+                            prefilled = event
+                            self._load.add_prefill(plan.prefill.engine_id, -computed)
+                        elif isinstance(event, Decoded):
+                            decoded = event
+                        elif event.token_ids or event.text:
+                            if not emitted:
+                                emitted = True
+                                ttft_ms = (time.perf_counter() - turn.started) * 1000
+                            yield TextOut(text=event.text, token_ids=event.token_ids)
+                assert prefilled is not None and decoded is not None
+                yield await self._finish(turn, plan, mark, prefilled, decoded, ttft_ms)
                 return
-            except _EngineFailed as failure:
+            except ENGINE_ERRORS as error:
+                # Before P answered the error is P's, after it D's.
+                engine, role = (plan.prefill, "prefill") if prefilled is None else (plan.decode, "decode")
+                failure = _engine_failure(engine, role, error)
                 if emitted or attempt == self._settings.max_attempts:
                     raise RouterError(
                         Failure.UNAVAILABLE,
@@ -403,21 +464,84 @@ class TurnRunner:
                             else f"; gave up after {attempt} attempts"
                         ),
                     ) from None
-                log.warning(
-                    "engine failed before the first token; retrying by recompute",
-                    extra={
-                        "request_id": turn.request_id,
-                        "conversation_id": request.conversation_id,
-                        "engine_id": failure.engine_id,
-                        "role": failure.role,
-                        "error": str(failure.cause),
-                    },
-                )
+                self._log_retry(turn, failure)
                 failed.add(failure.engine_id)
-                if failure.role == "prefill" and plan.choice.pull_tokens and plan.holder is not None:
+                if failure.role == "prefill" and plan.pull is not None and plan.holder is not None:
                     # A prefill that fails while pulling may be the holder's fault (gone, unreachable).
                     failed.add(plan.holder.engine_id)
-                allow_reuse = False
+                retention = None
+            finally:
+                if prefilled is None:
+                    self._load.add_prefill(plan.prefill.engine_id, -computed)
+                self._load.add_decode(plan.decode.engine_id, -1)
+
+    async def _finish(
+        self,
+        turn: PreparedTurn,
+        plan: TurnPlan,
+        mark: ConversationMark | None,
+        prefilled: Prefilled,
+        decoded: Decoded,
+        ttft_ms: float,
+    ) -> TurnResult:
+        """After the last token: wait for the new retention to show in the registry; the turn's result."""
+        retained_turn = 0
+        finished = time.perf_counter()
+        polls = 0
+        if mark is not None and decoded.finish_reason in ("stop", "length"):
+            retained_turn, polls = await self._await_publication(mark, plan.decode.engine_id)
+        prompt_len = len(turn.token_ids)
+        pulled = prefilled.pulled_tokens
+        result = TurnResult(
+            model=turn.model,
+            prompt_tokens=prompt_len,
+            completion_tokens=decoded.completion_tokens,
+            pulled_tokens=pulled,
+            recomputed_tokens=prompt_len - pulled,
+            ttft_ms=ttft_ms,
+            prefill_ms=prefilled.seconds * 1000,
+            # P may have declined the pull (read deadline too near, below its threshold).
+            reuse=Reuse.RECOMPUTE if plan.choice.reuse is Reuse.PULL and not pulled else plan.choice.reuse,
+            prefill_engine_id=plan.prefill.engine_id,
+            decode_engine_id=plan.decode.engine_id,
+            finish_reason=decoded.finish_reason,
+            turn=retained_turn,
+            request_id=turn.request_id,
+            matched_tokens=plan.match.tokens,
+        )
+        log.info(
+            "turn done",
+            extra={
+                "request_id": turn.request_id,
+                "tenant": turn.request.tenant.name,
+                "conversation_id": turn.request.conversation_id,
+                "turn": retained_turn,
+                "prompt_tokens": prompt_len,
+                "matched_tokens": plan.match.tokens,
+                "pulled_tokens": pulled,
+                "reuse": result.reuse.value,
+                "reuse_reason": plan.choice.reason,
+                "prefill_engine": plan.prefill.engine_id,
+                "decode_engine": plan.decode.engine_id,
+                "ttft_ms": round(ttft_ms, 2),
+                "prefill_ms": round(result.prefill_ms, 2),
+                "publish_wait_ms": round((time.perf_counter() - finished) * 1000, 2),
+                "publish_polls": polls,
+            },
+        )
+        return result
+
+    def _log_retry(self, turn: PreparedTurn, failure: _EngineFailure) -> None:
+        log.warning(
+            "engine failed before the first token; retrying by recompute",
+            extra={
+                "request_id": turn.request_id,
+                "conversation_id": turn.request.conversation_id,
+                "engine_id": failure.engine_id,
+                "role": failure.role,
+                "error": str(failure.cause),
+            },
+        )
 
     def _mark(self, turn: PreparedTurn) -> ConversationMark | None:
         request = turn.request
@@ -427,193 +551,6 @@ class TurnRunner:
         return ConversationMark(
             tenant=request.tenant.name, conversation_id=request.conversation_id, turn=retained_turn + 1
         )
-
-    def _plan(self, turn: PreparedTurn, *, exclude: frozenset[str], allow_reuse: bool) -> _Plan:
-        model = turn.model
-        prefill_candidates = self._engines.prefill_engines(model)
-        decode_candidates = self._engines.decode_engines(model)
-        retention = turn.retention if allow_reuse else None
-        holder = self._engines.get(retention.engine_id) if retention is not None else None
-        if holder is not None and holder.model != model:
-            holder = None
-        match = NO_MATCH
-        prefill: EngineInfo | None = None
-        choice: ReuseChoice
-        if retention is None:
-            choice = ReuseChoice(Reuse.NONE, 0, "nothing retained for this conversation")
-        elif holder is None:
-            choice = ReuseChoice(Reuse.NONE, 0, f"engine {retention.engine_id} holding the retention is gone")
-        else:
-            match = match_retained_prefix(
-                turn.token_ids,
-                retained_digests=retention.block_digests,
-                retained_num_tokens=retention.num_tokens,
-                retained_num_blocks=len(retention.block_ids),
-                block_size=holder.block_size,
-                salt=holder.kv_compatibility_hash,
-            )
-            if not match.tokens:
-                choice = ReuseChoice(Reuse.NONE, 0, "no retained block matches the prompt")
-            else:
-                prefill = pick_prefill_engine(
-                    prefill_candidates,
-                    self._load,
-                    exclude=exclude,
-                    kv_compatibility_hash=holder.kv_compatibility_hash,
-                )
-                if prefill is None:
-                    choice = ReuseChoice(
-                        Reuse.RECOMPUTE, 0, "no prefill engine can read the holder's KV layout"
-                    )
-                else:
-                    stats = prefill.stats
-                    choice = choose_reuse(
-                        match.tokens,
-                        lease_seconds_left=min(
-                            retention.expire_time - time.time(), self._settings.read_window_seconds
-                        ),
-                        rates=RateInputs(
-                            prefill_tokens_per_second=stats.prefill_tokens_per_second,
-                            transfer_bytes_per_second=stats.transfer_bytes_per_second,
-                            kv_bytes_per_token=stats.kv_bytes_per_token or holder.stats.kv_bytes_per_token,
-                            run_blocks=mean_run_blocks(retention.block_ids[: match.blocks]),
-                        ),
-                        settings=self._settings.cost,
-                    )
-        if prefill is None:
-            # A failed engine is used again only when no other can take the turn.
-            prefill = pick_prefill_engine(
-                prefill_candidates, self._load, exclude=exclude
-            ) or pick_prefill_engine(prefill_candidates, self._load)
-        if prefill is None:
-            raise unavailable(f"no prefill engine serves model {model!r} right now; retry shortly")
-        decode = pick_decode_engine(
-            decode_candidates,
-            self._load,
-            holder_id=holder.engine_id if holder is not None else None,
-            exclude=exclude,
-        ) or pick_decode_engine(decode_candidates, self._load)
-        if decode is None:
-            raise unavailable(f"no decode engine serves model {model!r} right now; retry shortly")
-        return _Plan(prefill=prefill, decode=decode, holder=holder, match=match, choice=choice)
-
-    async def _attempt(
-        self, turn: PreparedTurn, plan: _Plan, mark: ConversationMark | None, attempt: int
-    ) -> AsyncGenerator[TextOut | TurnResult, None]:
-        request = turn.request
-        pull = None
-        if plan.choice.pull_tokens and plan.holder is not None and turn.retention is not None:
-            retained = RetainedKv(
-                engine_id=plan.holder.engine_id,
-                engine_request_id=turn.retention.engine_request_id,
-                block_ids=turn.retention.block_ids,
-                num_tokens=turn.retention.num_tokens,
-                nixl_host=plan.holder.nixl_host,
-                nixl_port=plan.holder.nixl_port,
-                block_size=plan.holder.block_size,
-                lease_expire_time=turn.retention.expire_time,
-            )
-            pull = Pull(
-                retained.prefix(plan.choice.pull_tokens), lease_expire_time=retained.lease_expire_time
-            )
-        engine_turn = EngineTurn(
-            token_ids=turn.token_ids,
-            sampling=turn.sampling,
-            # Unretained turns still get a mark: the engine frees their blocks at once.
-            mark=mark if mark is not None else ReleaseMark(),
-            pull=pull,
-            request_id=f"{turn.request_id}-{attempt}",
-            read_window_seconds=self._settings.read_window_seconds,
-        )
-        prompt_len = len(turn.token_ids)
-        computed = prompt_len - engine_turn.offered_pull_tokens
-        # Counted from the choice on (no await in between), so turns planned meanwhile see this one.
-        self._load.add_decode(plan.decode.engine_id, 1)
-        # The decode counts until the turn ends (publication wait included): concurrent turns spread out.
-        try:
-            self._load.add_prefill(plan.prefill.engine_id, computed)
-            prefilled: Prefilled | None = None
-            decoded: Decoded | None = None
-            ttft_ms = 0.0
-            try:
-                async with aclosing(
-                    prefill_then_decode(
-                        self._clients.get(plan.prefill), self._clients.get(plan.decode), engine_turn
-                    )
-                ) as events:
-                    async for event in events:
-                        if isinstance(event, Prefilled):
-                            prefilled = event
-                            self._load.add_prefill(plan.prefill.engine_id, -computed)
-                        elif isinstance(event, Decoded):
-                            decoded = event
-                        elif event.token_ids or event.text:
-                            if not ttft_ms:
-                                ttft_ms = (time.perf_counter() - turn.started) * 1000
-                            yield TextOut(text=event.text, token_ids=event.token_ids)
-            except ENGINE_ERRORS as error:
-                # Before P answered the error is P's, after it D's.
-                if prefilled is None:
-                    self._raise_engine_error(plan.prefill.engine_id, "prefill", error)
-                self._raise_engine_error(plan.decode.engine_id, "decode", error)
-            finally:
-                if prefilled is None:
-                    self._load.add_prefill(plan.prefill.engine_id, -computed)
-            assert prefilled is not None and decoded is not None
-            pulled = prefilled.pulled_tokens
-            prefill_ms = prefilled.seconds * 1000
-            retained_turn = 0
-            finished = time.perf_counter()
-            polls = 0
-            if mark is not None and decoded.finish_reason in ("stop", "length"):
-                retained_turn, polls = await self._await_publication(mark, plan.decode.engine_id)
-            result = TurnResult(
-                model=turn.model,
-                prompt_tokens=prompt_len,
-                completion_tokens=decoded.completion_tokens,
-                pulled_tokens=pulled,
-                recomputed_tokens=prompt_len - pulled,
-                ttft_ms=ttft_ms,
-                prefill_ms=prefill_ms,
-                reuse=Reuse.RECOMPUTE
-                if plan.choice.reuse is Reuse.PULL and not pulled
-                else plan.choice.reuse,
-                prefill_engine_id=plan.prefill.engine_id,
-                decode_engine_id=plan.decode.engine_id,
-                finish_reason=decoded.finish_reason,
-                turn=retained_turn,
-                request_id=turn.request_id,
-                matched_tokens=plan.match.tokens,
-            )
-            log.info(
-                "turn done",
-                extra={
-                    "request_id": turn.request_id,
-                    "tenant": request.tenant.name,
-                    "conversation_id": request.conversation_id,
-                    "turn": retained_turn,
-                    "prompt_tokens": prompt_len,
-                    "matched_tokens": plan.match.tokens,
-                    "pulled_tokens": pulled,
-                    "reuse": result.reuse.value,
-                    "reuse_reason": plan.choice.reason,
-                    "prefill_engine": plan.prefill.engine_id,
-                    "decode_engine": plan.decode.engine_id,
-                    "ttft_ms": round(ttft_ms, 2),
-                    "prefill_ms": round(prefill_ms, 2),
-                    "publish_wait_ms": round((time.perf_counter() - finished) * 1000, 2),
-                    "publish_polls": polls,
-                },
-            )
-            yield result
-        finally:
-            self._load.add_decode(plan.decode.engine_id, -1)
-
-    @staticmethod
-    def _raise_engine_error(engine_id: str, role: str, error: Exception) -> None:
-        if isinstance(error, EngineHttpError) and 400 <= error.status_code < 500:
-            raise invalid(f"the {role} engine rejected the request: {error.message}") from None
-        raise _EngineFailed(engine_id, role, error) from None
 
     async def _await_publication(self, mark: ConversationMark, engine_id: str) -> tuple[int, int]:
         """The turn the registry holds once this turn's retention is published (0: not in time), and
@@ -650,15 +587,6 @@ class TurnRunner:
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    prefill: EngineInfo
-    decode: EngineInfo
-    holder: EngineInfo | None
-    match: PrefixMatch
-    choice: ReuseChoice
-
-
 def _sampling_fields(options: SamplingOptions, max_tokens: int) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -672,3 +600,10 @@ def _sampling_fields(options: SamplingOptions, max_tokens: int) -> dict[str, Any
             raise invalid("stop strings are not supported by this router version yet", param="stop")
         fields["stop"] = tuple(options.stop)
     return fields
+
+
+def _engine_failure(engine: EngineInfo, role: str, error: Exception) -> _EngineFailure:
+    """The failure to retry on; an engine's 4xx is the request's fault, raised as INVALID_ARGUMENT."""
+    if isinstance(error, EngineHttpError) and 400 <= error.status_code < 500:
+        raise invalid(f"the {role} engine rejected the request: {error.message}") from None
+    return _EngineFailure(engine.engine_id, role, error)

@@ -1,0 +1,158 @@
+"""A turn's plan: which prefix the retention proves, pull or recompute, and which engines. Pure.
+
+:func:`plan_turn` takes what the router knows at the moment (the prompt, the conversation's retention, the
+engine table and the load this router has in flight) and decides in three steps:
+
+1. **Prove the prefix** (rule 2 of the design): the retention counts only while its engine is registered and
+   serves the model (rule 3); the prompt's digest chain, salted with the holder's KV compatibility hash, gives
+   the longest block-aligned prefix the retention holds.
+2. **Choose** pull or recompute: a prefill engine that can read the holder's KV layout, then the cost model
+   (:func:`kvferry.router.cost.choose_reuse`) over its measured rates and the retention's lease.
+3. **Pick engines**: prefill by load (the compatible one when a prefix matched), decode by affinity to the
+   holder, else by load. Engines in ``exclude`` (failed this turn) are used only when no other can serve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvferry.pd.block_runs import mean_run_blocks
+from kvferry.pd.reuse import RetainedKv
+from kvferry.pd.sequence import Pull
+from kvferry.router.cost import CostSettings, RateInputs, Reuse, ReuseChoice, choose_reuse
+from kvferry.router.engines import (
+    EngineInfo,
+    EngineTable,
+    LoadTracker,
+    pick_decode_engine,
+    pick_prefill_engine,
+)
+from kvferry.router.errors import unavailable
+from kvferry.router.prefix import NO_MATCH, PrefixMatch, match_retained_prefix
+from kvferry.router.registry_client import RetentionRecord
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    cost: CostSettings
+    # How long after handing a retention out a prefill may still start reading it (the read deadline's
+    # window): the lease the cost model may count on is at most this.
+    read_window_seconds: float
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    prefill: EngineInfo
+    decode: EngineInfo
+    # The engine holding the conversation's retention (None: none, or gone).
+    holder: EngineInfo | None
+    match: PrefixMatch
+    choice: ReuseChoice
+    # What P pulls (only when the choice is to pull).
+    pull: Pull | None = None
+
+
+def plan_turn(
+    token_ids: Sequence[int],
+    retention: RetentionRecord | None,
+    *,
+    model: str,
+    engines: EngineTable,
+    load: LoadTracker,
+    settings: PlanSettings,
+    now: float,
+    exclude: frozenset[str] = frozenset(),
+) -> TurnPlan:
+    """The plan of one attempt of a turn (module docs). ``retention`` None: recompute (nothing retained, or
+    a retry). ``now``: unix seconds. Raises :class:`~kvferry.router.errors.RouterError` (UNAVAILABLE) when
+    no engine of the model can take a role."""
+    holder = _holder(engines, retention, model)
+    match = _proven_prefix(token_ids, retention, holder)
+    compatible = None
+    if holder is not None and match.tokens:
+        compatible = pick_prefill_engine(
+            engines.prefill_engines(model),
+            load,
+            exclude=exclude,
+            kv_compatibility_hash=holder.kv_compatibility_hash,
+        )
+    choice = _choose(retention, holder, match, compatible, settings, now)
+    prefill_candidates = engines.prefill_engines(model)
+    prefill = (
+        compatible
+        or pick_prefill_engine(prefill_candidates, load, exclude=exclude)
+        or pick_prefill_engine(prefill_candidates, load)
+    )
+    if prefill is None:
+        raise unavailable(f"no prefill engine serves model {model!r} right now; retry shortly")
+    decode_candidates = engines.decode_engines(model)
+    holder_id = holder.engine_id if holder is not None else None
+    decode = pick_decode_engine(
+        decode_candidates, load, holder_id=holder_id, exclude=exclude
+    ) or pick_decode_engine(decode_candidates, load)
+    if decode is None:
+        raise unavailable(f"no decode engine serves model {model!r} right now; retry shortly")
+    pull = None
+    if choice.reuse is Reuse.PULL and holder is not None and retention is not None:
+        retained = RetainedKv(
+            engine_id=holder.engine_id,
+            engine_request_id=retention.engine_request_id,
+            block_ids=retention.block_ids,
+            num_tokens=retention.num_tokens,
+            nixl_host=holder.nixl_host,
+            nixl_port=holder.nixl_port,
+            block_size=holder.block_size,
+            lease_expire_time=retention.expire_time,
+        )
+        pull = Pull(retained.prefix(choice.pull_tokens), lease_expire_time=retention.expire_time)
+    return TurnPlan(prefill=prefill, decode=decode, holder=holder, match=match, choice=choice, pull=pull)
+
+
+def _holder(engines: EngineTable, retention: RetentionRecord | None, model: str) -> EngineInfo | None:
+    holder = engines.get(retention.engine_id) if retention is not None else None
+    return holder if holder is not None and holder.model == model else None
+
+
+def _proven_prefix(
+    token_ids: Sequence[int], retention: RetentionRecord | None, holder: EngineInfo | None
+) -> PrefixMatch:
+    if retention is None or holder is None:
+        return NO_MATCH
+    return match_retained_prefix(
+        token_ids,
+        retained_digests=retention.block_digests,
+        retained_num_tokens=retention.num_tokens,
+        retained_num_blocks=len(retention.block_ids),
+        block_size=holder.block_size,
+        salt=holder.kv_compatibility_hash,
+    )
+
+
+def _choose(
+    retention: RetentionRecord | None,
+    holder: EngineInfo | None,
+    match: PrefixMatch,
+    prefill: EngineInfo | None,
+    settings: PlanSettings,
+    now: float,
+) -> ReuseChoice:
+    if retention is None:
+        return ReuseChoice(Reuse.NONE, 0, "nothing retained for this conversation")
+    if holder is None:
+        return ReuseChoice(Reuse.NONE, 0, f"engine {retention.engine_id} holding the retention is gone")
+    if not match.tokens:
+        return ReuseChoice(Reuse.NONE, 0, "no retained block matches the prompt")
+    if prefill is None:
+        return ReuseChoice(Reuse.RECOMPUTE, 0, "no prefill engine can read the holder's KV layout")
+    return choose_reuse(
+        match.tokens,
+        lease_seconds_left=min(retention.expire_time - now, settings.read_window_seconds),
+        rates=RateInputs(
+            prefill_tokens_per_second=prefill.stats.prefill_tokens_per_second,
+            transfer_bytes_per_second=prefill.stats.transfer_bytes_per_second,
+            kv_bytes_per_token=prefill.stats.kv_bytes_per_token or holder.stats.kv_bytes_per_token,
+            run_blocks=mean_run_blocks(retention.block_ids[: match.blocks]),
+        ),
+        settings=settings.cost,
+    )

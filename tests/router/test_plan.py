@@ -1,0 +1,319 @@
+"""plan_turn, table by table: the proven prefix, pull or recompute, the engines. Pure: no servers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import pytest
+from kvferry.pd.digest import block_digests
+from kvferry.router.calibration import CostProfile
+from kvferry.router.cost import CostSettings, Reuse
+from kvferry.router.engines import EngineInfo, EngineStats, EngineTable, LoadTracker
+from kvferry.router.errors import Failure, RouterError
+from kvferry.router.plan import PlanSettings, TurnPlan, plan_turn
+from kvferry.router.registry_client import RetentionRecord
+from kvferry.v1 import resources_pb2
+
+BS = 16
+SALT = "kv-a"
+NOW = 1_000.0
+HISTORY = list(range(100, 260))  # 160 tokens: 10 full blocks
+PROMPT = [*HISTORY, 1, 2, 3]
+# 1 ms per token to recompute; pulls cost 20 ms + 10 kB per token at 1 GB/s: pulling 64+ tokens wins.
+PROFILE = CostProfile(
+    prefill_tokens_per_second=1000.0, transfer_bytes_per_second=1e9, transfer_setup_seconds=0.02
+)
+SETTINGS = PlanSettings(
+    CostSettings(
+        PROFILE, kv_recompute_threshold=64, lease_margin_seconds=2.0, fallback_kv_bytes_per_token=10_000
+    ),
+    read_window_seconds=10.0,
+)
+P, D, BOTH = (
+    resources_pb2.ENGINE_ROLE_PREFILL,
+    resources_pb2.ENGINE_ROLE_DECODE,
+    resources_pb2.ENGINE_ROLE_BOTH,
+)
+
+
+def engine(engine_id: str, role: int, *, model: str = "m", kv_hash: str = SALT) -> EngineInfo:
+    return EngineInfo(engine_id, role, f"http://{engine_id}", "10.0.0.1", 5600, model, kv_hash, BS, 4096)
+
+
+def retention(
+    *, engine_id: str = "d1", history: list[int] = HISTORY, expires_in: float = 60.0
+) -> RetentionRecord:
+    blocks = len(history) // BS
+    return RetentionRecord(
+        tenant="t",
+        conversation_id="c",
+        engine_id=engine_id,
+        engine_request_id="cmpl-r-0",
+        block_ids=tuple(range(40, 40 + blocks)),
+        num_tokens=len(history),
+        block_digests=tuple(block_digests(history, BS, salt=SALT)),
+        turn=3,
+        expire_time=NOW + expires_in,
+    )
+
+
+@dataclass
+class Case:
+    name: str
+    engines: list[EngineInfo]
+    retention: RetentionRecord | None
+    reuse: Reuse
+    reason: str
+    prefill: str
+    decode: str
+    matched: int = 0
+    pulled: int = 0
+    prompt: list[int] = field(default_factory=lambda: PROMPT)
+    exclude: frozenset[str] = frozenset()
+    prefill_load: dict[str, int] = field(default_factory=dict)
+
+
+TWO_BY_TWO = [engine("p1", P), engine("p2", P), engine("d1", D), engine("d2", D)]
+
+CASES = [
+    Case("nothing retained", TWO_BY_TWO, None, Reuse.NONE, "nothing retained", "p1", "d1"),
+    Case(
+        "a matching retention is pulled, decoded on its holder",
+        TWO_BY_TWO,
+        retention(engine_id="d2"),
+        Reuse.PULL,
+        "beats recompute",
+        "p1",
+        "d2",
+        matched=160,
+        pulled=160,
+    ),
+    Case(
+        "the holder left",
+        TWO_BY_TWO,
+        retention(engine_id="d9"),
+        Reuse.NONE,
+        "d9 holding the retention is gone",
+        "p1",
+        "d1",
+    ),
+    Case(
+        "the holder serves another model",
+        [*TWO_BY_TWO, engine("d3", D, model="other")],
+        retention(engine_id="d3"),
+        Reuse.NONE,
+        "gone",
+        "p1",
+        "d1",
+    ),
+    Case(
+        "an edited first block matches nothing",
+        TWO_BY_TWO,
+        retention(),
+        Reuse.NONE,
+        "no retained block matches",
+        "p1",
+        "d1",
+        prompt=[7, *PROMPT[1:]],
+    ),
+    Case(
+        "an edit in block 5 keeps blocks 0-4",
+        TWO_BY_TWO,
+        retention(),
+        Reuse.PULL,
+        "beats recompute",
+        "p1",
+        "d1",
+        matched=80,
+        pulled=80,
+        prompt=[*PROMPT[:85], 7, *PROMPT[86:]],
+    ),
+    Case(
+        "below the recompute threshold",
+        TWO_BY_TWO,
+        retention(),
+        Reuse.RECOMPUTE,
+        "kv_recompute_threshold",
+        "p1",
+        "d1",
+        matched=48,
+        prompt=[*PROMPT[:50], 7, *PROMPT[51:]],
+    ),
+    Case(
+        "the lease ends too soon for the pull",
+        TWO_BY_TWO,
+        retention(expires_in=1.0),
+        Reuse.RECOMPUTE,
+        "lease ends in 1.00 s",
+        "p1",
+        "d1",
+        matched=160,
+    ),
+    Case(
+        "no prefill engine reads the holder's KV layout",
+        [engine("p1", P, kv_hash="kv-b"), engine("d1", D)],
+        retention(),
+        Reuse.RECOMPUTE,
+        "no prefill engine can read",
+        "p1",
+        "d1",
+        matched=160,
+    ),
+    Case(
+        "the compatible prefill engine is taken even when busier",
+        [engine("p1", P, kv_hash="kv-b"), engine("p2", P), engine("d1", D)],
+        retention(),
+        Reuse.PULL,
+        "beats recompute",
+        "p2",
+        "d1",
+        matched=160,
+        pulled=160,
+        prefill_load={"p2": 5000},
+    ),
+    Case(
+        "least-loaded prefill",
+        TWO_BY_TWO,
+        None,
+        Reuse.NONE,
+        "nothing retained",
+        "p2",
+        "d1",
+        prefill_load={"p1": 100},
+    ),
+    Case(
+        "failed engines are avoided, the holder too",
+        TWO_BY_TWO,
+        None,
+        Reuse.NONE,
+        "nothing retained",
+        "p2",
+        "d2",
+        exclude=frozenset({"p1", "d1"}),
+    ),
+    Case(
+        "a failed engine serves when no other can",
+        [engine("p1", P), engine("b1", BOTH)],
+        None,
+        Reuse.NONE,
+        "nothing retained",
+        "b1",
+        "b1",
+        exclude=frozenset({"p1", "b1"}),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_plan_turn(case: Case) -> None:
+    load = LoadTracker()
+    for engine_id, tokens in case.prefill_load.items():
+        load.add_prefill(engine_id, tokens)
+    plan = plan_turn(
+        case.prompt,
+        case.retention,
+        model="m",
+        engines=EngineTable(case.engines),
+        load=load,
+        settings=SETTINGS,
+        now=NOW,
+        exclude=case.exclude,
+    )
+    assert (plan.choice.reuse, plan.prefill.engine_id, plan.decode.engine_id) == (
+        case.reuse,
+        case.prefill,
+        case.decode,
+    )
+    assert case.reason in plan.choice.reason
+    assert plan.match.tokens == case.matched
+    assert plan.choice.pull_tokens == case.pulled
+    assert (plan.pull is not None) == (case.reuse is Reuse.PULL)
+
+
+def test_a_pull_names_exactly_the_holder_s_blocks_of_the_prefix() -> None:
+    holder = engine("d1", D)
+    plan = plan_turn(
+        [*PROMPT[:85], 7, *PROMPT[86:]],
+        retention(),
+        model="m",
+        engines=EngineTable([engine("p1", P), holder]),
+        load=LoadTracker(),
+        settings=SETTINGS,
+        now=NOW,
+    )
+    assert plan.pull is not None and plan.pull.lease_expire_time == NOW + 60
+    blocks = plan.pull.blocks
+    assert blocks.block_ids == ((40, 41, 42, 43, 44),) and blocks.num_tokens == 80
+    assert (blocks.engine_id, blocks.request_id, blocks.host, blocks.port) == (
+        "d1",
+        "cmpl-r-0",
+        "10.0.0.1",
+        5600,
+    )
+
+
+def test_the_lease_counted_on_is_at_most_the_read_window() -> None:
+    # An hour of lease, but the prefill must start reading within the read window: 1.5 s is too short.
+    short_window = PlanSettings(SETTINGS.cost, read_window_seconds=1.5)
+    plan = _plan_with(retention(expires_in=3600.0), settings=short_window)
+    assert plan.choice.reuse is Reuse.RECOMPUTE and "lease ends in 1.50 s" in plan.choice.reason
+    assert _plan_with(retention(expires_in=3600.0)).choice.reuse is Reuse.PULL
+
+
+def test_fragmented_retained_blocks_price_more_descriptors() -> None:
+    profile = CostProfile(
+        prefill_tokens_per_second=1000.0,
+        transfer_bytes_per_second=1e9,
+        transfer_setup_seconds=0.02,
+        transfer_seconds_per_descriptor=0.01,
+        descriptors_per_block=10,
+        block_size_tokens=BS,
+    )
+    settings = PlanSettings(
+        CostSettings(profile, fallback_kv_bytes_per_token=10_000), read_window_seconds=10.0
+    )
+    ordered = _plan_with(retention(), settings=settings)
+    scattered = _plan_with(replace(retention(), block_ids=tuple(range(100, 0, -10))), settings=settings)
+    assert ordered.choice.reuse is Reuse.PULL and scattered.choice.reuse is Reuse.RECOMPUTE
+    assert scattered.choice.estimated_pull_seconds > ordered.choice.estimated_pull_seconds
+
+
+@pytest.mark.parametrize(
+    ("engines", "missing"),
+    [
+        ([engine("d1", D)], "prefill"),
+        ([engine("p1", P)], "decode"),
+        ([engine("p1", P, model="x")], "prefill"),
+    ],
+)
+def test_no_engine_for_a_role_is_unavailable(engines: list[EngineInfo], missing: str) -> None:
+    with pytest.raises(RouterError, match=f"no {missing} engine serves model 'm'") as raised:
+        _plan_with(None, engines=engines)
+    assert raised.value.failure is Failure.UNAVAILABLE
+
+
+def _plan_with(
+    record: RetentionRecord | None,
+    *,
+    engines: list[EngineInfo] | None = None,
+    settings: PlanSettings = SETTINGS,
+) -> TurnPlan:
+    return plan_turn(
+        PROMPT,
+        record,
+        model="m",
+        engines=EngineTable(engines if engines is not None else TWO_BY_TWO),
+        load=LoadTracker(),
+        settings=settings,
+        now=NOW,
+    )
+
+
+def test_engine_rates_measured_by_the_prefill_engine_win() -> None:
+    slow = EngineInfo(
+        "p1", P, "http://p1", "h", 1, "m", SALT, BS, 4096, EngineStats(transfer_bytes_per_second=1e7)
+    )
+    plan = _plan_with(retention(), engines=[slow, engine("d1", D)])
+    assert plan.choice.reuse is Reuse.RECOMPUTE and "cheaper" in plan.choice.reason
+    assert math.isfinite(plan.choice.estimated_pull_seconds)

@@ -1,0 +1,319 @@
+"""The router's turn (TurnRunner) against in-memory engines and an in-memory registry: retries, failures,
+publication, renewals, load accounting. No servers. The same paths run against the real registry with
+stand-in engines in test_router_standin.py and with real engines in test_router_engines.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import pytest
+from kvferry.pd.digest import block_digests
+from kvferry.pd.engine_api import DecodeRequest, EngineApi
+from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
+from kvferry.router.calibration import CostProfile
+from kvferry.router.cost import CostSettings, Reuse
+from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
+from kvferry.router.errors import Failure, RouterError
+from kvferry.router.registry_client import RegistryUnavailable, RetentionRecord
+from kvferry.router.tenants import Tenant
+from kvferry.router.turns import (
+    PreparedTurn,
+    TextOut,
+    TokenPrompt,
+    TurnRequest,
+    TurnResult,
+    TurnRunner,
+    TurnSettings,
+)
+from kvferry.v1 import resources_pb2
+
+from tests.pd.fake_engine import FakeEngine
+
+BS = 4
+SALT = "kv-a"
+NOW = 1_000.0
+TENANT = Tenant("acme")
+P, D = resources_pb2.ENGINE_ROLE_PREFILL, resources_pb2.ENGINE_ROLE_DECODE
+# Pulling always wins above the threshold: the cost model is tested in test_plan.py.
+SETTINGS = TurnSettings(
+    cost=CostSettings(
+        CostProfile(
+            prefill_tokens_per_second=1.0, transfer_bytes_per_second=1e12, transfer_setup_seconds=0.0
+        ),
+        kv_recompute_threshold=8,
+        fallback_kv_bytes_per_token=1,
+    ),
+    publish_wait_seconds=0.1,
+)
+
+
+class FakeRegistry:
+    """AN IN-MEMORY STAND-IN for the registry's retention calls (RetentionPort)."""
+
+    def __init__(self) -> None:
+        self.retentions: dict[tuple[str, str], RetentionRecord] = {}
+        self.renewed: list[str] = []
+        self.down = False
+
+    async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None:
+        if self.down:
+            raise RegistryUnavailable("fake registry down")
+        return self.retentions.get((tenant, conversation_id))
+
+    async def renew_retention(self, tenant: str, conversation_id: str) -> float | None:
+        self.renewed.append(conversation_id)
+        return NOW + 120 if (tenant, conversation_id) in self.retentions else None
+
+    def publish(self, engine: FakeEngine, request: DecodeRequest) -> None:
+        """What D's connector and sidecar do when a marked decode finishes: retain, publish."""
+        mark = request.mark
+        if not isinstance(mark, ConversationMark):
+            return
+        tokens = [*request.token_ids, *engine.output][:-1]  # the last sampled token has no KV yet
+        self.retentions[(mark.tenant, mark.conversation_id)] = RetentionRecord(
+            tenant=mark.tenant,
+            conversation_id=mark.conversation_id,
+            engine_id=engine.engine_id,
+            engine_request_id=f"cmpl-{request.request_id}-0",
+            block_ids=tuple(range(len(tokens) // BS)),
+            num_tokens=len(tokens),
+            block_digests=tuple(block_digests(tokens, BS, salt=SALT)),
+            turn=mark.turn,
+            expire_time=NOW + 120,
+        )
+
+
+@dataclass
+class Cluster:
+    """Two prefill and two decode engines, the registry, and the runner."""
+
+    registry: FakeRegistry = field(default_factory=FakeRegistry)
+    fakes: dict[str, FakeEngine] = field(default_factory=dict)
+    load: LoadTracker = field(default_factory=LoadTracker)
+
+    def __post_init__(self) -> None:
+        for engine_id in ("p1", "p2", "d1", "d2"):
+            self.fakes[engine_id] = FakeEngine(engine_id, block_size=BS, on_finished=self.registry.publish)
+        infos = [
+            EngineInfo(e, P if e[0] == "p" else D, f"http://{e}", "10.0.0.1", 5600, "m", SALT, BS, 4096)
+            for e in self.fakes
+        ]
+        self.runner = TurnRunner(
+            engines=EngineTable(infos),
+            load=self.load,
+            clients=self,
+            registry=self.registry,
+            settings=SETTINGS,
+            clock=lambda: NOW,
+        )
+
+    def get(self, engine: EngineInfo) -> EngineApi:
+        return self.fakes[engine.engine_id]
+
+    async def prepare(
+        self, prompt: list[int], *, conversation: str | None = "c1", retain: bool = True
+    ) -> PreparedTurn:
+        request = TurnRequest(TENANT, conversation, "", TokenPrompt(tuple(prompt)), retain=retain)
+        return await self.runner.prepare(request)
+
+    async def turn(self, prompt: list[int], **options: object) -> tuple[list[TextOut], TurnResult]:
+        prepared = await self.prepare(prompt, **options)  # type: ignore[arg-type]
+        texts: list[TextOut] = []
+        result = None
+        async for event in self.runner.execute(prepared):
+            if isinstance(event, TextOut):
+                texts.append(event)
+            else:
+                result = event
+        assert result is not None
+        return texts, result
+
+    def idle(self) -> bool:
+        return all(self.load.prefill_tokens(e) == 0 and self.load.decode_requests(e) == 0 for e in self.fakes)
+
+    async def background(self) -> None:
+        await asyncio.sleep(0)
+        await self.runner.aclose()
+
+
+PROMPT = list(range(10, 50))  # 40 tokens: 10 blocks
+
+
+@pytest.fixture
+def cluster() -> Cluster:
+    return Cluster()
+
+
+async def test_a_first_turn_recomputes_streams_and_is_published(cluster: Cluster) -> None:
+    texts, result = await cluster.turn(PROMPT)
+    assert [t.token_ids for t in texts] == [(101,), (102,), (103,)]
+    assert (result.reuse, result.pulled_tokens, result.recomputed_tokens) == (Reuse.NONE, 0, 40)
+    assert result.turn == 1 and result.finish_reason == "length" and result.completion_tokens == 3
+    assert (result.prefill_engine_id, result.decode_engine_id) == ("p1", "d1")
+    [decode] = cluster.fakes["d1"].decodes
+    assert decode.mark == ConversationMark("acme", "c1", 1)
+    [prefill] = cluster.fakes["p1"].prefills
+    assert prefill.reuse is None and prefill.mark is None
+    assert (
+        prefill.request_id == f"{result.request_id}-1-p" and decode.request_id == f"{result.request_id}-1-d"
+    )
+    assert cluster.idle()
+
+
+async def test_the_next_turn_pulls_the_proven_prefix_from_the_holder(cluster: Cluster) -> None:
+    _, first = await cluster.turn(PROMPT)
+    history = [*PROMPT, 101, 102, 103]
+    _, second = await cluster.turn([*history, 7, 8, 9])
+    # Retained: 42 tokens (the last sampled one has no KV): 10 full blocks.
+    assert (second.reuse, second.matched_tokens, second.pulled_tokens) == (Reuse.PULL, 40, 40)
+    assert second.decode_engine_id == first.decode_engine_id == "d1" and second.turn == 2
+    prefill = cluster.fakes["p1"].prefills[-1]
+    assert prefill.reuse is not None and prefill.reuse.engine_id == "d1" and prefill.reuse.num_tokens == 40
+    # The read deadline: the lease end (NOW + 120) or the read window, whichever comes first.
+    assert prefill.mark == ConversationMark("acme", "c1", 2)
+    assert prefill.lease_expire_time == NOW + SETTINGS.read_window_seconds
+
+
+async def test_a_declined_pull_is_reported_as_recompute(cluster: Cluster) -> None:
+    await cluster.turn(PROMPT)
+    cluster.fakes["p1"].pull_declined = True
+    _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    assert (second.reuse, second.matched_tokens, second.pulled_tokens) == (Reuse.RECOMPUTE, 40, 0)
+
+
+async def test_a_prefill_failure_is_retried_by_recompute_elsewhere(cluster: Cluster) -> None:
+    await cluster.turn(PROMPT)
+    cluster.fakes["p1"].fail_prefills = 1
+    _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    # The retry avoids the failed prefill engine and, since it failed while pulling, the holder.
+    assert (second.prefill_engine_id, second.decode_engine_id) == ("p2", "d2")
+    assert (second.reuse, second.pulled_tokens) == (Reuse.NONE, 0)
+    assert cluster.fakes["p2"].prefills[-1].reuse is None
+    assert second.turn == 2 and cluster.idle()
+
+
+async def test_a_decode_failure_before_output_is_retried(cluster: Cluster) -> None:
+    cluster.fakes["d1"].unreachable = True
+    texts, result = await cluster.turn(PROMPT)
+    assert result.decode_engine_id == "d2" and len(texts) == 3
+    assert cluster.idle()
+
+
+async def test_the_turn_gives_up_after_its_attempts(cluster: Cluster) -> None:
+    for engine_id in ("p1", "p2"):
+        cluster.fakes[engine_id].fail_prefills = 1
+    with pytest.raises(RouterError, match="gave up after 2 attempts") as raised:
+        await cluster.turn(PROMPT)
+    assert raised.value.failure is Failure.UNAVAILABLE and cluster.idle()
+
+
+async def test_a_failure_after_the_first_token_is_not_retried(cluster: Cluster) -> None:
+    cluster.fakes["d1"].fail_after_tokens = 1
+    prepared = await cluster.prepare(PROMPT)
+    seen: list[TextOut | TurnResult] = []
+    with pytest.raises(RouterError, match="output was already streamed") as raised:
+        async for event in cluster.runner.execute(prepared):
+            seen.append(event)
+    assert raised.value.failure is Failure.UNAVAILABLE
+    assert [type(e) for e in seen] == [TextOut]
+    assert len(cluster.fakes["d2"].decodes) == 0 and cluster.idle()
+
+
+async def test_an_engine_s_4xx_is_the_request_s_fault(cluster: Cluster) -> None:
+    cluster.fakes["p1"].fail_prefills, cluster.fakes["p1"].fail_status = 1, 400
+    with pytest.raises(RouterError, match="the prefill engine rejected the request") as raised:
+        await cluster.turn(PROMPT)
+    assert raised.value.failure is Failure.INVALID_ARGUMENT
+    assert cluster.fakes["p2"].prefills == [] and cluster.idle()
+
+
+async def test_a_retention_not_published_in_time_gives_turn_0_and_renews_the_old_one(
+    cluster: Cluster,
+) -> None:
+    await cluster.turn(PROMPT)
+    cluster.fakes["d1"].on_finished = None  # the sidecar does not publish this time
+    _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    assert second.turn == 0
+    await cluster.background()
+    assert cluster.registry.renewed == ["c1"]
+
+
+async def test_a_published_turn_renews_nothing(cluster: Cluster) -> None:
+    await cluster.turn(PROMPT)
+    await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    await cluster.background()
+    assert cluster.registry.renewed == []
+
+
+async def test_an_unretained_turn_releases_its_blocks_and_renews_the_conversation(cluster: Cluster) -> None:
+    await cluster.turn(PROMPT)
+    _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7], retain=False)
+    assert second.turn == 0 and second.reuse is Reuse.PULL
+    assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark()
+    # The pull still carries no conversation mark: nothing of this turn is retained.
+    assert cluster.fakes["p1"].prefills[-1].mark is None
+    await cluster.background()
+    assert cluster.registry.renewed == ["c1"]
+
+
+async def test_without_the_registry_the_turn_recomputes_and_retains_nothing(cluster: Cluster) -> None:
+    await cluster.turn(PROMPT)
+    cluster.registry.down = True
+    _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    assert (second.reuse, second.turn) == (Reuse.NONE, 0)
+    assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark()
+
+
+async def test_a_one_off_turn_looks_nothing_up(cluster: Cluster) -> None:
+    cluster.registry.down = True  # never asked
+    _, result = await cluster.turn(PROMPT, conversation=None)
+    assert (result.reuse, result.turn) == (Reuse.NONE, 0)
+    assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark()
+
+
+async def test_a_client_that_leaves_mid_stream_aborts_the_decode(cluster: Cluster) -> None:
+    await cluster.turn(PROMPT)
+    cluster.fakes["d1"].stall = asyncio.Event()
+    prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
+    events: AsyncGenerator[TextOut | TurnResult, None] = cluster.runner.execute(prepared)
+    async with aclosing(events):
+        first = await anext(events)
+        assert isinstance(first, TextOut)
+        # Load is counted while the decode runs.
+        assert cluster.load.decode_requests("d1") == 1
+    assert cluster.fakes["d1"].aborted == [f"{prepared.request_id}-1-d"]
+    assert cluster.idle()
+    await cluster.background()
+    assert cluster.registry.renewed == ["c1"]
+
+
+async def test_load_is_counted_from_the_plan_until_each_engine_is_done(cluster: Cluster) -> None:
+    cluster.fakes["d1"].stall = asyncio.Event()
+    prepared = await cluster.prepare(PROMPT)
+    events = cluster.runner.execute(prepared)
+    async with aclosing(events):
+        await anext(events)
+        # P answered: its tokens are no longer in flight; D's request is.
+        assert cluster.load.prefill_tokens("p1") == 0 and cluster.load.decode_requests("d1") == 1
+        cluster.fakes["d1"].stall.set()
+        rest = [e async for e in events]
+    assert isinstance(rest[-1], TurnResult) and cluster.idle()
+
+
+async def test_the_decode_counts_until_the_turn_ends(cluster: Cluster) -> None:
+    seen: list[int] = []
+    lookup = cluster.registry.get_retention
+
+    async def counting_lookup(tenant: str, conversation_id: str) -> RetentionRecord | None:
+        seen.append(cluster.load.decode_requests("d1"))
+        return await lookup(tenant, conversation_id)
+
+    cluster.registry.get_retention = counting_lookup  # type: ignore[method-assign]
+    await cluster.turn(PROMPT)
+    # The lookup before the plan, then the publication wait after the decode: D's request still counts
+    # there, so a concurrent turn planned meanwhile goes elsewhere.
+    assert seen[0] == 0 and seen[1:] and set(seen[1:]) == {1}
+    assert cluster.idle()
