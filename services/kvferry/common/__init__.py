@@ -1,1 +1,1 @@
-"""Pieces every kvferry component shares: the digest chain, logging, ids, gRPC helpers."""
+"""Pieces every kvferry service shares: logging, ids, gRPC helpers (the P/D contract is kvferry.pd)."""
