@@ -10,16 +10,7 @@ import pytest
 from kvferry.registry import validation
 from kvferry.registry.cli import config_from_args, configure
 from kvferry.registry.config import RegistryConfig, TtlPolicy
-from kvferry.registry.errors import (
-    Conflict,
-    EtcdFailure,
-    EtcdUnavailable,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    RegistryError,
-    status_for,
-)
+from kvferry.registry.errors import EtcdFailure, EtcdUnavailable
 from kvferry.registry.etcd import EtcdGateway, EtcdSettings, EventType, KeyValue, WatchEvent, grpc_target
 from kvferry.registry.events import RetentionEventHub
 from kvferry.registry.keys import ConversationKey, KeyLayout
@@ -32,6 +23,15 @@ from kvferry.registry.records import (
     encode_tombstone,
 )
 from kvferry.registry.server import HistoryCompactor
+from kvferry.runtime.clock import ManualClock
+from kvferry.runtime.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    grpc_code,
+)
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 
@@ -46,14 +46,14 @@ from tests.registry.builders import engine, retention
         (InvalidArgument("x"), grpc.StatusCode.INVALID_ARGUMENT),
         (NotFound("x"), grpc.StatusCode.NOT_FOUND),
         (FailedPrecondition("x"), grpc.StatusCode.FAILED_PRECONDITION),
-        (Conflict("x"), grpc.StatusCode.ABORTED),
+        (Aborted("x"), grpc.StatusCode.ABORTED),
         (EtcdUnavailable("x"), grpc.StatusCode.UNAVAILABLE),
         (EtcdFailure("x"), grpc.StatusCode.INTERNAL),
-        (RegistryError("x"), grpc.StatusCode.INTERNAL),
+        (ServiceError("x"), grpc.StatusCode.INTERNAL),
     ],
 )
-def test_each_error_has_one_status(error: RegistryError, code: grpc.StatusCode) -> None:
-    assert status_for(error) == code
+def test_each_error_has_one_status(error: ServiceError, code: grpc.StatusCode) -> None:
+    assert grpc_code(error) == code
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def _delete(key: bytes, revision: int, previous: KeyValue) -> WatchEvent:
 
 async def test_endings_are_classified_from_one_revisions_events() -> None:
     layout = KeyLayout("/p/")
-    hub = RetentionEventHub(EtcdGateway(EtcdSettings()), layout, clock=lambda: 100.0)
+    hub = RetentionEventHub(EtcdGateway(EtcdSettings()), layout, clock=ManualClock(wall=100.0))
     conversation = ConversationKey("t", "c")
     live = layout.live(conversation)
     turn1 = encode_record(retention("t", "c", "e", turn=1), 7)

@@ -21,13 +21,14 @@ import pytest_asyncio
 from kvferry.common.etcd_process import EtcdProcess
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.engines import EngineStore
-from kvferry.registry.errors import NotFound
 from kvferry.registry.etcd import EtcdGateway, EtcdSettings
 from kvferry.registry.events import RetentionEventHub
 from kvferry.registry.keys import KeyLayout
 from kvferry.registry.reaper import EngineReaper
 from kvferry.registry.retentions import RetentionStore
 from kvferry.registry.server import create_registry
+from kvferry.runtime.clock import ManualClock
+from kvferry.runtime.errors import NotFound
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub
@@ -39,21 +40,12 @@ from tests.registry.builders import EventStream, engine, get, publish, register,
 pytestmark = pytest.mark.timeout(90)
 
 
-class StepClock:
-    """A registry clock a test moves by hand (starts at the real time)."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Replica:
     """A registry's stores over a gateway of their own, with a clock of their own."""
 
     def __init__(self, gateway: EtcdGateway, layout: KeyLayout) -> None:
-        self.clock = StepClock()
+        # A registry clock the test moves by hand (starts at the real time).
+        self.clock = ManualClock(wall=time.time())
         self.gateway = gateway
         self.engines = EngineStore(
             gateway, layout, TEST_TTLS, EngineReaper(gateway, layout), clock=self.clock
@@ -91,11 +83,11 @@ async def test_a_record_past_its_expiry_is_not_renewed_though_its_lease_lives(
 ) -> None:
     first, _ = replicas
     stored = await _published(first)
-    first.clock.now += stored.ttl_seconds + 1  # the lease in etcd still has its whole TTL
+    first.clock.skew(stored.ttl_seconds + 1)  # the lease in etcd still has its whole TTL
     with pytest.raises(NotFound):
         await first.retentions.renew_retention(stored.tenant, stored.conversation_id)
     # Ended in etcd, not only refused: a registry whose clock is behind does not bring it back.
-    first.clock.now -= stored.ttl_seconds + 1
+    first.clock.skew(-(stored.ttl_seconds + 1))
     with pytest.raises(NotFound):
         await first.retentions.renew_retention(stored.tenant, stored.conversation_id)
     with pytest.raises(NotFound):
@@ -111,10 +103,10 @@ async def test_an_expiry_seen_by_a_lookup_holds_for_a_renewal_on_another_replica
     stored = await _published(renewing)
     # The renewing replica knows the record (its cache), so it would renew without reading etcd.
     await renewing.retentions.get_retention(stored.tenant, stored.conversation_id)
-    sweeping.clock.now += stored.ttl_seconds + 1
+    sweeping.clock.skew(stored.ttl_seconds + 1)
     with pytest.raises(NotFound):
         await sweeping.retentions.get_retention(stored.tenant, stored.conversation_id)
-    renewing.clock.now += stored.ttl_seconds - 1  # not yet expired by this replica's clock
+    renewing.clock.skew(stored.ttl_seconds - 1)  # not yet expired by this replica's clock
     with pytest.raises(NotFound):
         await renewing.retentions.renew_retention(stored.tenant, stored.conversation_id)
     with pytest.raises(NotFound):
@@ -129,7 +121,7 @@ async def test_releasing_an_expired_record_finds_nothing_and_watchers_hear_expir
     hub = RetentionEventHub(first.gateway, first.retentions.layout, first.clock)
     try:
         async with hub.subscribe(stored.engine_id) as subscription:
-            first.clock.now += stored.ttl_seconds + 1
+            first.clock.skew(stored.ttl_seconds + 1)
             with pytest.raises(NotFound):
                 await first.retentions.release_retention(
                     stored.tenant, stored.conversation_id, resources.RELEASE_REASON_RELEASED

@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 import pytest
-from kvferry.registry.errors import FailedPrecondition
 from kvferry.registry.etcd import Compare, EtcdGateway, EtcdSettings, Op, TxnResult
 from kvferry.registry.keys import KeyLayout
 from kvferry.registry.retentions import RetentionStore
+from kvferry.runtime.errors import FailedPrecondition
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub

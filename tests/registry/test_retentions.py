@@ -7,9 +7,9 @@ import asyncio
 import grpc
 import pytest
 from kvferry.registry.config import TtlPolicy
-from kvferry.registry.errors import NotFound
 from kvferry.registry.etcd import EtcdGateway, EtcdSettings
 from kvferry.registry.keys import KeyLayout
+from kvferry.runtime.errors import NotFound
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub

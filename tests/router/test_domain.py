@@ -18,9 +18,9 @@ from kvferry.router.engines import (
     pick_decode_engine,
     pick_prefill_engine,
 )
-from kvferry.router.errors import Failure, RouterError
 from kvferry.router.prefix import PrefixMatch, match_retained_prefix
 from kvferry.router.tenants import ApiKeys, TenantConfigError, key_digest, load_tenants, parse_key_pairs
+from kvferry.runtime.errors import ErrorKind, ServiceError
 from kvferry.v1 import resources_pb2
 
 BS = 16
@@ -208,9 +208,9 @@ def test_api_keys_from_toml_and_json(tmp_path: Path) -> None:
     globex = keys.authenticate("Bearer k3")
     assert globex.name == "globex" and globex.models == frozenset({"m"})
     globex.check_model("m")
-    with pytest.raises(RouterError) as denied:
+    with pytest.raises(ServiceError) as denied:
         globex.check_model("other")
-    assert denied.value.failure is Failure.PERMISSION_DENIED
+    assert denied.value.kind is ErrorKind.PERMISSION_DENIED
     as_json = tmp_path / "tenants.json"
     as_json.write_text(json.dumps({"tenants": [{"name": "acme", "api_keys": ["k1"]}]}))
     assert load_tenants(as_json).authenticate("Bearer k1").name == "acme"
@@ -227,9 +227,9 @@ def test_api_keys_from_toml_and_json(tmp_path: Path) -> None:
 )
 def test_api_key_failures_are_unauthenticated(header: str | None, fragment: str) -> None:
     keys = ApiKeys.from_pairs([("k1", "acme")])
-    with pytest.raises(RouterError) as failed:
+    with pytest.raises(ServiceError) as failed:
         keys.authenticate(header)
-    assert failed.value.failure is Failure.UNAUTHENTICATED and fragment in failed.value.message
+    assert failed.value.kind is ErrorKind.UNAUTHENTICATED and fragment in failed.value.message
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.router.registry_client import EngineEvent, EngineWatcher, RegistryUnavailable, RetentionRecord
+from kvferry.runtime.backoff import BackoffPolicy
 from kvferry.v1 import resources_pb2
 
 
@@ -73,7 +74,13 @@ async def test_snapshot_then_events_then_reconnect() -> None:
     registry = InMemoryRegistry([engine("a"), engine("b")])
     table, load = EngineTable(), LoadTracker()
     left: list[str] = []
-    watcher = EngineWatcher(registry, table, load, max_backoff_seconds=0.05, on_left=left.append)
+    watcher = EngineWatcher(
+        registry,
+        table,
+        load,
+        backoff=BackoffPolicy(initial_seconds=0.05, max_seconds=0.05),
+        on_left=left.append,
+    )
     task = asyncio.create_task(watcher.run())
     try:
         await asyncio.wait_for(watcher.synced.wait(), 2)
@@ -114,7 +121,9 @@ async def test_engine_leaving_during_a_snapshot_stays_gone() -> None:
 async def test_registry_down_keeps_the_last_known_engines() -> None:
     registry = InMemoryRegistry([engine("a")])
     table, load = EngineTable(), LoadTracker()
-    watcher = EngineWatcher(registry, table, load, max_backoff_seconds=0.05)
+    watcher = EngineWatcher(
+        registry, table, load, backoff=BackoffPolicy(initial_seconds=0.05, max_seconds=0.05)
+    )
     task = asyncio.create_task(watcher.run())
     try:
         await asyncio.wait_for(watcher.synced.wait(), 2)

@@ -10,9 +10,9 @@ from kvferry.pd.digest import block_digests
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineStats, EngineTable, LoadTracker
-from kvferry.router.errors import Failure, RouterError
 from kvferry.router.plan import PlanSettings, TurnPlan, plan_turn
 from kvferry.router.registry_client import RetentionRecord
+from kvferry.runtime.errors import ErrorKind, ServiceError
 from kvferry.v1 import resources_pb2
 
 BS = 16
@@ -288,9 +288,9 @@ def test_fragmented_retained_blocks_price_more_descriptors() -> None:
     ],
 )
 def test_no_engine_for_a_role_is_unavailable(engines: list[EngineInfo], missing: str) -> None:
-    with pytest.raises(RouterError, match=f"no {missing} engine serves model 'm'") as raised:
+    with pytest.raises(ServiceError, match=f"no {missing} engine serves model 'm'") as raised:
         _plan_with(None, engines=engines)
-    assert raised.value.failure is Failure.UNAVAILABLE
+    assert raised.value.kind is ErrorKind.UNAVAILABLE
 
 
 def _plan_with(

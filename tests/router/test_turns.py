@@ -16,7 +16,6 @@ from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
-from kvferry.router.errors import Failure, RouterError
 from kvferry.router.registry_client import RegistryUnavailable, RetentionRecord
 from kvferry.router.tenants import Tenant
 from kvferry.router.turns import (
@@ -28,6 +27,7 @@ from kvferry.router.turns import (
     TurnRunner,
     TurnSettings,
 )
+from kvferry.runtime.errors import ErrorKind, ServiceError
 from kvferry.v1 import resources_pb2
 
 from tests.pd.fake_engine import FakeEngine
@@ -205,28 +205,28 @@ async def test_a_decode_failure_before_output_is_retried(cluster: Cluster) -> No
 async def test_the_turn_gives_up_after_its_attempts(cluster: Cluster) -> None:
     for engine_id in ("p1", "p2"):
         cluster.fakes[engine_id].fail_prefills = 1
-    with pytest.raises(RouterError, match="gave up after 2 attempts") as raised:
+    with pytest.raises(ServiceError, match="gave up after 2 attempts") as raised:
         await cluster.turn(PROMPT)
-    assert raised.value.failure is Failure.UNAVAILABLE and cluster.idle()
+    assert raised.value.kind is ErrorKind.UNAVAILABLE and cluster.idle()
 
 
 async def test_a_failure_after_the_first_token_is_not_retried(cluster: Cluster) -> None:
     cluster.fakes["d1"].fail_after_tokens = 1
     prepared = await cluster.prepare(PROMPT)
     seen: list[TextOut | TurnResult] = []
-    with pytest.raises(RouterError, match="output was already streamed") as raised:
+    with pytest.raises(ServiceError, match="output was already streamed") as raised:
         async for event in cluster.runner.execute(prepared):
             seen.append(event)
-    assert raised.value.failure is Failure.UNAVAILABLE
+    assert raised.value.kind is ErrorKind.UNAVAILABLE
     assert [type(e) for e in seen] == [TextOut]
     assert len(cluster.fakes["d2"].decodes) == 0 and cluster.idle()
 
 
 async def test_an_engine_s_4xx_is_the_request_s_fault(cluster: Cluster) -> None:
     cluster.fakes["p1"].fail_prefills, cluster.fakes["p1"].fail_status = 1, 400
-    with pytest.raises(RouterError, match="the prefill engine rejected the request") as raised:
+    with pytest.raises(ServiceError, match="the prefill engine rejected the request") as raised:
         await cluster.turn(PROMPT)
-    assert raised.value.failure is Failure.INVALID_ARGUMENT
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
     assert cluster.fakes["p2"].prefills == [] and cluster.idle()
 
 

@@ -8,8 +8,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
-import grpc
 from google.protobuf import timestamp_pb2
+from kvferry.runtime.errors import ErrorKind
 from kvferry.sidecar.engine import EngineFacts, ProbeResult
 from kvferry.sidecar.registry_link import RegistryError
 from kvferry.v1 import registry_service_pb2 as registry_pb2
@@ -30,7 +30,7 @@ class FakeStream:
 
     async def ready(self) -> None:
         if self._owner.unavailable:
-            raise RegistryError(grpc.StatusCode.UNAVAILABLE, "fake registry down")
+            raise RegistryError(ErrorKind.UNAVAILABLE, "fake registry down")
 
     async def _events(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]:
         while True:
@@ -49,7 +49,7 @@ class FakeStream:
 
 class FakeRegistry:
     """Engines and retentions in dicts; ``unavailable`` fails every call; ``scripted`` fails the
-    next calls of one operation with the given codes."""
+    next calls of one operation with the given kinds of failure."""
 
     def __init__(self) -> None:
         self.engines: dict[str, resources_pb2.Engine] = {}
@@ -62,18 +62,18 @@ class FakeRegistry:
         self.seen_revision = 0
         self.streams: set[FakeStream] = set()
         self.unavailable = False
-        self.scripted: dict[str, deque[grpc.StatusCode]] = {}
+        self.scripted: dict[str, deque[ErrorKind]] = {}
         self.calls: list[str] = []
         # Stores the publish, then fails it (an answer lost on the way back).
         self.lose_publish_answer = False
 
-    def script(self, op: str, *codes: grpc.StatusCode) -> None:
-        self.scripted.setdefault(op, deque()).extend(codes)
+    def script(self, op: str, *kinds: ErrorKind) -> None:
+        self.scripted.setdefault(op, deque()).extend(kinds)
 
     def _enter(self, op: str) -> None:
         self.calls.append(op)
         if self.unavailable:
-            raise RegistryError(grpc.StatusCode.UNAVAILABLE, "fake registry down")
+            raise RegistryError(ErrorKind.UNAVAILABLE, "fake registry down")
         queued = self.scripted.get(op)
         if queued:
             raise RegistryError(queued.popleft(), f"scripted failure of {op}")
@@ -96,7 +96,7 @@ class FakeRegistry:
 
     def break_streams(self) -> None:
         for stream in list(self.streams):
-            stream.queue.put_nowait(RegistryError(grpc.StatusCode.UNAVAILABLE, "fake stream broke"))
+            stream.queue.put_nowait(RegistryError(ErrorKind.UNAVAILABLE, "fake stream broke"))
 
     async def register_engine(
         self, engine: resources_pb2.Engine, ttl_seconds: int, *, seen_revision: int = 0, seen_epoch: str = ""
@@ -117,15 +117,15 @@ class FakeRegistry:
     ) -> registry_pb2.HeartbeatEngineResponse:
         self._enter("heartbeat_engine")
         if engine_id not in self.engines:
-            raise RegistryError(grpc.StatusCode.NOT_FOUND, f"engine {engine_id} is not registered")
+            raise RegistryError(ErrorKind.NOT_FOUND, f"engine {engine_id} is not registered")
         if incarnation and incarnation != self.incarnations.get(engine_id):
-            raise RegistryError(grpc.StatusCode.NOT_FOUND, f"engine {engine_id} registered again")
+            raise RegistryError(ErrorKind.NOT_FOUND, f"engine {engine_id} registered again")
         return registry_pb2.HeartbeatEngineResponse(header=self._header(), ttl_seconds=10)
 
     async def deregister_engine(self, engine_id: str) -> None:
         self._enter("deregister_engine")
         if self.engines.pop(engine_id, None) is None:
-            raise RegistryError(grpc.StatusCode.NOT_FOUND, f"engine {engine_id} is not registered")
+            raise RegistryError(ErrorKind.NOT_FOUND, f"engine {engine_id} is not registered")
 
     async def publish_retention(
         self, retention: resources_pb2.Retention
@@ -134,28 +134,26 @@ class FakeRegistry:
         if retention.engine_id not in self.engines:
             # The real registry's answer (kvferry.registry.retentions.RetentionStore.publish_retention).
             raise RegistryError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                ErrorKind.FAILED_PRECONDITION,
                 f"engine {retention.engine_id} is not registered; register it (RegisterEngine) before "
                 "publishing its retentions",
             )
         if (retention.engine_id, retention.engine_request_id) in self.ended_requests:
-            raise RegistryError(
-                grpc.StatusCode.FAILED_PRECONDITION, "ended by its engine; never published again"
-            )
+            raise RegistryError(ErrorKind.FAILED_PRECONDITION, "ended by its engine; never published again")
         stored = resources_pb2.Retention()
         stored.CopyFrom(retention)
         stored.expire_time.CopyFrom(_ts(time.time() + (retention.ttl_seconds or 60)))
         self.retentions[(retention.tenant, retention.conversation_id)] = stored
         header = self._header(write=True)
         if self.lose_publish_answer:
-            raise RegistryError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost")
+            raise RegistryError(ErrorKind.DEADLINE_EXCEEDED, "answer lost")
         return registry_pb2.PublishRetentionResponse(header=header, retention=stored)
 
     async def get_retention(self, tenant: str, conversation_id: str) -> registry_pb2.GetRetentionResponse:
         self._enter("get_retention")
         found = self.retentions.get((tenant, conversation_id))
         if found is None:
-            raise RegistryError(grpc.StatusCode.NOT_FOUND, "no live retention")
+            raise RegistryError(ErrorKind.NOT_FOUND, "no live retention")
         return registry_pb2.GetRetentionResponse(header=self._header(), retention=found)
 
     async def end_engine_retention(

@@ -5,12 +5,12 @@ on cue. The same paths run against the real registry in test_sidecar.py."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import AsyncIterator
 
-import grpc
 import pytest
+from kvferry.runtime.clock import SystemClock
+from kvferry.runtime.errors import ErrorKind, ServiceError
 from kvferry.sidecar.app import Sidecar
 from kvferry.sidecar.engine import (
     EngineFacts,
@@ -21,10 +21,8 @@ from kvferry.sidecar.engine import (
     _cache_facts,
     _model_facts,
 )
-from kvferry.sidecar.errors import SidecarError
 from kvferry.sidecar.registration import EngineIdentity, Phase, RegistrationRejected, describe_engine
 from kvferry.sidecar.releases import ENDED, RENEWED, SYNC, Event, RetentionBook, Subscription
-from kvferry.sidecar.timing import Backoff, BackoffPolicy, SystemClock
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
 
@@ -36,15 +34,6 @@ pytestmark = pytest.mark.timeout(30)
 
 
 # --- pure pieces ----------------------------------------------------------------------------------
-
-
-def test_backoff_grows_caps_and_resets() -> None:
-    backoff = Backoff(BackoffPolicy(initial_seconds=0.1, max_seconds=0.4, jitter=0.0), random.Random(1))
-    assert [backoff.next_delay() for _ in range(5)] == pytest.approx([0.1, 0.2, 0.4, 0.4, 0.4])
-    backoff.reset()
-    assert backoff.next_delay() == pytest.approx(0.1)
-    with pytest.raises(ValueError):
-        BackoffPolicy(initial_seconds=1.0, max_seconds=0.5)
 
 
 VLLM_METRICS_EXCERPT = """\
@@ -173,7 +162,7 @@ async def sidecar(fake: FakeRegistry, probe: ScriptedProbe) -> AsyncIterator[Sid
 
 
 async def test_registration_retries_a_registry_that_is_down(fake: FakeRegistry, probe: ScriptedProbe) -> None:
-    fake.script("register_engine", grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    fake.script("register_engine", ErrorKind.UNAVAILABLE, ErrorKind.DEADLINE_EXCEEDED)
     config = sidecar_test_config(
         registry_address="127.0.0.1:1", engine_url="http://127.0.0.1:1", engine_id="e1"
     )
@@ -190,7 +179,7 @@ async def test_registration_retries_a_registry_that_is_down(fake: FakeRegistry, 
 async def test_registration_refused_for_bad_config_fails_the_sidecar(
     fake: FakeRegistry, probe: ScriptedProbe
 ) -> None:
-    fake.script("register_engine", grpc.StatusCode.INVALID_ARGUMENT)
+    fake.script("register_engine", ErrorKind.INVALID_ARGUMENT)
     config = sidecar_test_config(
         registry_address="127.0.0.1:1", engine_url="http://127.0.0.1:1", engine_id="e1"
     )
@@ -260,10 +249,10 @@ async def test_a_publish_whose_answer_was_lost_is_found_and_kept(
     assert stored.engine_id == "e1" and stored.engine_request_id in sidecar.book
 
     # If the registry cannot even be asked, the retention is kept unconfirmed: a SYNC lists it.
-    fake.script("get_retention", grpc.StatusCode.UNAVAILABLE)
-    with pytest.raises(SidecarError) as failed:
+    fake.script("get_retention", ErrorKind.UNAVAILABLE)
+    with pytest.raises(ServiceError) as failed:
         await sidecar.publisher.report(retention("t", "d"))
-    assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+    assert failed.value.kind is ErrorKind.UNAVAILABLE
     entry = sidecar.book.get("req-d-1")
     assert entry is not None and entry.expire_time is None
 
@@ -273,9 +262,9 @@ async def test_lease_loss_seen_by_a_publish_triggers_reregistration(
 ) -> None:
     await eventually(lambda: sidecar.registration.registered, what="registered")
     del fake.engines["e1"]  # the registry lost the engine
-    with pytest.raises(SidecarError) as failed:
+    with pytest.raises(ServiceError) as failed:
         await sidecar.publisher.report(retention("t", "c"))
-    assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+    assert failed.value.kind is ErrorKind.UNAVAILABLE
     # The refused publish made the sidecar check its lease at once, and re-register.
     await eventually(lambda: sidecar.registration.generation == 2, within=0.5, what="re-registered")
     assert sidecar.registration.phase is Phase.REGISTERED

@@ -7,93 +7,81 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 from collections.abc import Mapping
 
-from kvferry.common import telemetry
 from kvferry.common.logs import setup_logging
 from kvferry.registry.config import RegistryConfig, TtlPolicy
+from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
 
 _DEFAULTS = RegistryConfig()
 
 
-def _env(environ: Mapping[str, str], name: str, default: object) -> str:
-    return environ.get(name, str(default))
-
-
 def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
-    env = os.environ if environ is None else environ
+    flags = EnvFlags(parser, environ)
     ttl = _DEFAULTS.ttl
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    parser.add_argument(
+    flags.add(
         "--listen",
-        default=_env(env, "KVFERRY_REGISTRY_LISTEN", _DEFAULTS.listen_address),
-        help="host:port the gRPC server binds (port 0 picks a free one) [env KVFERRY_REGISTRY_LISTEN]",
+        "KVFERRY_REGISTRY_LISTEN",
+        "host:port the gRPC server binds (port 0 picks a free one)",
+        default=_DEFAULTS.listen_address,
     )
-    parser.add_argument(
+    flags.add(
         "--etcd-endpoints",
-        default=_env(env, "KVFERRY_ETCD_ENDPOINTS", ",".join(_DEFAULTS.etcd_endpoints)),
-        help="comma-separated etcd client endpoints, host:port each [env KVFERRY_ETCD_ENDPOINTS]",
+        "KVFERRY_ETCD_ENDPOINTS",
+        "comma-separated etcd client endpoints, host:port each",
+        default=",".join(_DEFAULTS.etcd_endpoints),
     )
-    parser.add_argument(
+    flags.add(
         "--etcd-timeout",
+        "KVFERRY_ETCD_TIMEOUT_SECONDS",
+        "deadline of each etcd call in seconds; past it the RPC fails with UNAVAILABLE",
         type=float,
-        default=float(_env(env, "KVFERRY_ETCD_TIMEOUT_SECONDS", _DEFAULTS.etcd_timeout_seconds)),
-        help="deadline of each etcd call in seconds; past it the RPC fails with UNAVAILABLE "
-        "[env KVFERRY_ETCD_TIMEOUT_SECONDS]",
+        default=_DEFAULTS.etcd_timeout_seconds,
     )
-    parser.add_argument(
+    flags.add(
         "--key-prefix",
-        default=_env(env, "KVFERRY_KEY_PREFIX", _DEFAULTS.key_prefix),
-        help="etcd key prefix for everything the registry stores; must end with '/' [env KVFERRY_KEY_PREFIX]",
+        "KVFERRY_KEY_PREFIX",
+        "etcd key prefix for everything the registry stores; must end with '/'",
+        default=_DEFAULTS.key_prefix,
     )
-    parser.add_argument(
+    flags.add(
         "--default-engine-ttl",
+        "KVFERRY_DEFAULT_ENGINE_TTL_SECONDS",
+        "engine lease in seconds when RegisterEngine asks for 0",
         type=int,
-        default=int(_env(env, "KVFERRY_DEFAULT_ENGINE_TTL_SECONDS", ttl.default_engine_ttl_seconds)),
-        help="engine lease in seconds when RegisterEngine asks for 0 "
-        "[env KVFERRY_DEFAULT_ENGINE_TTL_SECONDS]",
+        default=ttl.default_engine_ttl_seconds,
     )
-    parser.add_argument(
+    flags.add(
         "--max-engine-ttl",
+        "KVFERRY_MAX_ENGINE_TTL_SECONDS",
+        "longest engine lease in seconds a caller may ask for",
         type=int,
-        default=int(_env(env, "KVFERRY_MAX_ENGINE_TTL_SECONDS", ttl.max_engine_ttl_seconds)),
-        help="longest engine lease in seconds a caller may ask for [env KVFERRY_MAX_ENGINE_TTL_SECONDS]",
+        default=ttl.max_engine_ttl_seconds,
     )
-    parser.add_argument(
+    flags.add(
         "--default-retention-ttl",
+        "KVFERRY_DEFAULT_RETENTION_TTL_SECONDS",
+        "retention lease in seconds when PublishRetention asks for 0",
         type=int,
-        default=int(_env(env, "KVFERRY_DEFAULT_RETENTION_TTL_SECONDS", ttl.default_retention_ttl_seconds)),
-        help="retention lease in seconds when PublishRetention asks for 0 "
-        "[env KVFERRY_DEFAULT_RETENTION_TTL_SECONDS]",
+        default=ttl.default_retention_ttl_seconds,
     )
-    parser.add_argument(
+    flags.add(
         "--max-retention-ttl",
+        "KVFERRY_MAX_RETENTION_TTL_SECONDS",
+        "longest retention lease in seconds a caller may ask for (the operator's cap)",
         type=int,
-        default=int(_env(env, "KVFERRY_MAX_RETENTION_TTL_SECONDS", ttl.max_retention_ttl_seconds)),
-        help="longest retention lease in seconds a caller may ask for (the operator's cap) "
-        "[env KVFERRY_MAX_RETENTION_TTL_SECONDS]",
+        default=ttl.max_retention_ttl_seconds,
     )
-    parser.add_argument(
+    flags.add(
         "--etcd-history",
+        "KVFERRY_ETCD_HISTORY_SECONDS",
+        "seconds of etcd history kept for watches to resume; older revisions are compacted "
+        "(0: leave compaction to etcd's --auto-compaction-*)",
         type=int,
-        default=int(_env(env, "KVFERRY_ETCD_HISTORY_SECONDS", _DEFAULTS.history_seconds)),
-        help="seconds of etcd history kept for watches to resume; older revisions are compacted "
-        "(0: leave compaction to etcd's --auto-compaction-*) [env KVFERRY_ETCD_HISTORY_SECONDS]",
+        default=_DEFAULTS.history_seconds,
     )
-    parser.add_argument(
-        "--log-level",
-        default=_env(env, "KVFERRY_LOG_LEVEL", _DEFAULTS.log_level),
-        choices=["debug", "info", "warning", "error"],
-        help="log level; logs are JSON lines on stderr [env KVFERRY_LOG_LEVEL]",
-    )
-    telemetry.add_telemetry_arguments(parser)
-    if environ is not None:
-        # The shared flags read os.environ; an injected environment (tests) wins here too.
-        parser.set_defaults(
-            metrics_address=env.get("KVFERRY_METRICS_ADDRESS"),
-            otlp_endpoint=env.get("KVFERRY_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
-        )
+    add_log_level_flag(flags)
+    add_telemetry_flags(flags)
 
 
 def config_from_args(args: argparse.Namespace) -> RegistryConfig:

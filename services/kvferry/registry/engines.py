@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvferry.registry import validation
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.epochs import NO_EPOCH, Epoch, EpochKeeper
-from kvferry.registry.errors import Conflict, EtcdFailure, EtcdUnavailable, NotFound, RegistryError
+from kvferry.registry.errors import EtcdFailure, EtcdUnavailable
 from kvferry.registry.etcd import (
+    RECONNECT_BACKOFF,
     Delete,
     EtcdGateway,
     EventType,
@@ -37,7 +37,10 @@ from kvferry.registry.keys import KeyLayout
 from kvferry.registry.metrics import LEASE_ENGINE, RegistryMetrics
 from kvferry.registry.reaper import EngineReaper
 from kvferry.registry.records import decode_engine
-from kvferry.registry.timing import Backoff, Clock, timestamp
+from kvferry.runtime.backoff import Backoff
+from kvferry.runtime.clock import Clock, SystemClock
+from kvferry.runtime.errors import Aborted, NotFound, ServiceError
+from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import resources_pb2 as resources
 
@@ -94,7 +97,7 @@ class EngineStore:
         reaper: EngineReaper,
         *,
         epochs: EpochKeeper | None = None,
-        clock: Clock = time.time,
+        clock: Clock | None = None,
         metrics: RegistryMetrics | None = None,
     ) -> None:
         self.etcd = etcd
@@ -102,7 +105,7 @@ class EngineStore:
         self.ttl = ttl
         self._reaper = reaper
         self.epochs = epochs if epochs is not None else EpochKeeper(etcd, layout, metrics=metrics)
-        self._clock = clock
+        self._clock: Clock = clock if clock is not None else SystemClock()
         self._metrics = metrics if metrics is not None else RegistryMetrics()
 
     async def register_engine(
@@ -128,7 +131,7 @@ class EngineStore:
         stored = resources.Engine()
         stored.CopyFrom(engine)
         stored.name = f"engines/{engine.engine_id}"
-        stored.register_time.CopyFrom(timestamp(self._clock()))
+        stored.register_time.CopyFrom(to_timestamp(self._clock.time()))
         key = self.layout.engine(engine.engine_id)
         written = await self.etcd.txn(
             [], [Put(key, stored.SerializeToString(), lease.id, prev_kv=True), Get(self.layout.epoch)]
@@ -149,7 +152,7 @@ class EngineStore:
             await self.etcd.revoke_quietly(previous.lease, "old engine incarnation")
             try:
                 await self._reaper.reap_engine(engine.engine_id)
-            except (RegistryError, LeaseNotFound) as error:
+            except (ServiceError, LeaseNotFound) as error:
                 # The reaper's own watch and sweeps end them later; lookups refuse them already.
                 log.warning(
                     "old incarnation not reaped yet",
@@ -206,7 +209,7 @@ class EngineStore:
             raise _not_registered(engine_id)
         deleted = await self.etcd.txn([LeaseIs(key, kv.lease)], [Delete(key)])
         if not deleted.succeeded:
-            raise Conflict(f"engine {engine_id} re-registered while it was being removed; deregister again")
+            raise Aborted(f"engine {engine_id} re-registered while it was being removed; deregister again")
         await self.etcd.revoke_quietly(kv.lease, "deregistered engine")
         await self._reaper.reap_engine(engine_id)
         log.info("engine deregistered", extra={"engine_id": engine_id})
@@ -246,7 +249,7 @@ class EngineStore:
             yield EngineEvent(registry.ENGINE_EVENT_TYPE_JOINED, engine, revision)
         if not listing:
             revision = await self.etcd.current_revision()
-        backoff = Backoff()
+        backoff = Backoff(RECONNECT_BACKOFF)
         while True:
             try:
                 async for events in self.etcd.watch(

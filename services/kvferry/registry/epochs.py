@@ -24,10 +24,10 @@ import secrets
 import struct
 from dataclasses import dataclass
 
-from kvferry.registry.errors import Conflict
 from kvferry.registry.etcd import Delete, EtcdGateway, Get, ModRevisionIs, Put, prefix_end
 from kvferry.registry.keys import KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
+from kvferry.runtime.errors import Aborted
 
 log = logging.getLogger(__name__)
 
@@ -131,4 +131,4 @@ class EpochKeeper:
                     extra={"evidence": evidence, "old_epoch": str(current), "epoch": str(new)},
                 )
                 return new
-        raise Conflict("the registry's epoch changed concurrently while starting a new one; retry")
+        raise Aborted("the registry's epoch changed concurrently while starting a new one; retry")

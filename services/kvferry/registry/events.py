@@ -24,11 +24,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvferry.registry.errors import EtcdFailure, EtcdUnavailable
-from kvferry.registry.etcd import EtcdGateway, EventType, RevisionCompacted, WatchEvent, prefix_end
+from kvferry.registry.etcd import (
+    RECONNECT_BACKOFF,
+    EtcdGateway,
+    EventType,
+    RevisionCompacted,
+    WatchEvent,
+    prefix_end,
+)
 from kvferry.registry.keys import ConversationKey, KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.records import decode_record, decode_tombstone
-from kvferry.registry.timing import Backoff, Clock
+from kvferry.runtime.backoff import Backoff
+from kvferry.runtime.clock import Clock
+from kvferry.runtime.errors import Aborted, ResourceExhausted
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import resources_pb2 as resources
 
@@ -47,11 +56,11 @@ class RetentionEvent:
     revision: int
 
 
-class SubscriberTooSlow(Exception):
+class SubscriberTooSlow(ResourceExhausted):
     """The stream's consumer fell more than SUBSCRIBER_QUEUE_SIZE events behind."""
 
 
-class HistoryLost(Exception):
+class HistoryLost(Aborted):
     """The hub's etcd watch resumed past compacted history: events of this stream may be missing."""
 
 
@@ -142,7 +151,7 @@ class RetentionEventHub:
 
     async def _follow(self, start_revision: int) -> None:
         revision = start_revision - 1
-        backoff = Backoff()
+        backoff = Backoff(RECONNECT_BACKOFF)
         prefix = self._layout.retention_events
         while True:
             try:
@@ -212,7 +221,7 @@ class RetentionEventHub:
         if event.type is EventType.DELETE:
             tombstone = tombstones.get((layout.conversation_of_live(key), revision))
             if tombstone is None:
-                reason, end_time = resources.RELEASE_REASON_EXPIRED, self._clock()
+                reason, end_time = resources.RELEASE_REASON_EXPIRED, self._clock.time()
                 # No replica's transaction ended it (etcd did): the replica telling the engine counts it.
                 if previous.engine_id in self._subscribers:
                     self._metrics.released(reason)

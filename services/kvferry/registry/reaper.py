@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 
 from kvferry.registry.errors import EtcdFailure, EtcdUnavailable
 from kvferry.registry.etcd import (
+    RECONNECT_BACKOFF,
     EtcdGateway,
     EventType,
     KeyValue,
@@ -34,7 +34,8 @@ from kvferry.registry.keys import ConversationKey, KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.records import decode_incarnation
 from kvferry.registry.retentions import end_operations
-from kvferry.registry.timing import Backoff, Clock
+from kvferry.runtime.backoff import Backoff
+from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.v1 import resources_pb2 as resources
 
 log = logging.getLogger(__name__)
@@ -51,12 +52,12 @@ class EngineReaper:
         etcd: EtcdGateway,
         layout: KeyLayout,
         *,
-        clock: Clock = time.time,
+        clock: Clock | None = None,
         metrics: RegistryMetrics | None = None,
     ) -> None:
         self.etcd = etcd
         self.layout = layout
-        self._clock = clock
+        self._clock: Clock = clock if clock is not None else SystemClock()
         self._metrics = metrics if metrics is not None else RegistryMetrics()
 
     async def reap_engine(self, engine_id: str) -> int:
@@ -80,7 +81,7 @@ class EngineReaper:
             reason = resources.RELEASE_REASON_ENGINE_GONE
             return Txn(
                 [LeaseIs(self.layout.live(conversation), kv.lease)],
-                end_operations(self.layout, conversation, engine_id, kv.lease, reason, self._clock()),
+                end_operations(self.layout, conversation, engine_id, kv.lease, reason, self._clock.time()),
             )
 
         try:
@@ -122,7 +123,7 @@ class EngineReaper:
 
         Survives etcd outages: after one (or a compaction that skipped events) it sweeps again.
         """
-        backoff = Backoff()
+        backoff = Backoff(RECONNECT_BACKOFF)
         revision = 0
         needs_sweep = True
         while True:

@@ -22,14 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from dataclasses import dataclass
 
 from kvferry.registry import validation
 from kvferry.registry.batching import TxnBatcher
 from kvferry.registry.cache import RetentionCache
 from kvferry.registry.config import TtlPolicy
-from kvferry.registry.errors import Conflict, FailedPrecondition, NotFound, RegistryError
 from kvferry.registry.etcd import (
     Delete,
     EtcdGateway,
@@ -53,7 +51,9 @@ from kvferry.registry.records import (
     encode_record,
     encode_tombstone,
 )
-from kvferry.registry.timing import Clock, timestamp
+from kvferry.runtime.clock import Clock, SystemClock
+from kvferry.runtime.errors import Aborted, FailedPrecondition, NotFound, ServiceError
+from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import resources_pb2 as resources
 
 log = logging.getLogger(__name__)
@@ -172,14 +172,14 @@ class RetentionStore:
         layout: KeyLayout,
         ttl: TtlPolicy,
         *,
-        clock: Clock = time.time,
+        clock: Clock | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         metrics: RegistryMetrics | None = None,
     ) -> None:
         self.etcd = etcd
         self.layout = layout
         self.ttl = ttl
-        self._clock = clock
+        self._clock: Clock = clock if clock is not None else SystemClock()
         self._metrics = metrics if metrics is not None else RegistryMetrics()
         self._cache = RetentionCache(cache_bytes)
         # The hot paths (publish, lookup, renew) share etcd calls when they arrive together.
@@ -204,7 +204,7 @@ class RetentionStore:
                     return published
         finally:
             await self._drop_unused_lease(grant, published.lease if published is not None else 0)
-        raise Conflict(
+        raise Aborted(
             f"conversation {conversation.conversation_id} changed concurrently {_TXN_ATTEMPTS} times while "
             "publishing; retry"
         )
@@ -213,7 +213,7 @@ class RetentionStore:
         """Revokes the lease ``grant`` gave unless it is ``used`` (or cancels the grant)."""
         if not grant.done():
             grant.cancel()
-            with contextlib.suppress(asyncio.CancelledError, RegistryError):
+            with contextlib.suppress(asyncio.CancelledError, ServiceError):
                 await grant
             return
         if grant.cancelled() or grant.exception() is not None:
@@ -263,13 +263,13 @@ class RetentionStore:
             if current.retention.engine_id != retention.engine_id:
                 operations.append(Delete(self.layout.engine_index(current.retention.engine_id, conversation)))
         lease = await grant
-        now = self._clock()
+        now = self._clock.time()
         stored = resources.Retention()
         stored.CopyFrom(retention)
         stored.name = conversation.name
         stored.ttl_seconds = lease.ttl_seconds
-        stored.publish_time.CopyFrom(timestamp(now))
-        stored.expire_time.CopyFrom(timestamp(now + lease.ttl_seconds))
+        stored.publish_time.CopyFrom(to_timestamp(now))
+        stored.expire_time.CopyFrom(to_timestamp(now + lease.ttl_seconds))
         record = encode_record(stored, incarnation)
         index_key = self.layout.engine_index(retention.engine_id, conversation)
         operations[:0] = [
@@ -304,13 +304,13 @@ class RetentionStore:
         conversation = validation.conversation_key(tenant, conversation_id)
         for _ in range(_TXN_ATTEMPTS):
             record = await self._read_live(conversation)
-            if not is_expired(record.stored.retention, self._clock()):
+            if not is_expired(record.stored.retention, self._clock.time()):
                 retention = resources.Retention()
                 retention.CopyFrom(record.stored.retention)
                 return FoundRetention(retention, record.revision)
             if await self._end_expired(conversation, record):
                 raise _no_retention(conversation)
-        raise Conflict(f"conversation {conversation_id} changed concurrently while looking it up; retry")
+        raise Aborted(f"conversation {conversation_id} changed concurrently while looking it up; retry")
 
     async def _read_live(self, conversation: ConversationKey) -> _LiveRecord:
         """The live record while its engine incarnation is registered; NotFound otherwise."""
@@ -363,7 +363,7 @@ class RetentionStore:
             retention.engine_id,
             record.lease,
             resources.RELEASE_REASON_EXPIRED,
-            self._clock(),
+            self._clock.time(),
         )
         try:
             committed = await self.etcd.txn([ModRevisionIs(live_key, record.mod_revision)], ending)
@@ -396,7 +396,7 @@ class RetentionStore:
         live_key = self.layout.live(conversation)
         cached = self._cache.get(live_key)
         # A renewal elsewhere only moves the expiry later: unexpired in the cache is unexpired in etcd.
-        if cached is not None and not is_expired(cached.stored.retention, self._clock()):
+        if cached is not None and not is_expired(cached.stored.retention, self._clock.time()):
             renewed = await self._renew_once(live_key, cached.stored, cached.lease)
             if renewed is not None:
                 return renewed
@@ -406,7 +406,7 @@ class RetentionStore:
             if kv is None:
                 raise _no_retention(conversation)
             stored = decode_record(kv.value)
-            if is_expired(stored.retention, self._clock()):
+            if is_expired(stored.retention, self._clock.time()):
                 if await self._end_expired(conversation, _LiveRecord(stored, kv.lease, kv.mod_revision, 0)):
                     raise _no_retention(conversation)
                 continue
@@ -417,7 +417,7 @@ class RetentionStore:
                     "superseded, released, or its engine left; recompute"
                 )
             return renewed
-        raise Conflict(f"conversation {conversation_id} changed concurrently while renewing; retry")
+        raise Aborted(f"conversation {conversation_id} changed concurrently while renewing; retry")
 
     async def _renew_once(
         self, live_key: bytes, stored: StoredRetention, lease: int
@@ -429,7 +429,7 @@ class RetentionStore:
         retention = resources.Retention()
         retention.CopyFrom(stored.retention)
         # A keep-alive restores the granted TTL; the record says so.
-        retention.expire_time.CopyFrom(timestamp(self._clock() + retention.ttl_seconds))
+        retention.expire_time.CopyFrom(to_timestamp(self._clock.time() + retention.ttl_seconds))
         engine_key = self.layout.engine(retention.engine_id)
         record = encode_record(retention, stored.engine_incarnation)
         renewal, update = await asyncio.gather(
@@ -484,7 +484,7 @@ class RetentionStore:
             if kv is None:
                 raise _no_retention(conversation)
             stored = decode_record(kv.value)
-            if is_expired(stored.retention, self._clock()):
+            if is_expired(stored.retention, self._clock.time()):
                 if await self._end_expired(conversation, _LiveRecord(stored, kv.lease, kv.mod_revision, 0)):
                     raise _no_retention(conversation)
                 kv = await self.etcd.get(live_key)
@@ -492,7 +492,7 @@ class RetentionStore:
             if engine_request_id and stored.retention.engine_request_id != engine_request_id:
                 raise _other_request_live(conversation, stored.retention, engine_request_id)
             ending = end_operations(
-                self.layout, conversation, stored.retention.engine_id, kv.lease, reason, self._clock()
+                self.layout, conversation, stored.retention.engine_id, kv.lease, reason, self._clock.time()
             )
             try:
                 committed = await self.etcd.txn(
@@ -510,7 +510,7 @@ class RetentionStore:
                 await self.etcd.revoke_quietly(kv.lease, "released retention")
                 return committed.revision
             kv = committed.range(0).first
-        raise Conflict(f"conversation {conversation_id} changed concurrently while releasing; retry")
+        raise Aborted(f"conversation {conversation_id} changed concurrently while releasing; retry")
 
     # --- an engine ending its own retention ----------------------------------------------------
 
@@ -548,7 +548,7 @@ class RetentionStore:
                     and live.engine_id == engine_id
                     and live.engine_request_id == engine_request_id
                 )
-                now = self._clock()
+                now = self._clock.time()
                 operations: list[Op] = [Put(ended_key, encode_tombstone(reason, now), marker_lease.id)]
                 if kv is not None and mine:
                     operations[:0] = end_operations(
@@ -587,7 +587,7 @@ class RetentionStore:
                 return EngineEnd(mine, committed.revision)
         finally:
             await self._drop_unused_lease(grant, used)
-        raise Conflict(
+        raise Aborted(
             f"conversation {conversation_id} changed concurrently {_TXN_ATTEMPTS} times while its engine "
             "ended a retention; retry"
         )

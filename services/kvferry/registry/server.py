@@ -22,7 +22,7 @@ from kvferry.common.grpc_server import start_server
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.engines import EngineStore
 from kvferry.registry.epochs import EpochKeeper
-from kvferry.registry.errors import EtcdUnavailable, RegistryError
+from kvferry.registry.errors import EtcdUnavailable
 from kvferry.registry.etcd import EtcdGateway, EtcdSettings, prefix_end
 from kvferry.registry.events import RetentionEventHub
 from kvferry.registry.keys import KeyLayout
@@ -30,7 +30,8 @@ from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.reaper import EngineReaper
 from kvferry.registry.retentions import RetentionStore
 from kvferry.registry.service import RegistryServicer
-from kvferry.registry.timing import Clock
+from kvferry.runtime.clock import Clock, SystemClock
+from kvferry.runtime.errors import ServiceError
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from opentelemetry import trace
@@ -105,7 +106,7 @@ async def _probe_etcd(
         if ok and epochs.known is None:
             try:
                 await epochs.load()
-            except RegistryError as error:
+            except ServiceError as error:
                 log.debug("epoch not read yet", extra={"error": str(error)})
         if ok != serving:
             status = (
@@ -130,7 +131,7 @@ async def _count_live(etcd: EtcdGateway, layout: KeyLayout, metrics: RegistryMet
                 etcd.count(layout.live_retentions, prefix_end(layout.live_retentions)),
             )
             metrics.set_live(engines, retentions)
-        except RegistryError as error:
+        except ServiceError as error:
             log.debug("live counts not refreshed", extra={"error": str(error)})
         await asyncio.sleep(_LIVE_COUNT_SECONDS)
 
@@ -161,14 +162,14 @@ async def _compact_history(etcd: EtcdGateway, keep_seconds: int) -> None:
             if target is not None:
                 await etcd.compact(target)
                 log.debug("etcd history compacted", extra={"revision": target})
-        except RegistryError as error:
+        except ServiceError as error:
             log.warning("etcd compaction skipped", extra={"error": str(error)})
 
 
 async def create_registry(
     config: RegistryConfig,
     *,
-    clock: Clock = time.time,
+    clock: Clock | None = None,
     metrics: RegistryMetrics | None = None,
     tracer_provider: trace.TracerProvider | None = None,
 ) -> Registry:
@@ -179,6 +180,7 @@ async def create_registry(
     ``config`` (``metrics_address``, ``otlp_endpoint``).
     """
     metrics = metrics if metrics is not None else RegistryMetrics()
+    clock = clock if clock is not None else SystemClock()
     owns_tracing = tracer_provider is None
     provider = (
         tracer_provider

@@ -1,80 +1,33 @@
 """The gRPC RegistryService: thin handlers over the engine store, the retention store and the
 retention event hub (the reaper runs beside them, started by ``server``).
 
-Each handler translates messages; errors become statuses through ``errors.STATUS_BY_ERROR``.
-Watch streams send their initial metadata once the watch is in place, so a client that awaits
-``call.initial_metadata()`` knows later changes will reach it.
+Each handler translates messages; errors become statuses through the kit's table
+(``kvferry.runtime.errors``). Watch streams send their initial metadata once the watch is in place,
+so a client that awaits ``call.initial_metadata()`` knows later changes will reach it.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
 
 import grpc
 from kvferry.registry import validation
 from kvferry.registry.engines import EngineStore
-from kvferry.registry.errors import RegistryError, status_for
-from kvferry.registry.events import HistoryLost, RetentionEvent, RetentionEventHub, SubscriberTooSlow
+from kvferry.registry.events import RetentionEvent, RetentionEventHub
 from kvferry.registry.retentions import RetentionStore
-from kvferry.registry.timing import timestamp
+from kvferry.runtime import errors
+from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2 as resources
-
-log = logging.getLogger(__name__)
-
-Request = TypeVar("Request")
-Response = TypeVar("Response")
 
 
 def _header(revision: int) -> resources.ResponseHeader:
     return resources.ResponseHeader(revision=revision)
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: RegistryError, method: str) -> None:
-    code = status_for(error)
-    level = (
-        logging.WARNING if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) else logging.DEBUG
-    )
-    log.log(level, "request refused", extra={"method": method, "code": code.name, "error": str(error)})
-    await context.abort(code, str(error))
-
-
-def unary(
-    handler: Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]],
-) -> Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]]:
-    @functools.wraps(handler)
-    async def wrapped(self: Any, request: Request, context: grpc.aio.ServicerContext) -> Response:
-        try:
-            return await handler(self, request, context)
-        except RegistryError as error:
-            await _abort(context, error, handler.__name__)
-            raise AssertionError("unreachable: abort raises") from error
-
-    return wrapped
-
-
-def streaming(
-    handler: Callable[[Any, Request, grpc.aio.ServicerContext], AsyncIterator[Response]],
-) -> Callable[[Any, Request, grpc.aio.ServicerContext], AsyncIterator[Response]]:
-    @functools.wraps(handler)
-    async def wrapped(
-        self: Any, request: Request, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Response]:
-        try:
-            async for item in handler(self, request, context):
-                yield item
-        except RegistryError as error:
-            await _abort(context, error, handler.__name__)
-        except SubscriberTooSlow as error:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except HistoryLost as error:
-            await context.abort(grpc.StatusCode.ABORTED, str(error))
-
-    return wrapped
+unary = errors.unary("registry")
+streaming = errors.streaming("registry")
 
 
 def _retention_event(event: RetentionEvent) -> registry.WatchRetentionsResponse:
@@ -82,7 +35,7 @@ def _retention_event(event: RetentionEvent) -> registry.WatchRetentionsResponse:
         header=_header(event.revision), type=event.type, retention=event.retention, reason=event.reason
     )
     if event.type == registry.RETENTION_EVENT_TYPE_ENDED:
-        response.end_time.CopyFrom(timestamp(event.end_time))
+        response.end_time.CopyFrom(to_timestamp(event.end_time))
     return response
 
 

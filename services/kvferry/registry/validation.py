@@ -11,8 +11,8 @@ import binascii
 from kvferry.common.ids import check_id
 from kvferry.pd.digest import DIGEST_BYTES
 from kvferry.registry.config import TtlPolicy
-from kvferry.registry.errors import InvalidArgument
 from kvferry.registry.keys import ConversationKey
+from kvferry.runtime.errors import InvalidArgument
 from kvferry.v1 import resources_pb2 as resources
 
 # etcd refuses requests above 1.5 MiB by default; keep one record well inside that.

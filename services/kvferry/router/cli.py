@@ -8,165 +8,157 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kvferry.common.logs import setup_logging
-from kvferry.common.telemetry import add_telemetry_arguments
-from kvferry.router.server import RouterConfig, start_router
+from kvferry.router.server import COST_PROFILES, REUSE_POLICIES, RouterConfig, start_router
 from kvferry.router.tenants import TenantConfigError
+from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
 
 log = logging.getLogger(__name__)
 
 _DEFAULTS = RouterConfig(registry_address="127.0.0.1:50051")
 
-# (flag, env var, type, default, help)
-_FLAGS: list[tuple[str, str, type, object, str]] = [
-    ("--registry", "KVFERRY_REGISTRY", str, _DEFAULTS.registry_address, "registry gRPC address, HOST:PORT"),
-    (
-        "--grpc-listen",
-        "KVFERRY_ROUTER_GRPC_LISTEN",
-        str,
-        "127.0.0.1:50052",
-        "gRPC listen address (port 0: any)",
-    ),
-    (
-        "--http-listen",
-        "KVFERRY_ROUTER_HTTP_LISTEN",
-        str,
-        "127.0.0.1:8080",
-        "HTTP listen address (port 0: any)",
-    ),
-    (
-        "--tenants-file",
-        "KVFERRY_ROUTER_TENANTS_FILE",
-        str,
-        "",
-        "API keys -> tenants, a .toml or .json file (format: docs/router.md)",
-    ),
-    (
-        "--api-keys",
-        "KVFERRY_ROUTER_API_KEYS",
-        str,
-        "",
-        "extra API keys as KEY=TENANT[,KEY=TENANT...] (for local stacks; prefer --tenants-file)",
-    ),
-    (
-        "--registry-timeout",
-        "KVFERRY_ROUTER_REGISTRY_TIMEOUT",
-        float,
-        _DEFAULTS.registry_timeout_seconds,
-        "deadline of each registry call, seconds",
-    ),
-    (
-        "--cost-profile",
-        "KVFERRY_ROUTER_COST_PROFILE",
-        str,
-        _DEFAULTS.cost_profile,
-        "default rates for the pull-or-recompute decision until engines report their own ('cpu' or a GPU "
-        "profile of kvferry.router.calibration)",
-    ),
-    (
-        "--kv-recompute-threshold",
-        "KVFERRY_ROUTER_KV_RECOMPUTE_THRESHOLD",
-        int,
-        _DEFAULTS.kv_recompute_threshold,
-        "fewest matched tokens worth a pull; set it to the engines' kv_recompute_threshold",
-    ),
-    (
-        "--lease-margin",
-        "KVFERRY_ROUTER_LEASE_MARGIN",
-        float,
-        _DEFAULTS.lease_margin_seconds,
-        "lease time that must remain after an estimated pull, seconds (else recompute)",
-    ),
-    (
-        "--reuse-policy",
-        "KVFERRY_ROUTER_REUSE_POLICY",
-        str,
-        _DEFAULTS.reuse_policy,
-        "cost: pull a retained prefix when the cost model says it is cheaper; always: whenever the "
-        "threshold and the lease allow; never: always recompute",
-    ),
-    (
-        "--default-max-tokens",
-        "KVFERRY_ROUTER_DEFAULT_MAX_TOKENS",
-        int,
-        _DEFAULTS.default_max_tokens,
-        "max_tokens when a request sets none",
-    ),
-    (
-        "--max-attempts",
-        "KVFERRY_ROUTER_MAX_ATTEMPTS",
-        int,
-        _DEFAULTS.max_attempts,
-        "engine attempts per turn (retries happen only before the first token, by recompute)",
-    ),
-    (
-        "--publish-wait",
-        "KVFERRY_ROUTER_PUBLISH_WAIT",
-        float,
-        _DEFAULTS.publish_wait_seconds,
-        "after the last token, wait up to this long for the registry to show the turn's retention, seconds",
-    ),
-    (
-        "--read-window",
-        "KVFERRY_ROUTER_READ_WINDOW",
-        float,
-        _DEFAULTS.read_window_seconds,
-        "a prefill may start reading a retention at most this long after the router hands it out, "
-        "seconds; keep it below the decode engines' release_grace_seconds",
-    ),
-    (
-        "--engine-connect-timeout",
-        "KVFERRY_ROUTER_ENGINE_CONNECT_TIMEOUT",
-        float,
-        _DEFAULTS.engine_connect_timeout_seconds,
-        "engine HTTP connect timeout, seconds",
-    ),
-    (
-        "--engine-read-timeout",
-        "KVFERRY_ROUTER_ENGINE_READ_TIMEOUT",
-        float,
-        _DEFAULTS.engine_read_timeout_seconds,
-        "longest wait for an engine's next bytes (a prefill, a streamed token), seconds",
-    ),
-    (
-        "--engine-max-connections",
-        "KVFERRY_ROUTER_ENGINE_MAX_CONNECTIONS",
-        int,
-        _DEFAULTS.engine_max_connections,
-        "HTTP connections per engine",
-    ),
-    (
-        "--max-body-bytes",
-        "KVFERRY_ROUTER_MAX_BODY_BYTES",
-        int,
-        _DEFAULTS.max_body_bytes,
-        "largest HTTP request body accepted",
-    ),
-    ("--log-level", "KVFERRY_LOG_LEVEL", str, "info", "debug, info, warning or error"),
-    ("--event-loop", "KVFERRY_ROUTER_EVENT_LOOP", str, "uvloop", "uvloop (faster) or asyncio"),
-]
 
-
-def configure(parser: argparse.ArgumentParser) -> None:
+def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     parser.description = (
         "Run the router: gRPC (kvferry.v1.RouterService) and an OpenAI-compatible HTTP API in front of "
         "the prefill/decode engines registered in the registry. API keys map to tenants (--tenants-file)."
     )
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    for flag, env, kind, default, help_text in _FLAGS:
-        raw = os.environ.get(env)
-        parser.add_argument(
-            flag,
-            type=kind,
-            default=kind(raw) if raw is not None else default,
-            help=f"{help_text} [env {env}]",
-        )
-    add_telemetry_arguments(parser)
+    flags = EnvFlags(parser, environ)
+    flags.add(
+        "--registry",
+        "KVFERRY_REGISTRY",
+        "registry gRPC address, HOST:PORT",
+        default=_DEFAULTS.registry_address,
+    )
+    flags.add(
+        "--grpc-listen",
+        "KVFERRY_ROUTER_GRPC_LISTEN",
+        "gRPC listen address (port 0: any)",
+        default="127.0.0.1:50052",
+    )
+    flags.add(
+        "--http-listen",
+        "KVFERRY_ROUTER_HTTP_LISTEN",
+        "HTTP listen address (port 0: any)",
+        default="127.0.0.1:8080",
+    )
+    flags.add(
+        "--tenants-file",
+        "KVFERRY_ROUTER_TENANTS_FILE",
+        "API keys -> tenants, a .toml or .json file (format: docs/router.md)",
+    )
+    flags.add(
+        "--api-keys",
+        "KVFERRY_ROUTER_API_KEYS",
+        "extra API keys as KEY=TENANT[,KEY=TENANT...] (for local stacks; prefer --tenants-file)",
+    )
+    flags.add(
+        "--registry-timeout",
+        "KVFERRY_ROUTER_REGISTRY_TIMEOUT",
+        "deadline of each registry call, seconds",
+        type=float,
+        default=_DEFAULTS.registry_timeout_seconds,
+    )
+    flags.add(
+        "--cost-profile",
+        "KVFERRY_ROUTER_COST_PROFILE",
+        "default rates for the pull-or-recompute decision until engines report their own ('cpu' or a GPU "
+        "profile of kvferry.router.calibration)",
+        default=_DEFAULTS.cost_profile,
+        choices=COST_PROFILES,
+    )
+    flags.add(
+        "--kv-recompute-threshold",
+        "KVFERRY_ROUTER_KV_RECOMPUTE_THRESHOLD",
+        "fewest matched tokens worth a pull; set it to the engines' kv_recompute_threshold",
+        type=int,
+        default=_DEFAULTS.kv_recompute_threshold,
+    )
+    flags.add(
+        "--lease-margin",
+        "KVFERRY_ROUTER_LEASE_MARGIN",
+        "lease time that must remain after an estimated pull, seconds (else recompute)",
+        type=float,
+        default=_DEFAULTS.lease_margin_seconds,
+    )
+    flags.add(
+        "--reuse-policy",
+        "KVFERRY_ROUTER_REUSE_POLICY",
+        "cost: pull a retained prefix when the cost model says it is cheaper; always: whenever the "
+        "threshold and the lease allow; never: always recompute",
+        default=_DEFAULTS.reuse_policy,
+        choices=REUSE_POLICIES,
+    )
+    flags.add(
+        "--default-max-tokens",
+        "KVFERRY_ROUTER_DEFAULT_MAX_TOKENS",
+        "max_tokens when a request sets none",
+        type=int,
+        default=_DEFAULTS.default_max_tokens,
+    )
+    flags.add(
+        "--max-attempts",
+        "KVFERRY_ROUTER_MAX_ATTEMPTS",
+        "engine attempts per turn (retries happen only before the first token, by recompute)",
+        type=int,
+        default=_DEFAULTS.max_attempts,
+    )
+    flags.add(
+        "--publish-wait",
+        "KVFERRY_ROUTER_PUBLISH_WAIT",
+        "after the last token, wait up to this long for the registry to show the turn's retention, seconds",
+        type=float,
+        default=_DEFAULTS.publish_wait_seconds,
+    )
+    flags.add(
+        "--read-window",
+        "KVFERRY_ROUTER_READ_WINDOW",
+        "a prefill may start reading a retention at most this long after the router hands it out, "
+        "seconds; keep it below the decode engines' release_grace_seconds",
+        type=float,
+        default=_DEFAULTS.read_window_seconds,
+    )
+    flags.add(
+        "--engine-connect-timeout",
+        "KVFERRY_ROUTER_ENGINE_CONNECT_TIMEOUT",
+        "engine HTTP connect timeout, seconds",
+        type=float,
+        default=_DEFAULTS.engine_connect_timeout_seconds,
+    )
+    flags.add(
+        "--engine-read-timeout",
+        "KVFERRY_ROUTER_ENGINE_READ_TIMEOUT",
+        "longest wait for an engine's next bytes (a prefill, a streamed token), seconds",
+        type=float,
+        default=_DEFAULTS.engine_read_timeout_seconds,
+    )
+    flags.add(
+        "--engine-max-connections",
+        "KVFERRY_ROUTER_ENGINE_MAX_CONNECTIONS",
+        "HTTP connections per engine",
+        type=int,
+        default=_DEFAULTS.engine_max_connections,
+    )
+    flags.add(
+        "--max-body-bytes",
+        "KVFERRY_ROUTER_MAX_BODY_BYTES",
+        "largest HTTP request body accepted",
+        type=int,
+        default=_DEFAULTS.max_body_bytes,
+    )
+    add_log_level_flag(flags)
+    flags.add(
+        "--event-loop",
+        "KVFERRY_ROUTER_EVENT_LOOP",
+        "uvloop (faster) or asyncio",
+        default="uvloop",
+        choices=("uvloop", "asyncio"),
+    )
+    add_telemetry_flags(flags)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -175,7 +167,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         grpc_listen=args.grpc_listen,
         http_listen=args.http_listen,
         tenants_file=Path(args.tenants_file) if args.tenants_file else None,
-        api_keys=args.api_keys,
+        api_keys=args.api_keys or "",
         registry_timeout_seconds=args.registry_timeout,
         cost_profile=args.cost_profile,
         kv_recompute_threshold=args.kv_recompute_threshold,

@@ -8,8 +8,6 @@ from contextlib import aclosing
 from typing import TypeVar
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
-from kvferry.router.errors import GRPC_CODES, Failure, RouterError, internal, invalid, unavailable
 from kvferry.router.registry_client import RegistryApi, RegistryUnavailable
 from kvferry.router.summary import summary_proto
 from kvferry.router.tenants import ApiKeys, Tenant
@@ -23,6 +21,9 @@ from kvferry.router.turns import (
     TurnRunner,
 )
 from kvferry.router.validation import chat_messages, conversation_id, model_name, sampling
+from kvferry.runtime import errors
+from kvferry.runtime.errors import InvalidArgument, NotFound, Unavailable
+from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
@@ -32,11 +33,8 @@ _T = TypeVar("_T")
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
-
-def _timestamp(unix_seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(unix_seconds * 1e9))
-    return stamp
+unary = errors.unary("router")
+streaming = errors.streaming("router")
 
 
 def turn_request_from_proto(request: router_pb2.GenerateRequest, tenant: Tenant) -> TurnRequest:
@@ -47,14 +45,14 @@ def turn_request_from_proto(request: router_pb2.GenerateRequest, tenant: Tenant)
         prompt = ChatPrompt(chat_messages([(m.role, m.content) for m in request.chat.messages]))
     elif kind == "tokens":
         if not request.tokens.token_ids:
-            raise invalid("tokens.token_ids is empty", param="tokens")
+            raise InvalidArgument("tokens.token_ids is empty", param="tokens")
         prompt = TokenPrompt(tuple(request.tokens.token_ids))
     elif kind == "text":
         if not request.text:
-            raise invalid("text is empty", param="text")
+            raise InvalidArgument("text is empty", param="text")
         prompt = TextPrompt(request.text)
     else:
-        raise invalid("the prompt is missing: set one of chat, tokens or text", param="prompt")
+        raise InvalidArgument("the prompt is missing: set one of chat, tokens or text", param="prompt")
     s = request.sampling
     options = sampling(
         max_tokens=s.max_tokens or None,
@@ -87,30 +85,23 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
                 authorization = value if isinstance(value, str) else value.decode()
         return self._keys.authenticate(authorization)
 
-    @staticmethod
-    async def _abort(context: grpc.aio.ServicerContext, error: RouterError) -> None:
-        await context.abort(GRPC_CODES[error.failure], error.message)
-
+    @streaming
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        try:
-            tenant = self._tenant(context)
-            turn = await self._runner.prepare(turn_request_from_proto(request, tenant))
-            # Closed explicitly when the client goes away: that aborts the engine requests at once.
-            async with aclosing(self._runner.execute(turn)) as events:
-                async for event in events:
-                    if isinstance(event, TextOut):
-                        yield router_pb2.GenerateResponse(
-                            delta=router_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
-                        )
-                    else:
-                        yield router_pb2.GenerateResponse(summary=summary_proto(event))
-        except RouterError as error:
-            await self._abort(context, error)
-        except Exception as error:
-            await self._abort(context, internal(error, "Generate"))
+        tenant = self._tenant(context)
+        turn = await self._runner.prepare(turn_request_from_proto(request, tenant))
+        # Closed explicitly when the client goes away: that aborts the engine requests at once.
+        async with aclosing(self._runner.execute(turn)) as events:
+            async for event in events:
+                if isinstance(event, TextOut):
+                    yield router_pb2.GenerateResponse(
+                        delta=router_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
+                    )
+                else:
+                    yield router_pb2.GenerateResponse(summary=summary_proto(event))
 
+    @unary
     async def RenewConversation(
         self, request: router_pb2.RenewConversationRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.RenewConversationResponse:
@@ -118,10 +109,11 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
             expire = await self._registry_call(self._registry.renew_retention(tenant, conv))
             if expire is None:
                 raise _nothing_retained(conv)
-            return router_pb2.RenewConversationResponse(expire_time=_timestamp(expire))
+            return router_pb2.RenewConversationResponse(expire_time=to_timestamp(expire))
 
         return await self._conversation_call(context, request.conversation_id, renew)
 
+    @unary
     async def CloseConversation(
         self, request: router_pb2.CloseConversationRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.CloseConversationResponse:
@@ -132,6 +124,7 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
 
         return await self._conversation_call(context, request.conversation_id, close)
 
+    @unary
     async def GetConversation(
         self, request: router_pb2.GetConversationRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.GetConversationResponse:
@@ -144,7 +137,7 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
                 turn=record.turn,
                 num_tokens=record.num_tokens,
                 engine_id=record.engine_id,
-                expire_time=_timestamp(record.expire_time),
+                expire_time=to_timestamp(record.expire_time),
             )
 
         return await self._conversation_call(context, request.conversation_id, get)
@@ -155,28 +148,20 @@ class RouterServicer(router_grpc.RouterServiceServicer):  # type: ignore[misc]
         raw_conversation_id: str,
         call: Callable[[str, str], Awaitable[_T]],
     ) -> _T:
-        """Authenticates, checks the conversation id, runs ``call(tenant, conversation_id)``; any
-        failure becomes the RPC's status."""
-        try:
-            tenant = self._tenant(context)
-            return await call(tenant.name, conversation_id(raw_conversation_id))
-        except RouterError as error:
-            await self._abort(context, error)
-        except Exception as error:
-            await self._abort(context, internal(error, "conversation call"))
-        raise AssertionError("unreachable: abort raises")
+        """Authenticates, checks the conversation id, runs ``call(tenant, conversation_id)``."""
+        tenant = self._tenant(context)
+        return await call(tenant.name, conversation_id(raw_conversation_id))
 
     @staticmethod
     async def _registry_call(call: Awaitable[_T]) -> _T:
         try:
             return await call
         except RegistryUnavailable as error:
-            raise unavailable(f"the registry is unavailable, retry shortly ({error})") from None
+            raise Unavailable(f"the registry is unavailable, retry shortly ({error})") from None
 
 
-def _nothing_retained(conv: str) -> RouterError:
-    return RouterError(
-        Failure.NOT_FOUND,
+def _nothing_retained(conv: str) -> NotFound:
+    return NotFound(
         f"conversation {conv!r} has nothing retained (it expired, was closed, or has not finished a turn); "
         "its next turn recomputes the prompt",
     )

@@ -18,7 +18,6 @@ from typing import Any, Literal, TypeVar
 
 from kvferry.router import validation
 from kvferry.router.engines import EngineTable
-from kvferry.router.errors import HTTP_STATUSES, Failure, RouterError, internal, invalid
 from kvferry.router.tenants import ApiKeys, Tenant
 from kvferry.router.turns import (
     ChatPrompt,
@@ -31,6 +30,7 @@ from kvferry.router.turns import (
     TurnResult,
     TurnRunner,
 )
+from kvferry.runtime.errors import ErrorKind, InvalidArgument, ServiceError, http_status, internal_error
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
@@ -90,14 +90,36 @@ class _CompletionBody(_Generation):
     prompt: str | list[int] | list[str] | list[list[int]]
 
 
-def error_response(error: RouterError) -> JSONResponse:
-    status, kind = HTTP_STATUSES[error.failure]
-    code: str | None = error.failure.value
-    if error.failure is Failure.NOT_FOUND and error.param == "model":
+# OpenAI's error ``type`` for each kind of failure (the HTTP status comes from the kit's table).
+_OPENAI_ERROR_TYPES = {
+    ErrorKind.UNAUTHENTICATED: "authentication_error",
+    ErrorKind.PERMISSION_DENIED: "permission_error",
+    ErrorKind.INVALID_ARGUMENT: "invalid_request_error",
+    ErrorKind.NOT_FOUND: "not_found_error",
+    ErrorKind.UNAVAILABLE: "service_unavailable",
+    ErrorKind.DEADLINE_EXCEEDED: "timeout",
+    ErrorKind.INTERNAL: "internal_error",
+}
+
+
+def _openai_error_type(error: ServiceError) -> str:
+    return _OPENAI_ERROR_TYPES.get(error.kind, "api_error")
+
+
+def error_response(error: ServiceError) -> JSONResponse:
+    code: str | None = error.kind.name.lower()
+    if error.kind is ErrorKind.NOT_FOUND and error.param == "model":
         code = "model_not_found"
     return JSONResponse(
-        {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}},
-        status_code=status,
+        {
+            "error": {
+                "message": error.message,
+                "type": _openai_error_type(error),
+                "param": error.param,
+                "code": code,
+            }
+        },
+        status_code=http_status(error),
     )
 
 
@@ -180,7 +202,7 @@ class HttpApi:
     async def models(self, request: Request) -> Response:
         try:
             tenant = self._keys.authenticate(request.headers.get("authorization"))
-        except RouterError as error:
+        except ServiceError as error:
             return error_response(error)
         data = []
         for model in self._engines.models():
@@ -225,7 +247,7 @@ class HttpApi:
             events = self._runner.execute(turn)
             # Wait for the first event before answering: a failure up to here gets a real status.
             first = await anext(events)
-        except RouterError as error:
+        except ServiceError as error:
             if events is not None:
                 await events.aclose()
             return error_response(error)
@@ -254,12 +276,12 @@ class HttpApi:
     async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
-            raise invalid(
+            raise InvalidArgument(
                 f"the request body is {declared} bytes; at most {self._max_body_bytes} are accepted"
             )
         raw = await request.body()
         if len(raw) > self._max_body_bytes:
-            raise invalid(
+            raise InvalidArgument(
                 f"the request body is {len(raw)} bytes; at most {self._max_body_bytes} are accepted"
             )
         return raw
@@ -285,7 +307,7 @@ class HttpApi:
                     event = await anext(events)
                 except StopAsyncIteration:
                     break
-        except RouterError as error:
+        except ServiceError as error:
             return error_response(error)
         finally:
             await events.aclose()
@@ -362,16 +384,16 @@ class HttpApi:
                     break
             yield b"data: [DONE]\n\n"
         except Exception as error:
-            if not isinstance(error, RouterError):
-                error = internal(error, "streaming")
-            status, error_type = HTTP_STATUSES[error.failure]
+            failure = (
+                error if isinstance(error, ServiceError) else internal_error(error, "router", "streaming")
+            )
             yield _sse(
                 {
                     "error": {
-                        "message": error.message,
-                        "type": error_type,
-                        "param": error.param,
-                        "code": status,
+                        "message": failure.message,
+                        "type": _openai_error_type(failure),
+                        "param": failure.param,
+                        "code": http_status(failure),
                     }
                 }
             )
@@ -381,7 +403,7 @@ class HttpApi:
 
 
 async def _internal_error_response(request: Request, error: Exception) -> Response:
-    return error_response(internal(error, request.url.path))
+    return error_response(internal_error(error, "router", request.url.path))
 
 
 async def _client_gone(request: Request) -> None:
@@ -399,7 +421,7 @@ _BodyT = TypeVar("_BodyT", bound=_Body)
 
 def _parse(model: type[_BodyT], raw: bytes) -> _BodyT:
     if not raw:
-        raise invalid("the request body is empty: send a JSON object")
+        raise InvalidArgument("the request body is empty: send a JSON object")
     try:
         return model.model_validate_json(raw)
     except ValidationError as error:
@@ -408,7 +430,7 @@ def _parse(model: type[_BodyT], raw: bytes) -> _BodyT:
             where = ".".join(str(part) for part in item["loc"]) or "body"
             problems.append(f"{where}: {item['msg']}")
         first_loc = error.errors()[0]["loc"] if error.errors() else ()
-        raise invalid(
+        raise InvalidArgument(
             "malformed request body: " + "; ".join(problems),
             param=str(first_loc[0]) if first_loc else None,
         ) from None
@@ -423,7 +445,7 @@ def _message(index: int, message: _Message) -> tuple[str, str]:
     texts = []
     for part in content:
         if part.type != "text" or part.text is None:
-            raise invalid(
+            raise InvalidArgument(
                 f"messages[{index}].content has a {part.type!r} part; only text parts are supported",
                 param=f"messages[{index}].content",
             )
@@ -434,14 +456,16 @@ def _message(index: int, message: _Message) -> tuple[str, str]:
 def _completion_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
-            raise invalid("prompt is empty", param="prompt")
+            raise InvalidArgument("prompt is empty", param="prompt")
         return TextPrompt(prompt)
     if not prompt:
-        raise invalid("prompt is empty", param="prompt")
+        raise InvalidArgument("prompt is empty", param="prompt")
     if all(isinstance(t, int) for t in prompt):
         return TokenPrompt(tuple(t for t in prompt if isinstance(t, int)))
     if len(prompt) != 1:
-        raise invalid("batched prompts are not supported: send one prompt per request", param="prompt")
+        raise InvalidArgument(
+            "batched prompts are not supported: send one prompt per request", param="prompt"
+        )
     single = prompt[0]
     return _completion_prompt(single)  # type: ignore[arg-type]
 
@@ -450,13 +474,13 @@ def _turn_request(
     body: _ChatBody | _CompletionBody, prompt: Prompt, tenant: Tenant, header_conversation: str | None
 ) -> TurnRequest:
     if body.n not in (None, 1):
-        raise invalid("n must be 1: the router generates one choice per request", param="n")
+        raise InvalidArgument("n must be 1: the router generates one choice per request", param="n")
     if body.logprobs:
-        raise invalid("logprobs are not supported by the router", param="logprobs")
+        raise InvalidArgument("logprobs are not supported by the router", param="logprobs")
     conv = body.conversation_id
     if header_conversation is not None:
         if conv is not None and conv != header_conversation:
-            raise invalid(
+            raise InvalidArgument(
                 "the X-Conversation-Id header and the conversation_id field differ; send one",
                 param="conversation_id",
             )

@@ -28,9 +28,9 @@ from kvferry.router.engines import (
     pick_decode_engine,
     pick_prefill_engine,
 )
-from kvferry.router.errors import unavailable
 from kvferry.router.prefix import NO_MATCH, PrefixMatch, match_retained_prefix
 from kvferry.router.registry_client import RetentionRecord
+from kvferry.runtime.errors import Unavailable
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def plan_turn(
     exclude: frozenset[str] = frozenset(),
 ) -> TurnPlan:
     """The plan of one attempt of a turn (module docs). ``retention`` None: recompute (nothing retained, or
-    a retry). ``now``: unix seconds. Raises :class:`~kvferry.router.errors.RouterError` (UNAVAILABLE) when
+    a retry). ``now``: unix seconds. Raises ``Unavailable`` when
     no engine of the model can take a role."""
     holder = _holder(engines, retention, model)
     match = _proven_prefix(token_ids, retention, holder)
@@ -85,14 +85,14 @@ def plan_turn(
         or pick_prefill_engine(prefill_candidates, load)
     )
     if prefill is None:
-        raise unavailable(f"no prefill engine serves model {model!r} right now; retry shortly")
+        raise Unavailable(f"no prefill engine serves model {model!r} right now; retry shortly")
     decode_candidates = engines.decode_engines(model)
     holder_id = holder.engine_id if holder is not None else None
     decode = pick_decode_engine(
         decode_candidates, load, holder_id=holder_id, exclude=exclude
     ) or pick_decode_engine(decode_candidates, load)
     if decode is None:
-        raise unavailable(f"no decode engine serves model {model!r} right now; retry shortly")
+        raise Unavailable(f"no decode engine serves model {model!r} right now; retry shortly")
     pull = None
     if choice.reuse is Reuse.PULL and holder is not None and retention is not None:
         retained = RetainedKv(

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
-from kvferry.router.errors import Failure, RouterError
+from kvferry.runtime.backoff import Backoff, BackoffPolicy
+from kvferry.runtime.errors import Internal, InvalidArgument, ServiceError
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2
@@ -100,8 +100,8 @@ class GrpcRegistry:
                 f"registry did not answer {what}: {error.code().name} {error.details()}"
             )
         if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            return RouterError(Failure.INVALID_ARGUMENT, error.details() or what)
-        return RouterError(Failure.INTERNAL, f"registry failed {what}: {error.code().name} {error.details()}")
+            return InvalidArgument(error.details() or what)
+        return Internal(f"registry failed {what}: {error.code().name} {error.details()}")
 
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None:
         try:
@@ -177,6 +177,10 @@ class GrpcRegistry:
             call.cancel()
 
 
+# Re-watching a registry that went away: 0.1 s doubling to 5 s, each delay within +-50 %.
+WATCH_BACKOFF = BackoffPolicy(initial_seconds=0.1, max_seconds=5.0, jitter=0.5)
+
+
 class EngineWatcher:
     """Keeps an :class:`EngineTable` equal to the registry's live engines.
 
@@ -192,7 +196,7 @@ class EngineWatcher:
         load: LoadTracker,
         *,
         resync_seconds: float = 30.0,
-        max_backoff_seconds: float = 5.0,
+        backoff: BackoffPolicy = WATCH_BACKOFF,
         on_left: Callable[[str], None] | None = None,
     ) -> None:
         self._on_left = on_left
@@ -200,7 +204,7 @@ class EngineWatcher:
         self._table = table
         self._load = load
         self._resync_seconds = resync_seconds
-        self._max_backoff = max_backoff_seconds
+        self._backoff = backoff
         self.synced = asyncio.Event()
         self.connected = False
         # One set per snapshot in flight: engines whose LEFT arrived while its list was being read.
@@ -209,20 +213,19 @@ class EngineWatcher:
     async def run(self) -> None:
         resync = asyncio.create_task(self._resync_forever(), name="engine-table-resync")
         try:
-            backoff = 0.1
+            backoff = Backoff(self._backoff)
             while True:
                 try:
                     await self._watch_once()
-                    backoff = 0.1
-                except (RegistryUnavailable, RouterError) as error:
+                    backoff.reset()
+                except (RegistryUnavailable, ServiceError) as error:
                     if self.connected:
                         log.warning(
                             "lost the registry's engine watch; keeping the last known engines",
                             extra={"error": str(error)},
                         )
                     self.connected = False
-                await asyncio.sleep(backoff * (0.5 + random.random()))
-                backoff = min(backoff * 2, self._max_backoff)
+                await backoff.wait()
         finally:
             resync.cancel()
 
@@ -243,7 +246,7 @@ class EngineWatcher:
             if self.connected:
                 try:
                     await self._snapshot()
-                except (RegistryUnavailable, RouterError) as error:
+                except (RegistryUnavailable, ServiceError) as error:
                     log.warning("engine table resync failed", extra={"error": str(error)})
 
     async def _snapshot(self) -> None:

@@ -79,6 +79,10 @@ class RouterConfig:
     otlp_endpoint: str | None = None
 
 
+COST_PROFILES = ("cpu", *sorted(GPU_PROFILES))
+REUSE_POLICIES = ("cost", "always", "never")
+
+
 def cost_profile(name: str) -> CostProfile:
     if name == "cpu":
         return CPU_DEFAULT

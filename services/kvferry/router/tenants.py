@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvferry.common.ids import check_id
-from kvferry.router.errors import Failure, RouterError
+from kvferry.runtime.errors import PermissionDenied, Unauthenticated
 
 _BEARER = "bearer "
 
@@ -37,8 +37,7 @@ class Tenant:
 
     def check_model(self, model: str) -> None:
         if self.models is not None and model not in self.models:
-            raise RouterError(
-                Failure.PERMISSION_DENIED,
+            raise PermissionDenied(
                 f"tenant {self.name!r} may not use model {model!r}; allowed: {sorted(self.models)}",
                 param="model",
             )
@@ -72,17 +71,14 @@ class ApiKeys:
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of an ``authorization`` value (``Bearer <key>``), or UNAUTHENTICATED."""
         if not authorization:
-            raise RouterError(
-                Failure.UNAUTHENTICATED,
+            raise Unauthenticated(
                 "missing API key: send `authorization: Bearer <key>` (HTTP header or gRPC metadata)",
             )
         if not authorization[: len(_BEARER)].lower() == _BEARER:
-            raise RouterError(
-                Failure.UNAUTHENTICATED, "the authorization value must have the form `Bearer <key>`"
-            )
+            raise Unauthenticated("the authorization value must have the form `Bearer <key>`")
         tenant = self._by_digest.get(key_digest(authorization[len(_BEARER) :].strip()))
         if tenant is None:
-            raise RouterError(Failure.UNAUTHENTICATED, "unknown API key: check the key the router was given")
+            raise Unauthenticated("unknown API key: check the key the router was given")
         return tenant
 
 

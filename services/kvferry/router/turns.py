@@ -1,6 +1,6 @@
 """One turn of a conversation, end to end: the router's core, free of any wire protocol.
 
-``prepare`` (may raise :class:`RouterError` before anything is sent to the client):
+``prepare`` (may raise a ``ServiceError`` before anything is sent to the client):
   1. resolve the model; 2. turn the prompt into token ids (the engines' own tokenizer / chat
   template) while looking the conversation's retention up in the registry; 3. check the length
   against the model's limit.
@@ -40,12 +40,12 @@ from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS
 from kvferry.pd.sequence import Decoded, EngineTurn, Prefilled, prefill_then_decode
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
-from kvferry.router.errors import Failure, RouterError, invalid, unavailable
 from kvferry.router.observe import TurnTelemetry
 from kvferry.router.plan import PlanSettings, TurnPlan, plan_turn
 from kvferry.router.registry_client import RegistryUnavailable, RetentionRecord
 from kvferry.router.summary import summary_proto
 from kvferry.router.tenants import Tenant
+from kvferry.runtime.errors import InvalidArgument, NotFound, ServiceError, Unavailable
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -211,12 +211,11 @@ class TurnRunner:
             if len(served) == 1:
                 model = served[0]
             elif not served:
-                raise unavailable("no engine is registered yet: start engines (and their sidecars) first")
+                raise Unavailable("no engine is registered yet: start engines (and their sidecars) first")
             else:
-                raise invalid(f"model is required: this router serves {served}", param="model")
+                raise InvalidArgument(f"model is required: this router serves {served}", param="model")
         elif requested not in served:
-            raise RouterError(
-                Failure.NOT_FOUND,
+            raise NotFound(
                 f"model {requested!r} is not served here; served models: {served}",
                 param="model",
             )
@@ -226,7 +225,7 @@ class TurnRunner:
         return model
 
     async def prepare(self, request: TurnRequest) -> PreparedTurn:
-        """Everything before the engines: may raise :class:`RouterError`. Opens the turn's span, which
+        """Everything before the engines: may raise a ``ServiceError``. Opens the turn's span, which
         :meth:`execute` ends."""
         started = time.perf_counter()
         span = self.telemetry.start_turn(request.conversation_id)
@@ -276,13 +275,13 @@ class TurnRunner:
 
     def _check_length(self, prompt_len: int, max_tokens: int | None, max_model_len: int, model: str) -> int:
         if prompt_len == 0:
-            raise invalid("the prompt is empty", param="prompt")
+            raise InvalidArgument("the prompt is empty", param="prompt")
         if max_tokens is not None and max_tokens < 1:
-            raise invalid(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+            raise InvalidArgument(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         if not max_model_len:
             return max_tokens or self._settings.default_max_tokens
         if prompt_len >= max_model_len:
-            raise invalid(
+            raise InvalidArgument(
                 f"the prompt has {prompt_len} tokens; model {model!r} takes at most {max_model_len} "
                 "tokens of prompt plus output: shorten the conversation",
                 param="messages",
@@ -291,7 +290,7 @@ class TurnRunner:
         if max_tokens is None:
             return min(self._settings.default_max_tokens, room)
         if max_tokens > room:
-            raise invalid(
+            raise InvalidArgument(
                 f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: together more than "
                 f"model {model!r}'s limit of {max_model_len}; lower max_tokens to at most {room}",
                 param="max_tokens",
@@ -301,7 +300,7 @@ class TurnRunner:
     async def _tokenize(self, model: str, prompt: Prompt) -> tuple[int, ...]:
         if isinstance(prompt, TokenPrompt):
             if prompt.token_ids and min(prompt.token_ids) < 0:  # min(): C speed on long prompts
-                raise invalid("token ids must be non-negative", param="prompt")
+                raise InvalidArgument("token ids must be non-negative", param="prompt")
             return prompt.token_ids
         # The least-loaded prefill engines first: they are idle-most, and all share the tokenizer.
         candidates = sorted(
@@ -317,13 +316,13 @@ class TurnRunner:
                 return tuple(await client.tokenize(prompt.text))
             except EngineHttpError as error:
                 if 400 <= error.status_code < 500:
-                    raise invalid(
+                    raise InvalidArgument(
                         f"the engine rejected the prompt: {error.message}", param="messages"
                     ) from None
                 last_error = error
             except EngineUnavailableError as error:
                 last_error = error
-        raise unavailable(f"no engine of model {model!r} could tokenize the prompt: {last_error}")
+        raise Unavailable(f"no engine of model {model!r} could tokenize the prompt: {last_error}")
 
     async def _lookup(self, tenant: str, conversation_id: str | None) -> tuple[RetentionRecord | None, bool]:
         if conversation_id is None:
@@ -341,7 +340,7 @@ class TurnRunner:
     async def _renew(self, tenant: str, conversation_id: str) -> None:
         try:
             await self._registry.renew_retention(tenant, conversation_id)
-        except (RegistryUnavailable, RouterError) as error:
+        except (RegistryUnavailable, ServiceError) as error:
             self.telemetry.registry_error("renew_retention")
             log.warning(
                 "retention renewal failed", extra={"conversation_id": conversation_id, "error": str(error)}
@@ -455,8 +454,7 @@ class TurnRunner:
                 engine, role = (plan.prefill, "prefill") if prefilled is None else (plan.decode, "decode")
                 failure = _engine_failure(engine, role, error)
                 if emitted or attempt == self._settings.max_attempts:
-                    raise RouterError(
-                        Failure.UNAVAILABLE,
+                    raise Unavailable(
                         f"{failure}"
                         + (
                             "; output was already streamed, so the turn is incomplete: resend it"
@@ -562,7 +560,7 @@ class TurnRunner:
             polls += 1
             try:
                 record = await self._registry.get_retention(mark.tenant, mark.conversation_id)
-            except (RegistryUnavailable, RouterError):
+            except (RegistryUnavailable, ServiceError):
                 record = None
             if record is not None and record.turn >= mark.turn:
                 return record.turn, polls
@@ -597,7 +595,7 @@ def _sampling_fields(options: SamplingOptions, max_tokens: int) -> dict[str, Any
     }
     if options.stop:
         if "stop" not in {f.name for f in dataclasses.fields(Sampling)}:
-            raise invalid("stop strings are not supported by this router version yet", param="stop")
+            raise InvalidArgument("stop strings are not supported by this router version yet", param="stop")
         fields["stop"] = tuple(options.stop)
     return fields
 
@@ -605,5 +603,5 @@ def _sampling_fields(options: SamplingOptions, max_tokens: int) -> dict[str, Any
 def _engine_failure(engine: EngineInfo, role: str, error: Exception) -> _EngineFailure:
     """The failure to retry on; an engine's 4xx is the request's fault, raised as INVALID_ARGUMENT."""
     if isinstance(error, EngineHttpError) and 400 <= error.status_code < 500:
-        raise invalid(f"the {role} engine rejected the request: {error.message}") from None
+        raise InvalidArgument(f"the {role} engine rejected the request: {error.message}") from None
     return _EngineFailure(engine.engine_id, role, error)

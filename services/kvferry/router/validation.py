@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from kvferry.common.ids import check_id
 from kvferry.pd.engine_api import ChatMessage
-from kvferry.router.errors import invalid
 from kvferry.router.turns import SamplingOptions
+from kvferry.runtime.errors import InvalidArgument
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 MAX_MODEL_NAME = 256
@@ -17,23 +17,25 @@ MAX_STOP_STRINGS = 16
 def conversation_id(value: str, *, param: str = "conversation_id") -> str:
     problem = check_id("conversation_id", value)
     if problem is not None:
-        raise invalid(problem, param=param)
+        raise InvalidArgument(problem, param=param)
     return value
 
 
 def model_name(value: str) -> str:
     if len(value) > MAX_MODEL_NAME:
-        raise invalid(f"model name is {len(value)} characters long; at most {MAX_MODEL_NAME}", param="model")
+        raise InvalidArgument(
+            f"model name is {len(value)} characters long; at most {MAX_MODEL_NAME}", param="model"
+        )
     return value
 
 
 def chat_messages(messages: Sequence[tuple[str, str]]) -> tuple[ChatMessage, ...]:
     if not messages:
-        raise invalid("messages is empty: send at least one message", param="messages")
+        raise InvalidArgument("messages is empty: send at least one message", param="messages")
     checked = []
     for index, (role, content) in enumerate(messages):
         if role not in CHAT_ROLES:
-            raise invalid(
+            raise InvalidArgument(
                 f"messages[{index}].role is {role[:40]!r}; use one of {sorted(CHAT_ROLES)}",
                 param=f"messages[{index}].role",
             )
@@ -51,13 +53,13 @@ def sampling(
     ignore_eos: bool,
 ) -> SamplingOptions:
     if max_tokens is not None and max_tokens < 1:
-        raise invalid(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        raise InvalidArgument(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     if not 0.0 <= temperature <= 10.0:
-        raise invalid(f"temperature must be within [0, 10], got {temperature}", param="temperature")
+        raise InvalidArgument(f"temperature must be within [0, 10], got {temperature}", param="temperature")
     if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise invalid(f"top_p must be within (0, 1], got {top_p}", param="top_p")
+        raise InvalidArgument(f"top_p must be within (0, 1], got {top_p}", param="top_p")
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise invalid(f"stop takes 1 to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+        raise InvalidArgument(f"stop takes 1 to {MAX_STOP_STRINGS} non-empty strings", param="stop")
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=temperature,

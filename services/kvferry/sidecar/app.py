@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from kvferry.common import telemetry
 from kvferry.common.grpc_server import start_server
+from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.sidecar.config import SidecarConfig
 from kvferry.sidecar.engine import EngineMonitor, EngineProbe, HttpEngineProbe
 from kvferry.sidecar.metrics import SidecarMetrics
@@ -23,7 +24,6 @@ from kvferry.sidecar.registry_link import GrpcRegistry, RegistryApi
 from kvferry.sidecar.releases import ReleaseFanout, RetentionBook
 from kvferry.sidecar.retentions import RetentionPublisher
 from kvferry.sidecar.service import SERVICE_NAME, SidecarServicer
-from kvferry.sidecar.timing import Clock, SystemClock
 from kvferry.v1 import sidecar_service_pb2_grpc as sidecar_grpc
 
 log = logging.getLogger("kvferry.sidecar")

@@ -12,17 +12,17 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
+from collections.abc import Mapping
 from typing import Any
 
-from kvferry.common import telemetry
 from kvferry.common.logs import setup_logging
+from kvferry.runtime.backoff import BackoffPolicy
+from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
 from kvferry.sidecar.config import SidecarConfig
 from kvferry.sidecar.engine import EngineMonitorSettings
 from kvferry.sidecar.registration import EngineIdentity, RegistrationRejected, RegistrationSettings
 from kvferry.sidecar.releases import FanoutSettings
-from kvferry.sidecar.timing import BackoffPolicy
 from kvferry.v1 import resources_pb2
 
 log = logging.getLogger("kvferry.sidecar")
@@ -35,112 +35,77 @@ ROLES = {
 DEFAULT_LISTEN = "unix:/tmp/kvferry/sidecar-{engine_id}.sock"
 
 
-def _add(
-    parser: argparse.ArgumentParser | Any,
-    flag: str,
-    env: str,
-    help_text: str,
-    *,
-    type: Any = str,
-    default: Any = None,
-    required: bool = False,
-    choices: Any = None,
-) -> None:
-    """A flag whose default comes from ``env`` when set; required only if neither gives a value."""
-    from_env = os.environ.get(env)
-    value = type(from_env) if from_env not in (None, "") else default
-    shown = f" (env {env}" + (f"; default {default}" if default is not None else "") + ")"
-    parser.add_argument(
-        flag,
-        type=type,
-        default=value,
-        required=required and value is None,
-        choices=choices,
-        help=help_text + shown,
-    )
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
+def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    engine = parser.add_argument_group("the engine")
-    _add(
-        engine,
+    flags = EnvFlags(parser, environ)
+    engine = flags.group("the engine")
+    engine.add(
         "--engine-id",
         "KVFERRY_ENGINE_ID",
         "engine id; must equal the engine's kv_transfer_config.engine_id",
         required=True,
     )
-    _add(engine, "--role", "KVFERRY_ENGINE_ROLE", "the engine's role", choices=sorted(ROLES), required=True)
-    _add(
-        engine,
+    engine.add("--role", "KVFERRY_ENGINE_ROLE", "the engine's role", choices=sorted(ROLES), required=True)
+    engine.add(
         "--engine-url",
         "KVFERRY_ENGINE_URL",
         "base URL of the engine's OpenAI-compatible HTTP server, e.g. http://127.0.0.1:8100",
         required=True,
     )
-    _add(
-        engine,
+    engine.add(
         "--nixl-host",
         "KVFERRY_NIXL_HOST",
         "host of the engine's NIXL side channel",
         default="127.0.0.1",
     )
-    _add(
-        engine,
+    engine.add(
         "--nixl-port",
-        "KVFERRY_NIXL_PORT",
+        ("KVFERRY_NIXL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT"),
         "port of the engine's NIXL side channel (the engine's VLLM_NIXL_SIDE_CHANNEL_PORT)",
         type=int,
-        default=int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 5600),
+        default=5600,
     )
-    _add(
-        engine,
+    engine.add(
         "--kv-compatibility-hash",
         "KVFERRY_KV_COMPATIBILITY_HASH",
         "engines exchange KV only when this matches (same model, dtype, block layout)",
         required=True,
     )
-    _add(engine, "--model", "KVFERRY_MODEL", "served model name (default: what /v1/models reports)")
-    _add(
-        engine,
+    engine.add("--model", "KVFERRY_MODEL", "served model name (default: what /v1/models reports)")
+    engine.add(
         "--block-size",
         "KVFERRY_BLOCK_SIZE",
         "tokens per KV block (default: from the engine's /metrics vllm:cache_config_info)",
         type=int,
     )
-    _add(
-        engine,
+    engine.add(
         "--kv-capacity-blocks",
         "KVFERRY_KV_CAPACITY_BLOCKS",
         "KV blocks the engine has (default: num_gpu_blocks from the engine's /metrics)",
         type=int,
     )
-    _add(
-        engine,
+    engine.add(
         "--max-model-len",
         "KVFERRY_MAX_MODEL_LEN",
         "the model's context limit in tokens (default: what /v1/models reports)",
         type=int,
     )
-    _add(
-        engine,
+    engine.add(
         "--engine-timeout",
         "KVFERRY_ENGINE_TIMEOUT_SECONDS",
         "deadline of each HTTP call to the engine, seconds",
         type=float,
         default=5.0,
     )
-    _add(
-        engine,
+    engine.add(
         "--engine-probe-interval",
         "KVFERRY_ENGINE_PROBE_INTERVAL_SECONDS",
         "seconds between /health probes",
         type=float,
         default=2.0,
     )
-    _add(
-        engine,
+    engine.add(
         "--engine-down-after",
         "KVFERRY_ENGINE_DOWN_AFTER_SECONDS",
         "failing /health for this long deregisters the engine (a refused connection does at once)",
@@ -148,48 +113,42 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=30.0,
     )
 
-    registry = parser.add_argument_group("the registry")
-    _add(
-        registry,
+    registry = flags.group("the registry")
+    registry.add(
         "--registry",
         "KVFERRY_REGISTRY",
         "host:port of the registry's gRPC API",
         default="127.0.0.1:50051",
     )
-    _add(
-        registry,
+    registry.add(
         "--ttl-seconds",
         "KVFERRY_ENGINE_TTL_SECONDS",
         "engine lease length asked for; heartbeats go every TTL/3 (0: the registry's default)",
         type=int,
         default=10,
     )
-    _add(
-        registry,
+    registry.add(
         "--registry-timeout",
         "KVFERRY_REGISTRY_TIMEOUT_SECONDS",
         "deadline of each registry call, seconds",
         type=float,
         default=5.0,
     )
-    _add(
-        registry,
+    registry.add(
         "--backoff-initial",
         "KVFERRY_BACKOFF_INITIAL_SECONDS",
         "first retry delay after a registry failure, seconds",
         type=float,
         default=0.2,
     )
-    _add(
-        registry,
+    registry.add(
         "--backoff-max",
         "KVFERRY_BACKOFF_MAX_SECONDS",
         "longest retry delay, seconds",
         type=float,
         default=5.0,
     )
-    _add(
-        registry,
+    registry.add(
         "--sweep-interval",
         "KVFERRY_SWEEP_INTERVAL_SECONDS",
         "seconds between re-checks of retentions past their expiry without news",
@@ -197,23 +156,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=5.0,
     )
 
-    serving = parser.add_argument_group("serving")
-    _add(
-        serving,
+    serving = flags.group("serving")
+    serving.add(
         "--listen",
         "KVFERRY_SIDECAR_LISTEN",
         "endpoint for the connector: unix:/path or 127.0.0.1:port ({engine_id} is replaced)",
         default=DEFAULT_LISTEN,
     )
-    _add(
-        serving,
-        "--log-level",
-        "KVFERRY_LOG_LEVEL",
-        "log level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-    )
-    telemetry.add_telemetry_arguments(parser)
+    add_log_level_flag(serving)
+    add_telemetry_flags(flags)
 
 
 def config_from_args(args: argparse.Namespace) -> SidecarConfig:

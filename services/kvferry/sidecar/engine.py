@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
-from kvferry.sidecar.timing import Clock
+from kvferry.runtime.clock import Clock
 from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("kvferry.sidecar.engine")

@@ -24,25 +24,26 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
+from kvferry.runtime.backoff import Backoff, BackoffPolicy
+from kvferry.runtime.clock import Clock
+from kvferry.runtime.errors import ErrorKind
 from kvferry.sidecar.engine import EngineFacts, EngineMonitor, EngineProbe, EngineProbeError, EngineState
 from kvferry.sidecar.metrics import SidecarMetrics
 from kvferry.sidecar.registry_link import RegistryApi, RegistryError
-from kvferry.sidecar.timing import Backoff, BackoffPolicy, Clock
 from kvferry.v1 import resources_pb2
 
 log = logging.getLogger("kvferry.sidecar.registration")
 
 # A registry answering these to RegisterEngine will answer them again: the configuration is wrong.
-_REJECTING_CODES = frozenset(
+_REJECTING_KINDS = frozenset(
     {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.ALREADY_EXISTS,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.UNIMPLEMENTED,
-        grpc.StatusCode.OUT_OF_RANGE,
+        ErrorKind.INVALID_ARGUMENT,
+        ErrorKind.ALREADY_EXISTS,
+        ErrorKind.FAILED_PRECONDITION,
+        ErrorKind.PERMISSION_DENIED,
+        ErrorKind.UNAUTHENTICATED,
+        ErrorKind.UNIMPLEMENTED,
+        ErrorKind.OUT_OF_RANGE,
     }
 )
 
@@ -262,9 +263,9 @@ class EngineRegistration:
                     seen_epoch=self.epoch,
                 )
             except RegistryError as err:
-                if err.code in _REJECTING_CODES:
+                if err.kind in _REJECTING_KINDS:
                     raise RegistrationRejected(
-                        f"the registry refused engine {engine.engine_id!r}: {err.code.name}: {err.message}"
+                        f"the registry refused engine {engine.engine_id!r}: {err.kind.name}: {err.message}"
                     ) from err
                 self._link(False, "registration failed; retrying", err)
                 await self._clock.wait(self._wake, backoff.next_delay())
@@ -311,7 +312,7 @@ class EngineRegistration:
             try:
                 await self._registry.heartbeat_engine(self.identity.engine_id, self._stats, self.incarnation)
             except RegistryError as err:
-                if err.code is grpc.StatusCode.NOT_FOUND:
+                if err.kind is ErrorKind.NOT_FOUND:
                     return self._lost(err.message)
                 self._metrics.heartbeat_failures.inc()
                 self._link(False, "heartbeat failed; retrying", err)
@@ -335,7 +336,7 @@ class EngineRegistration:
         try:
             await self._registry.deregister_engine(self.identity.engine_id)
         except RegistryError as err:
-            if err.code is not grpc.StatusCode.NOT_FOUND:
+            if err.kind is not ErrorKind.NOT_FOUND:
                 log.warning(
                     "deregistration failed; the engine's lease will expire on its own",
                     extra={"engine_id": self.identity.engine_id, "error": str(err)},

@@ -17,38 +17,43 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
+from kvferry.runtime.errors import ErrorKind, error_kind_of
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2
 
-# Codes after which the same call may succeed later without anyone changing anything.
-TRANSIENT_CODES = frozenset(
+# Kinds of failure after which the same call may succeed later without anyone changing anything.
+TRANSIENT_KINDS = frozenset(
     {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.CANCELLED,
+        ErrorKind.UNAVAILABLE,
+        ErrorKind.DEADLINE_EXCEEDED,
+        ErrorKind.RESOURCE_EXHAUSTED,
+        ErrorKind.ABORTED,
+        ErrorKind.INTERNAL,
+        ErrorKind.UNKNOWN,
+        ErrorKind.CANCELLED,
     }
 )
 
-# Codes where a mutating call may or may not have taken effect.
-AMBIGUOUS_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Kinds where a mutating call may or may not have taken effect.
+AMBIGUOUS_KINDS = frozenset({ErrorKind.UNAVAILABLE, ErrorKind.DEADLINE_EXCEEDED})
 
 
 class RegistryError(Exception):
-    """A registry call failed with ``code``; ``message`` is the registry's own explanation."""
+    """A registry call failed as ``kind``; ``message`` is the registry's own explanation."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(f"{kind.name}: {message}")
+        self.kind = kind
         self.message = message
+
+    @classmethod
+    def from_rpc(cls, error: grpc.aio.AioRpcError) -> RegistryError:
+        return cls(error_kind_of(error.code()), error.details() or "")
 
     @property
     def transient(self) -> bool:
-        return self.code in TRANSIENT_CODES
+        return self.kind in TRANSIENT_KINDS
 
 
 class RetentionStream(Protocol):
@@ -120,9 +125,9 @@ class _GrpcRetentionStream:
                 yield event
         except grpc.aio.AioRpcError as err:
             self._on_error("watch_retentions")
-            raise RegistryError(err.code(), err.details() or "") from None
+            raise RegistryError.from_rpc(err) from None
         # The registry never ends a watch on its own; an end is a broken link.
-        raise RegistryError(grpc.StatusCode.UNAVAILABLE, "registry closed the WatchRetentions stream")
+        raise RegistryError(ErrorKind.UNAVAILABLE, "registry closed the WatchRetentions stream")
 
     def __aiter__(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]:
         return self._events()
@@ -133,7 +138,7 @@ class _GrpcRetentionStream:
             await self._call.initial_metadata()
         except grpc.aio.AioRpcError as err:
             self._on_error("watch_retentions")
-            raise RegistryError(err.code(), err.details() or "") from None
+            raise RegistryError.from_rpc(err) from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -257,7 +262,7 @@ class GrpcRegistry:
             response = await method(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as err:
             self._on_error(op)
-            raise RegistryError(err.code(), err.details() or "") from None
+            raise RegistryError.from_rpc(err) from None
         if response.HasField("header"):
             self._observe(response.header, seen)
         return response

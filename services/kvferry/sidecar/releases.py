@@ -25,11 +25,12 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import grpc
-from google.protobuf import timestamp_pb2
+from kvferry.runtime.backoff import Backoff, BackoffPolicy
+from kvferry.runtime.clock import Clock
+from kvferry.runtime.errors import ErrorKind
+from kvferry.runtime.timestamps import from_timestamp, to_timestamp
 from kvferry.sidecar.metrics import SidecarMetrics
 from kvferry.sidecar.registry_link import RegistryApi, RegistryError, RetentionStream
-from kvferry.sidecar.timing import Backoff, BackoffPolicy, Clock
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
 from kvferry.v1 import sidecar_service_pb2 as sidecar_pb2
@@ -52,16 +53,6 @@ class TrackedRetention:
     expire_time: float | None
     # Publishes of it in flight: until they settle, no lookup may judge it gone.
     publishing: int = 0
-
-
-def _seconds(ts: timestamp_pb2.Timestamp) -> float:
-    return ts.seconds + ts.nanos / 1e9
-
-
-def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
 
 
 class RetentionBook:
@@ -104,7 +95,9 @@ class RetentionBook:
         """
         request_id = retention.engine_request_id
         self._ended.pop(request_id, None)
-        expire = _seconds(retention.expire_time) if confirmed and retention.HasField("expire_time") else None
+        expire = (
+            from_timestamp(retention.expire_time) if confirmed and retention.HasField("expire_time") else None
+        )
         entry = self._entries.get(request_id)
         if entry is None:
             entry = TrackedRetention(
@@ -170,7 +163,7 @@ class RetentionBook:
                     Event(
                         type=RENEWED,
                         engine_request_id=request_id,
-                        expire_time=_timestamp(expire),
+                        expire_time=to_timestamp(expire),
                         revision=revision,
                     )
                 )
@@ -416,7 +409,7 @@ class ReleaseFanout:
         try:
             found = await self._registry.get_retention(entry.tenant, entry.conversation_id)
         except RegistryError as err:
-            if err.code is not grpc.StatusCode.NOT_FOUND:
+            if err.kind is not ErrorKind.NOT_FOUND:
                 raise
             live, revision = None, self._registry.revision
         else:
@@ -424,7 +417,7 @@ class ReleaseFanout:
         if self.book.get(entry.engine_request_id) is not entry or entry.publishing:
             return  # an event or a publish of it came meanwhile; that is newer news
         if live is not None and live.engine_request_id == entry.engine_request_id:
-            renewed = live.HasField("expire_time") and entry.expire_time != _seconds(live.expire_time)
+            renewed = live.HasField("expire_time") and entry.expire_time != from_timestamp(live.expire_time)
             self.book.track(live)
             if announce and renewed:
                 self._broadcast(

@@ -13,10 +13,16 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-import grpc
-from kvferry.sidecar.errors import SidecarError
+from kvferry.runtime.errors import (
+    ErrorKind,
+    Internal,
+    InvalidArgument,
+    ServiceError,
+    Unavailable,
+    error_of_kind,
+)
 from kvferry.sidecar.metrics import SidecarMetrics
-from kvferry.sidecar.registry_link import AMBIGUOUS_CODES, TRANSIENT_CODES, RegistryApi, RegistryError
+from kvferry.sidecar.registry_link import AMBIGUOUS_KINDS, TRANSIENT_KINDS, RegistryApi, RegistryError
 from kvferry.sidecar.releases import ReleaseFanout, RetentionBook
 from kvferry.v1 import resources_pb2
 
@@ -24,15 +30,15 @@ log = logging.getLogger("kvferry.sidecar.retentions")
 
 _HARD_CAP_HINT = "the connector keeps the blocks until its hard cap"
 
-# Registry refusals passed on with the same code; the registry's message says what to fix.
+# Registry refusals passed on as the same kind; the registry's message says what to fix.
 _PASSED_ON = frozenset(
     {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.ALREADY_EXISTS,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.OUT_OF_RANGE,
+        ErrorKind.INVALID_ARGUMENT,
+        ErrorKind.FAILED_PRECONDITION,
+        ErrorKind.ALREADY_EXISTS,
+        ErrorKind.PERMISSION_DENIED,
+        ErrorKind.UNAUTHENTICATED,
+        ErrorKind.OUT_OF_RANGE,
     }
 )
 
@@ -85,14 +91,14 @@ class RetentionPublisher:
         """Publishes ``retention`` for this engine; returns it as stored (with its expiry)."""
         try:
             stored = await self._publish(retention)
-        except SidecarError as err:
-            self._metrics.publish_failures.labels(code=err.code.name).inc()
+        except ServiceError as err:
+            self._metrics.publish_failures.labels(code=err.kind.name).inc()
             log.warning(
                 "retention not published",
                 extra={
                     "engine_request_id": retention.engine_request_id,
                     "conversation_id": retention.conversation_id,
-                    "code": err.code.name,
+                    "code": err.kind.name,
                     "error": err.message,
                 },
             )
@@ -102,16 +108,14 @@ class RetentionPublisher:
 
     async def _publish(self, retention: resources_pb2.Retention) -> Reported:
         if retention.engine_id and retention.engine_id != self.engine_id:
-            raise SidecarError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise InvalidArgument(
                 f"retention names engine {retention.engine_id!r} but this sidecar serves {self.engine_id!r}; "
                 "point the connector at its own engine's sidecar",
             )
         if not retention.engine_request_id:
-            raise SidecarError(grpc.StatusCode.INVALID_ARGUMENT, "retention.engine_request_id is required")
+            raise InvalidArgument("retention.engine_request_id is required")
         if not self._registration.registered:
-            raise SidecarError(
-                grpc.StatusCode.UNAVAILABLE,
+            raise Unavailable(
                 f"engine {self.engine_id!r} is not registered with the registry right now; {_HARD_CAP_HINT}",
             )
         to_publish = resources_pb2.Retention()
@@ -124,7 +128,7 @@ class RetentionPublisher:
         try:
             response = await self._registry.publish_retention(to_publish)
         except RegistryError as err:
-            if err.code in AMBIGUOUS_CODES:
+            if err.kind in AMBIGUOUS_KINDS:
                 found = await self._stored_despite(to_publish, err)
                 if found is not None:
                     return found
@@ -162,26 +166,24 @@ class RetentionPublisher:
         self._book.published(request_id, None, may_have_landed=True)
         return None
 
-    def _failure(self, err: RegistryError, generation: int) -> SidecarError:
-        if err.code is grpc.StatusCode.NOT_FOUND or (
-            err.code is grpc.StatusCode.FAILED_PRECONDITION and "is not registered" in err.message
+    def _failure(self, err: RegistryError, generation: int) -> ServiceError:
+        if err.kind is ErrorKind.NOT_FOUND or (
+            err.kind is ErrorKind.FAILED_PRECONDITION and "is not registered" in err.message
         ):
             # The registry refuses retentions of unknown engines: the engine's lease may be gone.
             self._registration.check_lease(generation)
-            return SidecarError(
-                grpc.StatusCode.UNAVAILABLE,
+            return Unavailable(
                 f"the registry does not know engine {self.engine_id!r} (its lease was lost; the sidecar is "
                 f"re-registering it): {err.message}; {_HARD_CAP_HINT}",
             )
-        if err.code in _PASSED_ON:
-            return SidecarError(err.code, f"the registry refused the retention: {err.message}")
-        if err.code in TRANSIENT_CODES:
-            return SidecarError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"registry unreachable ({err.code.name}: {err.message}); retention not published; "
+        if err.kind in _PASSED_ON:
+            return error_of_kind(err.kind, f"the registry refused the retention: {err.message}")
+        if err.kind in TRANSIENT_KINDS:
+            return Unavailable(
+                f"registry unreachable ({err.kind.name}: {err.message}); retention not published; "
                 f"{_HARD_CAP_HINT}",
             )
-        return SidecarError(grpc.StatusCode.INTERNAL, f"registry failed the publish: {err}")
+        return Internal(f"registry failed the publish: {err}")
 
     async def end(
         self,
@@ -198,7 +200,7 @@ class RetentionPublisher:
             ("engine_request_id", engine_request_id),
         ):
             if not value:
-                raise SidecarError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is required")
+                raise InvalidArgument(f"{name} is required")
         if reason == resources_pb2.RELEASE_REASON_EVICTED:
             self._metrics.evictions.inc()
         try:
@@ -206,11 +208,10 @@ class RetentionPublisher:
                 tenant, conversation_id, self.engine_id, engine_request_id, reason
             )
         except RegistryError as err:
-            if err.code in _PASSED_ON:
-                raise SidecarError(err.code, f"the registry refused the end: {err.message}") from err
-            raise SidecarError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"registry unreachable ({err.code.name}: {err.message}); retention not ended yet; "
+            if err.kind in _PASSED_ON:
+                raise error_of_kind(err.kind, f"the registry refused the end: {err.message}") from err
+            raise Unavailable(
+                f"registry unreachable ({err.kind.name}: {err.message}); retention not ended yet; "
                 f"{_HARD_CAP_HINT}",
             ) from err
         revision = response.header.revision

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
-from kvferry.sidecar.errors import SidecarError
+from kvferry.runtime import errors
+from kvferry.runtime.errors import InvalidArgument
 from kvferry.sidecar.registration import EngineRegistration
 from kvferry.sidecar.releases import ReleaseFanout
 from kvferry.sidecar.retentions import RetentionPublisher
@@ -14,6 +15,9 @@ from kvferry.v1 import sidecar_service_pb2 as sidecar_pb2
 from kvferry.v1 import sidecar_service_pb2_grpc as sidecar_grpc
 
 SERVICE_NAME: str = sidecar_pb2.DESCRIPTOR.services_by_name["SidecarService"].full_name
+
+unary = errors.unary("sidecar")
+streaming = errors.streaming("sidecar")
 
 
 class SidecarServicer(sidecar_grpc.SidecarServiceServicer):  # type: ignore[misc]
@@ -29,38 +33,32 @@ class SidecarServicer(sidecar_grpc.SidecarServiceServicer):  # type: ignore[misc
         self._fanout = fanout
         self._registration = registration
 
+    @unary
     async def ReportRetention(
         self, request: sidecar_pb2.ReportRetentionRequest, context: grpc.aio.ServicerContext
     ) -> sidecar_pb2.ReportRetentionResponse:
-        try:
-            reported = await self._publisher.report(request.retention)
-        except SidecarError as err:
-            await context.abort(err.code, err.message)
+        reported = await self._publisher.report(request.retention)
         return sidecar_pb2.ReportRetentionResponse(retention=reported.retention, revision=reported.revision)
 
+    @unary
     async def EvictRetention(
         self, request: sidecar_pb2.EvictRetentionRequest, context: grpc.aio.ServicerContext
     ) -> sidecar_pb2.EvictRetentionResponse:
-        try:
-            await self._publisher.end(
-                request.tenant,
-                request.conversation_id,
-                request.engine_request_id,
-                resources_pb2.RELEASE_REASON_EVICTED,
-            )
-        except SidecarError as err:
-            await context.abort(err.code, err.message)
+        await self._publisher.end(
+            request.tenant,
+            request.conversation_id,
+            request.engine_request_id,
+            resources_pb2.RELEASE_REASON_EVICTED,
+        )
         return sidecar_pb2.EvictRetentionResponse()
 
+    @unary
     async def EndRetention(
         self, request: sidecar_pb2.EndRetentionRequest, context: grpc.aio.ServicerContext
     ) -> sidecar_pb2.EndRetentionResponse:
-        try:
-            ended = await self._publisher.end(
-                request.tenant, request.conversation_id, request.engine_request_id, request.reason
-            )
-        except SidecarError as err:
-            await context.abort(err.code, err.message)
+        ended = await self._publisher.end(
+            request.tenant, request.conversation_id, request.engine_request_id, request.reason
+        )
         return sidecar_pb2.EndRetentionResponse(ended=ended.ended, revision=ended.revision)
 
     async def ReportEngineStats(
@@ -69,12 +67,12 @@ class SidecarServicer(sidecar_grpc.SidecarServiceServicer):  # type: ignore[misc
         self._registration.update_stats(request.stats)
         return sidecar_pb2.ReportEngineStatsResponse()
 
+    @streaming
     async def WatchReleases(
         self, request: sidecar_pb2.WatchReleasesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[sidecar_pb2.WatchReleasesResponse]:
         if request.engine_id and request.engine_id != self._engine_id:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise InvalidArgument(
                 f"this sidecar serves engine {self._engine_id!r}, not {request.engine_id!r}; "
                 "point the connector at its own engine's sidecar",
             )

@@ -1,0 +1,133 @@
+"""Command-line flags whose defaults come from environment variables, for every service CLI.
+
+One helper, :class:`EnvFlags`: each flag names its variable(s), ``--help`` shows them with the default,
+a flag given on the command line wins over the environment, and a bad environment value stops the
+command with one line naming the variable and exit status 2 (argparse's error path, never a
+traceback). The variable is read when the command is parsed, not when the parser is built, and only
+when the flag is not given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _FromEnvironment(str):
+    """An environment variable's text used as a flag's default; remembers which variable gave it."""
+
+    variable: str
+
+
+def _env_converter(kind: Callable[[str], Any], choices: Collection[Any] | None) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        if not isinstance(text, _FromEnvironment):
+            return kind(text)  # argparse words a bad command-line value itself
+        try:
+            value = kind(text)
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(
+                f"environment variable {text.variable}={str(text)!r} is not a valid {_kind_name(kind)}"
+            ) from None
+        if choices is not None and value not in choices:
+            raise argparse.ArgumentTypeError(
+                f"environment variable {text.variable}={str(text)!r} is not one of "
+                f"{', '.join(str(c) for c in choices)}"
+            )
+        return value
+
+    # argparse names the type in its own messages ("invalid float value").
+    convert.__name__ = getattr(kind, "__name__", "value")
+    return convert
+
+
+def _kind_name(kind: Callable[[str], Any]) -> str:
+    return {"int": "integer", "float": "number"}.get(getattr(kind, "__name__", ""), "value")
+
+
+class EnvFlags:
+    """Adds environment-backed flags to ``parser`` (or one of its argument groups).
+
+    ``environ`` defaults to ``os.environ``; tests pass their own mapping.
+    """
+
+    def __init__(
+        self,
+        parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self._parser = parser
+        self._environ: Mapping[str, str] = os.environ if environ is None else environ
+
+    def group(self, title: str) -> EnvFlags:
+        """The same helper for a titled argument group (``--help`` lists the group's flags together)."""
+        if not isinstance(self._parser, argparse.ArgumentParser):
+            raise TypeError("argument groups nest only under a parser")
+        return EnvFlags(self._parser.add_argument_group(title), self._environ)
+
+    def add(
+        self,
+        flag: str,
+        env: str | Sequence[str],
+        help: str,
+        *,
+        type: Callable[[str], Any] = str,
+        default: Any = None,
+        required: bool = False,
+        choices: Collection[Any] | None = None,
+        metavar: str | None = None,
+    ) -> None:
+        """``flag`` with its default from the first of ``env`` that is set and not empty, else
+        ``default``; ``required`` only when neither the command line nor the environment gives it."""
+        variables = [env] if isinstance(env, str) else list(env)
+        value: Any = default
+        for variable in variables:
+            text = self._environ.get(variable)
+            if text:
+                value = _FromEnvironment(text)
+                value.variable = variable
+                break
+        shown = f"env {', '.join(variables)}"
+        if default is not None:
+            shown += f"; default: {default}"
+        elif required:
+            shown += "; required"
+        self._parser.add_argument(
+            flag,
+            type=_env_converter(type, choices),
+            default=value,
+            required=required and not isinstance(value, _FromEnvironment),
+            choices=choices,
+            metavar=metavar,
+            # argparse %-formats help texts.
+            help=f"{help} [{shown}]".replace("%", "%%"),
+        )
+
+
+def add_log_level_flag(flags: EnvFlags) -> None:
+    flags.add(
+        "--log-level",
+        "KVFERRY_LOG_LEVEL",
+        "log level; logs are JSON lines on stderr",
+        default="info",
+        choices=LOG_LEVELS,
+    )
+
+
+def add_telemetry_flags(flags: EnvFlags) -> None:
+    """The same ``--metrics-address`` / ``--otlp-endpoint`` flags on every service."""
+    telemetry = flags.group("telemetry")
+    telemetry.add(
+        "--metrics-address",
+        "KVFERRY_METRICS_ADDRESS",
+        "host:port to serve Prometheus /metrics on (port 0: any free port); off when unset",
+    )
+    telemetry.add(
+        "--otlp-endpoint",
+        ("KVFERRY_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        "OTLP/gRPC collector for traces (host:port or http(s)://host:port); tracing is off when unset",
+    )
