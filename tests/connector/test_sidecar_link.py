@@ -16,10 +16,10 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
-from kvferry.common.etcd_process import free_port
 from kvferry.connector.accounting import Accounting, StatsSnapshot
 from kvferry.connector.retention import EndReason
 from kvferry.connector.sidecar_link import BackgroundLoop, DueTimer, EndCall, RetentionReport, SidecarLink
+from kvferry.stack.etcd_process import free_port
 from kvferry.v1 import resources_pb2
 from kvferry.v1 import sidecar_service_pb2 as pb
 from kvferry.v1 import sidecar_service_pb2_grpc as pb_grpc

@@ -6,9 +6,9 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest_asyncio
-from kvferry.common.etcd_process import EtcdProcess
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.server import create_registry
+from kvferry.stack.etcd_process import EtcdProcess
 
 from tests.fixtures.registry import TEST_TTLS, RegistryHandle
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from kvferry.common.ids import MAX_ID_LENGTH
+from kvferry.runtime.ids import MAX_ID_LENGTH
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 import pytest_asyncio
-from kvferry.common.etcd_process import EtcdProcess
 from kvferry.registry.batching import TxnBatcher
 from kvferry.registry.etcd import (
     Compare,
@@ -21,6 +20,7 @@ from kvferry.registry.etcd import (
     Put,
     TxnResult,
 )
+from kvferry.stack.etcd_process import EtcdProcess
 
 pytestmark = pytest.mark.timeout(30)
 

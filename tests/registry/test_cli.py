@@ -11,7 +11,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvferry.common.etcd_process import EtcdProcess, free_port
+from kvferry.stack.etcd_process import EtcdProcess, free_port
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub
 

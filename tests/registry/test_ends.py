@@ -18,7 +18,6 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from kvferry.common.etcd_process import EtcdProcess
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.engines import EngineStore
 from kvferry.registry.etcd import EtcdGateway, EtcdSettings
@@ -29,6 +28,7 @@ from kvferry.registry.retentions import RetentionStore
 from kvferry.registry.server import create_registry
 from kvferry.runtime.clock import ManualClock
 from kvferry.runtime.errors import NotFound
+from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from kvferry.common.etcd_process import EtcdProcess, free_port
 from kvferry.registry.errors import EtcdUnavailable
 from kvferry.registry.etcd import (
     Delete,
@@ -26,6 +25,7 @@ from kvferry.registry.etcd import (
     WatchEvent,
     prefix_end,
 )
+from kvferry.stack.etcd_process import EtcdProcess, free_port
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,9 +15,9 @@ import grpc
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvferry.common.etcd_process import EtcdProcess
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.server import SERVICE_NAME, create_registry
+from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub

@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from kvferry.common.etcd_process import EtcdProcess
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.etcd import EtcdGateway, EtcdSettings, EventType, Put, prefix_end
 from kvferry.registry.keys import KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.records import decode_tombstone
 from kvferry.runtime.errors import NotFound
+from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.v1 import resources_pb2 as resources
 
 from tests.registry.builders import Stores, engine, retention

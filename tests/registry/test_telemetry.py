@@ -11,11 +11,11 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvferry.common.etcd_process import EtcdProcess, free_port
-from kvferry.common.telemetry import setup_tracing, tracing_client_interceptors
 from kvferry.registry.cli import config_from_args, configure
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.server import Registry, create_registry
+from kvferry.runtime.tracing import setup_tracing, tracing_client_interceptors
+from kvferry.stack.etcd_process import EtcdProcess, free_port
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub
@@ -193,7 +193,7 @@ async def test_a_traced_call_has_its_server_span_under_the_callers_span(etcd: Et
         _config(etcd.endpoint, metrics_address=None), tracer_provider=registry_provider
     )
     try:
-        assert running.metrics_server is None
+        assert running.metrics_endpoint is None
         engine_id = unique("engine")
         async with grpc.aio.insecure_channel(
             running.address, interceptors=tracing_client_interceptors(caller_provider)

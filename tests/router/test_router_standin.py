@@ -23,10 +23,10 @@ from kvferry.bench.router import (
     standin_render_chat,
     standin_tokenize,
 )
-from kvferry.common.etcd_process import EtcdProcess
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.server import create_registry
 from kvferry.router.server import RunningRouter
+from kvferry.stack.etcd_process import EtcdProcess, free_port
 from kvferry.v1 import resources_pb2
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
@@ -765,12 +765,17 @@ async def test_traces_and_metrics(router_factory: RouterFactory, standin_factory
 async def test_start_fails_cleanly_on_a_busy_port(router_factory: RouterFactory) -> None:
     import socket
 
+    grpc_port = free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
         with pytest.raises(OSError):
-            await router_factory(http_listen=f"127.0.0.1:{port}")
+            await router_factory(grpc_listen=f"127.0.0.1:{grpc_port}", http_listen=f"127.0.0.1:{port}")
+    # What had started is stopped the way stop() does it: the gRPC port is free, no task is left.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as again:
+        again.bind(("127.0.0.1", grpc_port))
+    assert not [task for task in asyncio.all_tasks() if task.get_name().startswith("kvferry-router-")]
 
 
 async def test_non_streaming_client_that_leaves_aborts_the_decode(stack: Stack) -> None:

@@ -21,9 +21,9 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from kvferry.common.etcd_process import free_port
 from kvferry.router.server import RouterConfig, RunningRouter, start_router
 from kvferry.stack.engine import EngineProcess
+from kvferry.stack.etcd_process import free_port
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from kvferry.common.grpc_server import start_server
 from kvferry.runtime import errors
 from kvferry.runtime.errors import (
     STATUS,
@@ -21,6 +20,7 @@ from kvferry.runtime.errors import (
     grpc_code,
     http_status,
 )
+from kvferry.runtime.grpc_server import start_server
 from kvferry.v1 import resources_pb2
 from kvferry.v1 import sidecar_service_pb2 as api
 from kvferry.v1 import sidecar_service_pb2_grpc as api_grpc

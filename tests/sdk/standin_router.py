@@ -18,7 +18,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import timestamp_pb2
-from kvferry.common.grpc_server import start_server
+from kvferry.runtime.grpc_server import start_server
 from kvferry.v1 import router_service_pb2 as router_pb
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 

@@ -8,7 +8,6 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from kvferry.common.etcd_process import free_port
 from kvferry.sdk import (
     ChatMessage,
     Client,
@@ -21,6 +20,7 @@ from kvferry.sdk import (
     UnauthenticatedError,
     UnavailableError,
 )
+from kvferry.stack.etcd_process import free_port
 from opentelemetry.sdk.trace import TracerProvider
 
 from tests.sdk.conftest import API_KEY, OTHER_API_KEY

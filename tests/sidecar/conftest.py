@@ -6,9 +6,9 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from kvferry.common.etcd_process import EtcdProcess, free_port
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.server import Registry, create_registry
+from kvferry.stack.etcd_process import EtcdProcess, free_port
 
 from tests.fixtures.registry import TEST_TTLS
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from kvferry.common.etcd_process import free_port
+from kvferry.stack.etcd_process import free_port
 from kvferry.stack.readiness import grpc_serving, wait_router_ready
 
 from tests.fixtures.registry import RegistryHandle

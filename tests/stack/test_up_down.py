@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvferry.common.etcd_process import free_port
+from kvferry.stack.etcd_process import free_port
 from kvferry.stack.processes import StackState, is_ours
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(1200)]

@@ -32,15 +32,14 @@ Unmarked requests behave exactly as with vLLM's NixlConnector.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvferry.common.logs import JsonFormatter
 from kvferry.connector import vllm_internals
 from kvferry.connector.accounting import Accounting, StatsSnapshot, pull_allowed
 from kvferry.connector.compat import KvLayout, kv_compatibility_hash
 from kvferry.connector.keeper import RetentionKeeper
+from kvferry.connector.logs import setup_logging
 from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullRecord
 from kvferry.connector.retention import RetainedEntry, RetentionTable
 from kvferry.connector.settings import KvferrySettings, SettingsError, parse_settings
@@ -78,17 +77,6 @@ logger = logging.getLogger("kvferry.connector")
 _FORGET_AFTER_SECONDS = 600.0
 # Per-request pull options the worker keeps at most (a request whose pull never starts is dropped).
 _MAX_PULL_OPTIONS = 1024
-
-
-def _setup_logging() -> None:
-    """kvferry's connector logs JSON lines to stderr (vLLM configures only its own loggers)."""
-    root = logging.getLogger("kvferry")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(JsonFormatter())
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-        root.propagate = False
 
 
 def engine_layout(vllm_config: VllmConfig) -> KvLayout:
@@ -500,7 +488,7 @@ class KvferryConnector(NixlPullConnector):  # type: ignore[misc]
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        _setup_logging()
+        setup_logging()
         vllm_internals.check_vllm()
         transfer = vllm_config.kv_transfer_config
         if transfer is None or transfer.engine_id is None:

@@ -13,11 +13,10 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
-from kvferry.common.ids import check_id
-from kvferry.common.telemetry import trace_headers
 from kvferry.sdk._config import ClientConfig, Deadlines, TlsConfig
 from kvferry.sdk._conversation import Conversation, PromptInput, normalize_prompt
 from kvferry.sdk._errors import ErrorCode, error_from_rpc, make_error
+from kvferry.sdk._ids import check_id
 from kvferry.sdk._keepalive import Clock, KeepAlive, KeepAliveSettings
 from kvferry.sdk._models import ConversationInfo, Reply, SamplingParams
 from kvferry.sdk._proto import (
@@ -27,6 +26,7 @@ from kvferry.sdk._proto import (
 )
 from kvferry.sdk._retry import RetryPolicy
 from kvferry.sdk._stream import TurnStream
+from kvferry.sdk._tracing import trace_headers
 from kvferry.v1 import router_service_pb2 as router_pb
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 

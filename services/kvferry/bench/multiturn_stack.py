@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvferry.common.etcd_process import EtcdProcess, free_port
 from kvferry.connector.settings import KvferrySettings
 from kvferry.stack.engine import REPO_ROOT, EngineProcess
+from kvferry.stack.etcd_process import EtcdProcess, free_port
 from kvferry.stack.processes import StackState, spawn, spawn_registry, start_etcd, stop_processes
 from kvferry.stack.readiness import wait_engines_healthy, wait_grpc_serving, wait_router_ready
 

@@ -197,7 +197,7 @@ class Deployment:
 
 
 async def deploy(args: argparse.Namespace) -> Deployment:
-    from kvferry.common.etcd_process import EtcdProcess, free_port
+    from kvferry.stack.etcd_process import EtcdProcess, free_port
 
     cleanup: list[Callable[[], Awaitable[None]]] = []
     pids: dict[str, int] = {}

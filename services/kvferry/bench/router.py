@@ -572,8 +572,8 @@ def run(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from kvferry.common.etcd_process import free_port
-    from kvferry.common.logs import setup_logging
+    from kvferry.runtime.logs import setup_logging
+    from kvferry.stack.etcd_process import free_port
 
     setup_logging("warning")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="kvferry-bench-router-"))
@@ -743,9 +743,9 @@ def serve_services(work_dir: str, engines: str, pace: StandInPace | None = None)
     sidecars) until SIGTERM; prints the registry address as a JSON line once the engines serve."""
     from pathlib import Path
 
-    from kvferry.common.etcd_process import EtcdProcess
     from kvferry.registry.config import RegistryConfig
     from kvferry.registry.server import create_registry
+    from kvferry.stack.etcd_process import EtcdProcess
 
     work = Path(work_dir)
 

@@ -6,12 +6,13 @@ Every flag has an environment variable; a flag given on the command line wins.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import sys
 from collections.abc import Mapping
 
-from kvferry.common.logs import setup_logging
 from kvferry.registry.config import RegistryConfig, TtlPolicy
 from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
+from kvferry.runtime.host import run_service
+from kvferry.runtime.logs import setup_logging
 
 _DEFAULTS = RegistryConfig()
 
@@ -105,12 +106,12 @@ def config_from_args(args: argparse.Namespace) -> RegistryConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvferry.registry.server import serve
+    from kvferry.registry.server import start_and_freeze
 
     try:
         config = config_from_args(args)
     except ValueError as error:
-        raise SystemExit(f"kvferry registry: {error}") from None
+        print(f"kvferry registry: error: {error}", file=sys.stderr)
+        return 2
     setup_logging(config.log_level)
-    asyncio.run(serve(config))
-    return 0
+    return run_service("registry", lambda: start_and_freeze(config))

@@ -34,12 +34,13 @@ from kvferry.registry.etcd import (
     prefix_end,
 )
 from kvferry.registry.keys import KeyLayout
-from kvferry.registry.metrics import LEASE_ENGINE, RegistryMetrics
+from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.reaper import EngineReaper
 from kvferry.registry.records import decode_engine
 from kvferry.runtime.backoff import Backoff
 from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.runtime.errors import Aborted, NotFound, ServiceError
+from kvferry.runtime.metrics import LEASE_ENGINE
 from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import resources_pb2 as resources

@@ -8,7 +8,7 @@
     {prefix}ended-requests/{engine_id}/{engine_request_id}   tombstone       a lease of its own
     {prefix}epoch                                            epoch           none
 
-Ids are restricted to ``[A-Za-z0-9._:-]`` (kvferry.common.ids), so ``/`` separates fields
+Ids are restricted to ``[A-Za-z0-9._:-]`` (kvferry.runtime.ids), so ``/`` separates fields
 unambiguously. The tenant is part of every retention key: no request names another tenant's
 conversation. ``live`` and ``ended`` share the ``retention/`` prefix so one watch sees a
 deletion and its tombstone in the same revision.

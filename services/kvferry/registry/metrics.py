@@ -1,6 +1,5 @@
-"""The registry's Prometheus series: the shared ``kvferry_*`` ones it owns (docs/observability.md) plus
-its own ``kvferry_registry_*`` gauges, in one ``CollectorRegistry`` per registry (tests run several in
-one process).
+"""The registry's Prometheus series (docs/observability.md), in one ``CollectorRegistry`` per registry
+(tests run several in one process).
 
 Counting rules that keep sums across registry replicas exact:
 
@@ -13,30 +12,38 @@ Counting rules that keep sums across registry replicas exact:
 
 from __future__ import annotations
 
-from kvferry.common import telemetry
+from kvferry.runtime.metrics import (
+    lease_renewals_counter,
+    release_reason_label,
+    releases_counter,
+    rpc_server_histogram,
+)
 from kvferry.v1 import resources_pb2 as resources
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 # The etcd calls the gateway makes, as ``op`` labels of kvferry_etcd_errors_total (etcd's RPC names).
 ETCD_OPS = ("range", "txn", "compact", "lease_grant", "lease_revoke", "lease_keepalive", "watch")
-# What a renewed lease keeps alive, as ``kind`` labels of kvferry_lease_renewals_total.
-LEASE_ENGINE = "engine"
-LEASE_RETENTION = "retention"
 
 
 class RegistryMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.shared = telemetry.create_metrics(registry if registry is not None else CollectorRegistry())
-        self.registry = self.shared.registry
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.releases = releases_counter(r)
+        self.lease_renewals = lease_renewals_counter(r)
+        self.rpc_seconds = rpc_server_histogram(r)
+        self.etcd_errors = Counter(
+            "kvferry_etcd_errors", "Failed etcd operations, by operation.", ["op"], registry=r
+        )
         self.live_engines = Gauge(
             "kvferry_registry_live_engines",
             "Engines registered in etcd (cluster-wide; refreshed every few seconds).",
-            registry=self.registry,
+            registry=r,
         )
         self.live_retentions = Gauge(
             "kvferry_registry_live_retentions",
             "Live retention records in etcd (cluster-wide; refreshed every few seconds).",
-            registry=self.registry,
+            registry=r,
         )
         self.epochs_started = Counter(
             "kvferry_registry_epochs_started",
@@ -45,19 +52,17 @@ class RegistryMetrics:
         )
         # Closed label sets start at zero so rates exist before the first event.
         for op in ETCD_OPS:
-            self.shared.etcd_errors.labels(op=op)
-        for kind in (LEASE_ENGINE, LEASE_RETENTION):
-            self.shared.lease_renewals.labels(kind=kind)
+            self.etcd_errors.labels(op=op)
 
     def etcd_error(self, op: str) -> None:
-        self.shared.etcd_errors.labels(op=op).inc()
+        self.etcd_errors.labels(op=op).inc()
 
     def lease_renewed(self, kind: str) -> None:
-        self.shared.lease_renewals.labels(kind=kind).inc()
+        self.lease_renewals.labels(kind=kind).inc()
 
     def released(self, reason: resources.ReleaseReason.ValueType, count: int = 1) -> None:
         if count > 0:
-            self.shared.releases.labels(reason=telemetry.release_reason_label(reason)).inc(count)
+            self.releases.labels(reason=release_reason_label(reason)).inc(count)
 
     def restore_detected(self) -> None:
         self.epochs_started.inc()

@@ -42,7 +42,7 @@ from kvferry.registry.etcd import (
     TxnResult,
 )
 from kvferry.registry.keys import ConversationKey, KeyLayout
-from kvferry.registry.metrics import LEASE_RETENTION, RegistryMetrics
+from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.records import (
     StoredRetention,
     decode_engine,
@@ -53,6 +53,7 @@ from kvferry.registry.records import (
 )
 from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.runtime.errors import Aborted, FailedPrecondition, NotFound, ServiceError
+from kvferry.runtime.metrics import LEASE_RETENTION
 from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import resources_pb2 as resources
 

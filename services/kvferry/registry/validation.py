@@ -8,11 +8,11 @@ from __future__ import annotations
 import base64
 import binascii
 
-from kvferry.common.ids import check_id
 from kvferry.pd.digest import DIGEST_BYTES
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.keys import ConversationKey
 from kvferry.runtime.errors import InvalidArgument
+from kvferry.runtime.ids import check_id
 from kvferry.v1 import resources_pb2 as resources
 
 # etcd refuses requests above 1.5 MiB by default; keep one record well inside that.

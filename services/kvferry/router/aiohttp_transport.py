@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import httpx
-from kvferry.common import telemetry
+from kvferry.runtime.tracing import trace_headers
 
 
 class _ResponseStream(httpx.AsyncByteStream):
@@ -69,7 +69,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         body = await request.aread()
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
         # W3C trace context of the current span (the turn's), so engine spans join the turn's trace.
-        headers.extend(telemetry.trace_headers().items())
+        headers.extend(trace_headers().items())
         try:
             response = await self._client().request(
                 request.method,

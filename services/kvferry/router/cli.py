@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from kvferry.common.logs import setup_logging
-from kvferry.router.server import COST_PROFILES, REUSE_POLICIES, RouterConfig, start_router
-from kvferry.router.tenants import TenantConfigError
+from kvferry.router.server import COST_PROFILES, REUSE_POLICIES, RouterConfig, RunningRouter, start_router
 from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
-
-log = logging.getLogger(__name__)
+from kvferry.runtime.host import run_service
+from kvferry.runtime.logs import setup_logging
 
 _DEFAULTS = RouterConfig(registry_address="127.0.0.1:50051")
 
@@ -188,16 +184,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
-async def _serve(config: RouterConfig) -> None:
+async def _start(config: RouterConfig) -> RunningRouter:
     router = await start_router(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     print(f"kvferry router: gRPC {router.grpc_address}, HTTP {router.http_url}", flush=True)
-    await stop.wait()
-    log.info("router stopping")
-    await router.stop()
+    return router
 
 
 def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -210,12 +200,6 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    try:
-        config = config_from_args(args)
-        with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
-            runner.run(_serve(config))
-    except (TenantConfigError, ValueError, OSError) as error:
-        log.error("router failed to start", extra={"error": str(error)})
-        print(f"kvferry router: {error}")
-        return 2
-    return 0
+    config = config_from_args(args)
+    # A bad tenants file or cost profile, or an address in use, is refused at start: exit 2, one line.
+    return run_service("router", lambda: _start(config), loop_factory=_loop_factory(args.event_loop))

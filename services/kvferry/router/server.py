@@ -10,14 +10,12 @@ import contextlib
 import logging
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import grpc
 import uvicorn
-from kvferry.common import telemetry
-from kvferry.common.grpc_server import start_server
 from kvferry.pd.engine_client import HttpTimeouts
 from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS
 from kvferry.router.calibration import CPU_DEFAULT, GPU_PROFILES, CostProfile
@@ -26,16 +24,21 @@ from kvferry.router.engine_clients import EngineClients
 from kvferry.router.engines import EngineTable, LoadTracker
 from kvferry.router.grpc_api import SERVICE_NAME, RouterServicer
 from kvferry.router.http_api import HttpApi
+from kvferry.router.metrics import RouterMetrics
 from kvferry.router.observe import TurnTelemetry
 from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
 from kvferry.router.tenants import ApiKeys, load_tenants, parse_key_pairs
 from kvferry.router.turns import TurnRunner, TurnSettings
+from kvferry.runtime.host import ServiceHost
+from kvferry.runtime.tracing import TracingServerInterceptor, tracing_client_interceptors
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
-from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SpanExporter
-from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
 
 log = logging.getLogger(__name__)
+
+# In-flight calls (gRPC and HTTP) get this long to finish on stop.
+_GRACE_SECONDS = 2
 
 
 @dataclass
@@ -127,55 +130,43 @@ class _EmbeddedUvicorn(uvicorn.Server):
         yield
 
 
-@dataclass
 class RunningRouter:
-    """A started router. ``stop()`` stops it."""
+    """A started router: where it listens, its engine table, and how to stop it."""
 
-    grpc_host: str
-    grpc_port: int
-    http_host: str
-    http_port: int
-    engines: EngineTable
-    watcher: EngineWatcher
-    _grpc_server: grpc.aio.Server
-    _http_server: _EmbeddedUvicorn
-    _tasks: list[asyncio.Task[None]]
-    _runner: TurnRunner
-    _clients: EngineClients
-    _channel: grpc.aio.Channel
-    metrics: telemetry.Metrics
-    _tracer_provider: trace.TracerProvider
-    _metrics_server: telemetry.MetricsServer | None = None
-    _stopped: bool = field(default=False)
+    def __init__(
+        self,
+        *,
+        host: ServiceHost,
+        grpc_address: str,
+        http_host: str,
+        http_port: int,
+        engines: EngineTable,
+        watcher: EngineWatcher,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.host = host
+        self.grpc_address = grpc_address
+        self.http_host = http_host
+        self.http_port = http_port
+        self.engines = engines
+        self.watcher = watcher
+        self.metrics = metrics
 
     @property
-    def grpc_address(self) -> str:
-        return f"{self.grpc_host}:{self.grpc_port}"
+    def grpc_host(self) -> str:
+        return self.grpc_address.rpartition(":")[0]
+
+    @property
+    def grpc_port(self) -> int:
+        return int(self.grpc_address.rpartition(":")[2])
 
     @property
     def http_url(self) -> str:
         return f"http://{self.http_host}:{self.http_port}"
 
-    async def wait_closed(self) -> None:
-        await self._grpc_server.wait_for_termination()
-
-    async def stop(self, grace_seconds: float = 2.0) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        self._http_server.should_exit = True
-        await self._grpc_server.stop(grace_seconds)
-        for task in self._tasks:
-            if task.get_name() != "router-http":
-                task.cancel()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), grace_seconds + 3)
-        await self._runner.aclose()
-        await self._clients.aclose()
-        await self._channel.close()
-        if self._metrics_server is not None:
-            await self._metrics_server.stop()
-        await asyncio.to_thread(telemetry.shutdown_tracing, self._tracer_provider)
+    async def stop(self, grace_seconds: float | None = None) -> None:
+        """Stops taking calls (in-flight ones get ``grace_seconds``, 2 s by default), then closes."""
+        await self.host.stop(grace_seconds)
 
 
 async def start_router(
@@ -184,54 +175,57 @@ async def start_router(
     api_keys: ApiKeys | None = None,
     span_exporter: SpanExporter | None = None,
 ) -> RunningRouter:
-    """Starts a router in the running event loop and returns once both servers listen.
+    """Starts a router in the running event loop and returns once both servers listen: the composition
+    root, building every object. A start that fails half-way stops what it started.
 
     ``api_keys`` overrides the keys named in ``config`` (tests pass a table directly);
     ``span_exporter`` (e.g. an ``InMemorySpanExporter``) turns tracing on for tests.
     """
     keys = api_keys if api_keys is not None else api_keys_from_config(config)
-    metrics = telemetry.create_metrics(CollectorRegistry(auto_describe=True))
-    provider = telemetry.setup_tracing("kvferry-router", config.otlp_endpoint, exporter=span_exporter)
-    channel = grpc.aio.insecure_channel(
-        config.registry_address, interceptors=telemetry.tracing_client_interceptors(provider)
-    )
-    registry = GrpcRegistry(channel, timeout_seconds=config.registry_timeout_seconds)
-    engines = EngineTable()
-    load = LoadTracker()
-    clients = EngineClients(
-        timeouts=HttpTimeouts(
-            connect=config.engine_connect_timeout_seconds, read=config.engine_read_timeout_seconds
-        ),
-        max_connections=config.engine_max_connections,
-    )
-    watcher = EngineWatcher(
-        registry, engines, load, resync_seconds=config.engine_resync_seconds, on_left=clients.forget
-    )
-    runner = TurnRunner(
-        engines=engines,
-        load=load,
-        clients=clients,
-        registry=registry,
-        settings=TurnSettings(
-            cost=CostSettings(
-                profile=cost_profile(config.cost_profile),
-                kv_recompute_threshold=config.kv_recompute_threshold,
-                lease_margin_seconds=config.lease_margin_seconds,
-                policy=_reuse_policy(config.reuse_policy),
+    grpc_host, _ = _split_host_port(config.grpc_listen)
+    http_host, http_port = _split_host_port(config.http_listen)
+    metrics = RouterMetrics()
+    host = ServiceHost("router", grace_seconds=_GRACE_SECONDS)
+    async with host.starting():
+        provider = host.setup_tracing("kvferry-router", config.otlp_endpoint, span_exporter)
+        channel = grpc.aio.insecure_channel(
+            config.registry_address, interceptors=tracing_client_interceptors(provider)
+        )
+        host.on_stop("registry channel", channel.close)
+        registry = GrpcRegistry(channel, timeout_seconds=config.registry_timeout_seconds)
+        engines = EngineTable()
+        load = LoadTracker()
+        clients = EngineClients(
+            timeouts=HttpTimeouts(
+                connect=config.engine_connect_timeout_seconds, read=config.engine_read_timeout_seconds
             ),
-            default_max_tokens=config.default_max_tokens,
-            max_attempts=config.max_attempts,
-            publish_wait_seconds=config.publish_wait_seconds,
-            read_window_seconds=config.read_window_seconds,
-        ),
-        telemetry=TurnTelemetry(provider, metrics),
-    )
-    tasks: list[asyncio.Task[None]] = []
-    grpc_server: grpc.aio.Server | None = None
-    metrics_server: telemetry.MetricsServer | None = None
-    sock: socket.socket | None = None
-    try:
-        tasks.append(asyncio.create_task(watcher.run(), name="router-engine-watch"))
+            max_connections=config.engine_max_connections,
+        )
+        host.on_stop("engine clients", clients.aclose)
+        watcher = EngineWatcher(
+            registry, engines, load, resync_seconds=config.engine_resync_seconds, on_left=clients.forget
+        )
+        runner = TurnRunner(
+            engines=engines,
+            load=load,
+            clients=clients,
+            registry=registry,
+            settings=TurnSettings(
+                cost=CostSettings(
+                    profile=cost_profile(config.cost_profile),
+                    kv_recompute_threshold=config.kv_recompute_threshold,
+                    lease_margin_seconds=config.lease_margin_seconds,
+                    policy=_reuse_policy(config.reuse_policy),
+                ),
+                default_max_tokens=config.default_max_tokens,
+                max_attempts=config.max_attempts,
+                publish_wait_seconds=config.publish_wait_seconds,
+                read_window_seconds=config.read_window_seconds,
+            ),
+            telemetry=TurnTelemetry(provider, metrics),
+        )
+        host.on_stop("turn runner", runner.aclose)
+        host.spawn(watcher.run(), "engine-watch")
         if config.startup_sync_seconds > 0:
             try:
                 await asyncio.wait_for(watcher.synced.wait(), config.startup_sync_seconds)
@@ -240,28 +234,14 @@ async def start_router(
                     "no engine table from the registry yet; serving anyway and retrying in the background",
                     extra={"registry": config.registry_address},
                 )
-
         servicer = RouterServicer(runner=runner, keys=keys, registry=registry)
-        grpc_server, grpc_port, _health = await start_server(
+        grpc_endpoint = await host.serve_grpc(
             config.grpc_listen,
             [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)],
-            interceptors=[telemetry.TracingServerInterceptor(provider, metrics=metrics)],
+            interceptors=[TracingServerInterceptor(provider, rpc_seconds=metrics.rpc_seconds)],
         )
         if config.metrics_address:
-            metrics_server = await telemetry.serve_metrics(metrics.registry, config.metrics_address)
-
-        http_host, http_port = _split_host_port(config.http_listen)
-        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
-        # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle).
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if http_port:
-            # Several router processes may share one address (gRPC does so by default): the kernel
-            # spreads connections over them, so a host runs as many routers as it has cores to spare.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((http_host, http_port))
-        sock.listen(2048)
-        sock.setblocking(False)
+            await host.serve_metrics(metrics.registry, config.metrics_address)
         app = HttpApi(
             runner=runner,
             keys=keys,
@@ -270,61 +250,69 @@ async def start_router(
             max_body_bytes=config.max_body_bytes,
             metrics_registry=metrics.registry,
         ).app()
-        http_server = _EmbeddedUvicorn(
-            uvicorn.Config(
-                app,
-                lifespan="off",
-                log_config=None,
-                access_log=False,
-                server_header=False,
-                date_header=False,
-                timeout_graceful_shutdown=2,
-            )
-        )
-        tasks.append(asyncio.create_task(http_server.serve(sockets=[sock]), name="router-http"))
-        while not http_server.started:
-            if tasks[-1].done():
-                tasks[-1].result()
-                raise RuntimeError("the HTTP server stopped during start")
-            await asyncio.sleep(0.005)
-        grpc_host, _ = _split_host_port(config.grpc_listen)
-        log.info(
-            "router serving",
-            extra={
-                "grpc": f"{grpc_host}:{grpc_port}",
-                "http": f"http://{http_host}:{sock.getsockname()[1]}",
-                "registry": config.registry_address,
-                "engines": len(engines),
-            },
-        )
-    except BaseException:
-        # A start that fails half-way leaves nothing running.
-        for task in tasks:
-            task.cancel()
-        if grpc_server is not None:
-            await grpc_server.stop(0)
-        if metrics_server is not None:
-            await metrics_server.stop()
-        if sock is not None:
-            sock.close()
-        await clients.aclose()
-        await channel.close()
-        raise
-
+        http_port = await _serve_http(host, app, http_host, http_port)
+    grpc_address = f"{grpc_host}:{grpc_endpoint.port}"
+    log.info(
+        "router serving",
+        extra={
+            "grpc": grpc_address,
+            "http": f"http://{http_host}:{http_port}",
+            "registry": config.registry_address,
+            "engines": len(engines),
+        },
+    )
     return RunningRouter(
-        grpc_host=grpc_host,
-        grpc_port=grpc_port,
+        host=host,
+        grpc_address=grpc_address,
         http_host=http_host,
-        http_port=int(sock.getsockname()[1]),
+        http_port=http_port,
         engines=engines,
         watcher=watcher,
-        _grpc_server=grpc_server,
-        _http_server=http_server,
-        _tasks=tasks,
-        _runner=runner,
-        _clients=clients,
-        _channel=channel,
         metrics=metrics,
-        _tracer_provider=provider,
-        _metrics_server=metrics_server,
     )
+
+
+async def _serve_http(host: ServiceHost, app: Starlette, address: str, port: int) -> int:
+    """Serves the OpenAI-compatible API with uvicorn until the host stops; returns the bound port."""
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+
+    async def close_socket() -> None:
+        sock.close()  # uvicorn closes it too once it served; closing twice is harmless
+
+    host.on_stop("HTTP socket", close_socket)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if port:
+        # Several router processes may share one address (gRPC does so by default): the kernel
+        # spreads connections over them, so a host runs as many routers as it has cores to spare.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((address, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    server = _EmbeddedUvicorn(
+        uvicorn.Config(
+            app,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            date_header=False,
+            timeout_graceful_shutdown=_GRACE_SECONDS,
+        )
+    )
+    serving = host.spawn(server.serve(sockets=[sock]), "http")
+
+    async def graceful_stop() -> None:
+        # uvicorn stops taking connections and gives open ones its graceful timeout to finish.
+        server.should_exit = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(serving), _GRACE_SECONDS + 3)
+
+    host.on_stop("HTTP server", graceful_stop)
+    while not server.started:
+        if serving.done():
+            serving.result()
+            raise RuntimeError("the HTTP server stopped during start")
+        await asyncio.sleep(0.005)
+    return int(sock.getsockname()[1])

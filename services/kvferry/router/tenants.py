@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvferry.common.ids import check_id
 from kvferry.runtime.errors import PermissionDenied, Unauthenticated
+from kvferry.runtime.ids import check_id
 
 _BEARER = "bearer "
 

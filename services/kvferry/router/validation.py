@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvferry.common.ids import check_id
 from kvferry.pd.engine_api import ChatMessage
 from kvferry.router.turns import SamplingOptions
 from kvferry.runtime.errors import InvalidArgument
+from kvferry.runtime.ids import check_id
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 MAX_MODEL_NAME = 256

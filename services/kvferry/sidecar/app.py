@@ -9,13 +9,11 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import grpc
 from grpc_health.v1 import health, health_pb2
-from kvferry.common import telemetry
-from kvferry.common.grpc_server import start_server
 from kvferry.runtime.clock import Clock, SystemClock
+from kvferry.runtime.host import ServiceHost
+from kvferry.runtime.tracing import TracingServerInterceptor, tracing_client_interceptors
 from kvferry.sidecar.config import SidecarConfig
 from kvferry.sidecar.engine import EngineMonitor, EngineProbe, HttpEngineProbe
 from kvferry.sidecar.metrics import SidecarMetrics
@@ -54,7 +52,8 @@ class SidecarStatus:
 
 
 class Sidecar:
-    """One sidecar. ``start()``, then ``stop()``; ``failed`` resolves if a loop dies (bad config)."""
+    """One sidecar, and its composition root. ``start()``, then ``stop()``; ``failed`` resolves if a loop
+    dies (bad config)."""
 
     def __init__(
         self,
@@ -66,20 +65,29 @@ class Sidecar:
     ) -> None:
         self.config = config
         identity = config.identity
+        # Everything this sidecar opens is closed by its host, in reverse order, on stop or on a failed
+        # start alike.
+        self.host = ServiceHost("sidecar", grace_seconds=config.shutdown_grace_seconds)
         self.metrics = SidecarMetrics(identity.engine_id)
         self._clock: Clock = clock or SystemClock()
-        self._tracer_provider = telemetry.setup_tracing("kvferry-sidecar", config.otlp_endpoint)
-        self._owned_registry = GrpcRegistry(
-            config.registry_address,
-            timeout_seconds=config.registry_timeout_seconds,
-            interceptors=telemetry.tracing_client_interceptors(self._tracer_provider),
-            on_error=self.metrics.registry_error,
-        )
-        self._owned_probe = HttpEngineProbe(
-            identity.http_endpoint, timeout_seconds=config.engine_timeout_seconds
-        )
-        self.registry: RegistryApi = registry or self._owned_registry
-        self._probe: EngineProbe = probe or self._owned_probe
+        self._tracer_provider = self.host.setup_tracing("kvferry-sidecar", config.otlp_endpoint)
+        if registry is None:
+            grpc_registry = GrpcRegistry(
+                config.registry_address,
+                timeout_seconds=config.registry_timeout_seconds,
+                interceptors=tracing_client_interceptors(self._tracer_provider),
+                on_error=self.metrics.registry_error,
+            )
+            self.host.on_stop("registry channel", grpc_registry.close)
+            registry = grpc_registry
+        if probe is None:
+            http_probe = HttpEngineProbe(
+                identity.http_endpoint, timeout_seconds=config.engine_timeout_seconds
+            )
+            self.host.on_stop("engine probe", http_probe.close)
+            probe = http_probe
+        self.registry: RegistryApi = registry
+        self._probe: EngineProbe = probe
         self._health_dirty = asyncio.Event()
         self.monitor = EngineMonitor(self._probe, self._clock, config.monitor, on_change=self._engine_changed)
         self.book = RetentionBook(on_change=self._book_changed)
@@ -109,40 +117,46 @@ class Sidecar:
             identity.engine_id, self.registry, self.registration, self.fanout, self.metrics
         )
         self._servicer = SidecarServicer(identity.engine_id, self.publisher, self.fanout, self.registration)
-        self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._metrics_server: telemetry.MetricsServer | None = None
         self.address = ""
         self.metrics_port: int | None = None
-        self._stopped = False
-        self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    @property
+    def failed(self) -> asyncio.Future[BaseException]:
+        """Resolves with the error when one of the sidecar's loops dies (a bad configuration)."""
+        return self.host.failed
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        listen = self.config.listen
-        if listen.startswith("unix:"):
-            _prepare_socket_path(Path(listen.removeprefix("unix:")))
-        self._server, port, self._health = await start_server(
-            listen,
-            [(sidecar_grpc.add_SidecarServiceServicer_to_server, self._servicer, SERVICE_NAME)],
-            interceptors=[
-                telemetry.TracingServerInterceptor(self._tracer_provider, metrics=self.metrics.shared)
-            ],
-        )
-        self.address = listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
-        await self._apply_health()
-        if self.config.metrics_address is not None:
-            self._metrics_server = await telemetry.serve_metrics(
-                self.metrics.registry, self.config.metrics_address
+        async with self.host.starting():
+            listen = self.config.listen
+            if listen.startswith("unix:"):
+                _prepare_socket_path(Path(listen.removeprefix("unix:")))
+            endpoint = await self.host.serve_grpc(
+                listen,
+                [(sidecar_grpc.add_SidecarServiceServicer_to_server, self._servicer, SERVICE_NAME)],
+                interceptors=[
+                    TracingServerInterceptor(self._tracer_provider, rpc_seconds=self.metrics.rpc_seconds)
+                ],
             )
-            self.metrics_port = self._metrics_server.port
-        self._spawn(self.monitor.run(), "engine-monitor")
-        self._spawn(self.registration.run(), "registration")
-        self._spawn(self.fanout.run(), "release-fanout")
-        self._spawn(self.fanout.sweep_forever(), "release-sweep")
-        self._spawn(self._health_loop(), "health")
+            self._health = endpoint.health
+            self.address = (
+                listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{endpoint.port}"
+            )
+            await self._apply_health()
+            if self.config.metrics_address is not None:
+                self.metrics_port = (
+                    await self.host.serve_metrics(self.metrics.registry, self.config.metrics_address)
+                ).port
+            # Deregistering ends the engine's retentions (ENGINE_GONE); connectors hear it before their
+            # streams close, which the server's graceful stop does next.
+            self.host.on_stop("deregistration", self._deregister)
+            self.host.spawn(self.monitor.run(), "engine-monitor")
+            self.host.spawn(self.registration.run(), "registration")
+            self.host.spawn(self.fanout.run(), "release-fanout")
+            self.host.spawn(self.fanout.sweep_forever(), "release-sweep")
+            self.host.spawn(self._health_loop(), "health")
         log.info(
             "sidecar serving",
             extra={
@@ -156,27 +170,7 @@ class Sidecar:
 
     async def stop(self) -> None:
         """Clean shutdown: stop heartbeating, deregister the engine, end the streams, close. Idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        background = list(self._tasks)
-        self._tasks.clear()
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        # Deregistering ends the engine's retentions (ENGINE_GONE); connectors hear it before
-        # their streams close.
-        await self.registration.shutdown()
-        self.fanout.close_all()
-        if self._health is not None:
-            await self._health.enter_graceful_shutdown()
-        if self._server is not None:
-            await self._server.stop(self.config.shutdown_grace_seconds)
-        if self._metrics_server is not None:
-            await self._metrics_server.stop()
-        await self._owned_registry.close()
-        await self._owned_probe.close()
-        await asyncio.to_thread(telemetry.shutdown_tracing, self._tracer_provider)
+        await self.host.stop()
         log.info("sidecar stopped", extra={"engine_id": self.config.identity.engine_id})
 
     def status(self) -> SidecarStatus:
@@ -196,18 +190,9 @@ class Sidecar:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _spawn(self, coro: Any, name: str) -> None:
-        task: asyncio.Task[None] = asyncio.create_task(coro, name=f"kvferry-sidecar-{name}")
-        task.add_done_callback(self._task_ended)
-        self._tasks.append(task)
-
-    def _task_ended(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            return
-        error = task.exception() or RuntimeError(f"{task.get_name()} ended unexpectedly")
-        log.error("sidecar loop failed", extra={"task": task.get_name(), "error": str(error)})
-        if not self.failed.done():
-            self.failed.set_result(error)
+    async def _deregister(self) -> None:
+        await self.registration.shutdown()
+        self.fanout.close_all()
 
     def _engine_changed(self) -> None:
         self.metrics.engine_up.set(1 if self.monitor.reachable else 0)

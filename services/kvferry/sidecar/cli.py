@@ -9,23 +9,23 @@ environment variable named in its help; flags win.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
-import signal
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
-from kvferry.common.logs import setup_logging
 from kvferry.runtime.backoff import BackoffPolicy
 from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
+from kvferry.runtime.host import run_service
+from kvferry.runtime.logs import setup_logging
 from kvferry.sidecar.config import SidecarConfig
 from kvferry.sidecar.engine import EngineMonitorSettings
-from kvferry.sidecar.registration import EngineIdentity, RegistrationRejected, RegistrationSettings
+from kvferry.sidecar.registration import EngineIdentity, RegistrationSettings
 from kvferry.sidecar.releases import FanoutSettings
 from kvferry.v1 import resources_pb2
 
-log = logging.getLogger("kvferry.sidecar")
+if TYPE_CHECKING:
+    from kvferry.sidecar.app import Sidecar
 
 ROLES = {
     "prefill": resources_pb2.ENGINE_ROLE_PREFILL,
@@ -197,36 +197,23 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     )
 
 
-async def serve(config: SidecarConfig) -> int:
-    """Runs until SIGTERM/SIGINT (exit 0, engine deregistered) or a fatal error (exit 2)."""
+async def start_sidecar(config: SidecarConfig) -> Sidecar:
     from kvferry.sidecar.app import Sidecar
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     sidecar = Sidecar(config)
     await sidecar.start()
-    stop_wait: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
-    failed: asyncio.Future[Any] = sidecar.failed
-    try:
-        await asyncio.wait({stop_wait, failed}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop_wait.cancel()
-        await sidecar.stop()
-    if sidecar.failed.done():
-        error = sidecar.failed.result()
-        hint = "fix the flags" if isinstance(error, RegistrationRejected) else "see the log above"
-        log.error("sidecar exiting", extra={"error": str(error), "hint": hint})
-        return 2
-    return 0
+    return sidecar
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs until SIGTERM/SIGINT (exit 0, engine deregistered) or a fatal error such as the registry
+    refusing the engine (exit 2)."""
     setup_logging(args.log_level)
     # httpx logs every request at INFO: one /health probe every few seconds is not news.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    config = config_from_args(args)
-    with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(serve(config))
-    return 130
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        print(f"kvferry sidecar: error: {error}", file=sys.stderr)
+        return 2
+    return run_service("sidecar", lambda: start_sidecar(config))

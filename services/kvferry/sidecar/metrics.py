@@ -1,19 +1,33 @@
-"""The sidecar's Prometheus series: the shared ``kvferry_*`` ones it owns (see docs/observability.md)
-plus its own ``kvferry_sidecar_*``, all in one registry per sidecar (tests run several in one process)."""
+"""The sidecar's Prometheus series: the ``kvferry_*`` ones it shares with other services (see
+docs/observability.md) plus its own ``kvferry_sidecar_*``, all in one registry per sidecar (tests run
+several in one process)."""
 
 from __future__ import annotations
 
-from kvferry.common import telemetry
+from kvferry.runtime.metrics import (
+    LEASE_ENGINE,
+    lease_renewals_counter,
+    registry_errors_counter,
+    release_reason_label,
+    releases_counter,
+    rpc_server_histogram,
+)
 from kvferry.v1 import resources_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class SidecarMetrics:
     def __init__(self, engine_id: str, registry: CollectorRegistry | None = None) -> None:
-        self.shared = telemetry.create_metrics(registry if registry is not None else CollectorRegistry())
-        self.registry = self.shared.registry
+        self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self._engine_id = engine_id
+        self.retained_blocks = Gauge(
+            "kvferry_retained_blocks", "KV blocks an engine holds for retentions.", ["engine"], registry=r
+        )
+        self.releases = releases_counter(r)
+        self.lease_renewals = lease_renewals_counter(r)
+        self.registry_errors = registry_errors_counter(r)
+        self.rpc_seconds = rpc_server_histogram(r)
         self.retentions = Gauge(
             "kvferry_sidecar_retentions",
             "Live retentions of this engine, as the sidecar knows them.",
@@ -65,14 +79,14 @@ class SidecarMetrics:
         )
 
     def heartbeat(self) -> None:
-        self.shared.lease_renewals.labels(kind="engine").inc()
+        self.lease_renewals.labels(kind=LEASE_ENGINE).inc()
 
     def release(self, reason: resources_pb2.ReleaseReason.ValueType) -> None:
-        self.shared.record_release(reason)
+        self.releases.labels(reason=release_reason_label(reason)).inc()
 
     def registry_error(self, op: str) -> None:
-        self.shared.registry_errors.labels(op=op).inc()
+        self.registry_errors.labels(op=op).inc()
 
     def set_retained(self, retentions: int, blocks: int) -> None:
         self.retentions.set(retentions)
-        self.shared.retained_blocks.labels(engine=self._engine_id).set(blocks)
+        self.retained_blocks.labels(engine=self._engine_id).set(blocks)

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from kvferry.common import child_process
-from kvferry.common.etcd_process import free_port
 from kvferry.connector.compat import kv_compatibility_hash, layout_from_model_dir
 from kvferry.connector.settings import KvferrySettings, settings_to_extra_config
 from kvferry.pd.engine_api import EngineApi, PrefillResult, Sampling
 from kvferry.pd.kvferry_params import ConversationMark
 from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, RetainedKv, max_reusable_tokens
 from kvferry.pd.sequence import Decoded, EngineTurn, Pull, run_turn
+from kvferry.stack import child_process
+from kvferry.stack.etcd_process import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL_DIR = REPO_ROOT / "deploy" / "models" / "tiny-qwen3"

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvferry.common.etcd_process import EtcdProcess, free_port
+from kvferry.stack.etcd_process import EtcdProcess, free_port
 
 STATE_FILE = "stack.json"
 

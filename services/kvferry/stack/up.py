@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvferry.common.etcd_process import EtcdProcess
 from kvferry.stack import readiness
+from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.stack.processes import StackState, is_ours, spawn, spawn_registry, start_etcd
 
 DEMO_TENANT = "demo"

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvferry.common import child_process
+from kvferry.stack import child_process
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -14,7 +14,7 @@ import psutil
 STARTER = """
 import sys, time
 from pathlib import Path
-from kvferry.common.etcd_process import EtcdProcess
+from kvferry.stack.etcd_process import EtcdProcess
 etcd = EtcdProcess(data_dir=Path(sys.argv[1]), die_with_parent=True)
 etcd.start()
 print(etcd.pid, flush=True)

@@ -1,6 +1,6 @@
-"""kvferry.common.telemetry against real servers: two grpc.aio servers (a router-shaped and a
+"""The kit's tracing and metrics against real servers: two grpc.aio servers (a router-shaped and a
 registry-shaped service) joined by the tracing interceptors, a real HTTP endpoint standing in for an
-engine, and the metrics endpoint scraped over HTTP."""
+engine, and each service's metrics scraped over HTTP from the kit's endpoint."""
 
 from __future__ import annotations
 
@@ -12,24 +12,27 @@ from dataclasses import dataclass, field
 import grpc
 import httpx
 import pytest
-from kvferry.common.grpc_server import start_server
-from kvferry.common.telemetry import (
+from kvferry.registry.metrics import RegistryMetrics
+from kvferry.router.metrics import RouterMetrics
+from kvferry.router.observe import (
     ATTR_DECODE_ENGINE,
     ATTR_PREFILL_ENGINE,
     ATTR_REUSE_DECISION,
     ATTR_TOKENS_PULLED,
     ATTR_TOKENS_RECOMPUTED,
     TURN_SPAN_NAME,
-    Metrics,
-    TracingServerInterceptor,
-    create_metrics,
-    httpx_trace_hooks,
-    serve_metrics,
     set_turn_attributes,
+)
+from kvferry.runtime.grpc_server import start_server
+from kvferry.runtime.metrics import serve_metrics
+from kvferry.runtime.tracing import (
+    TracingServerInterceptor,
     setup_tracing,
     shutdown_tracing,
+    trace_headers,
     tracing_client_interceptors,
 )
+from kvferry.sidecar.metrics import SidecarMetrics
 from kvferry.v1 import (
     registry_service_pb2,
     registry_service_pb2_grpc,
@@ -92,7 +95,7 @@ class RouterStandIn(router_service_pb2_grpc.RouterServiceServicer):
     """Shaped like the router's turn: registry lookup, an engine HTTP call, a turn span, a summary."""
 
     def __init__(
-        self, provider: trace.TracerProvider, registry_address: str, engine_url: str, metrics: Metrics
+        self, provider: trace.TracerProvider, registry_address: str, engine_url: str, metrics: RouterMetrics
     ) -> None:
         self._tracer = provider.get_tracer("test.router")
         self._channel = grpc.aio.insecure_channel(
@@ -110,8 +113,11 @@ class RouterStandIn(router_service_pb2_grpc.RouterServiceServicer):
                 registry_service_pb2.GetRetentionRequest(tenant="t", conversation_id=request.conversation_id),
                 timeout=5,
             )
-            async with httpx.AsyncClient(event_hooks=httpx_trace_hooks(), timeout=5) as engine:
-                (await engine.post(self._engine_url, json={"prompt": [1, 2, 3]})).raise_for_status()
+            async with httpx.AsyncClient(timeout=5) as engine:
+                sent = await engine.post(
+                    self._engine_url, json={"prompt": [1, 2, 3]}, headers=trace_headers()
+                )
+                sent.raise_for_status()
             yield router_service_pb2.GenerateResponse(delta=router_service_pb2.TextDelta(text="hi"))
             set_turn_attributes(turn, SUMMARY)
             self._metrics.record_turn(SUMMARY)
@@ -134,14 +140,14 @@ class RouterStandIn(router_service_pb2_grpc.RouterServiceServicer):
 class Stack:
     router_address: str
     engine: HeaderCapture
-    metrics: Metrics
+    metrics: RouterMetrics
 
 
 @asynccontextmanager
 async def running_stack(
     router_provider: trace.TracerProvider, registry_provider: trace.TracerProvider
 ) -> AsyncIterator[Stack]:
-    metrics = create_metrics()
+    metrics = RouterMetrics()
     engine = HeaderCapture()
     engine_server = await asyncio.start_server(engine.handle, "127.0.0.1", 0)
     engine_port = engine_server.sockets[0].getsockname()[1]
@@ -155,7 +161,7 @@ async def running_stack(
                 "kvferry.v1.RegistryService",
             )
         ],
-        interceptors=[TracingServerInterceptor(registry_provider, metrics=metrics)],
+        interceptors=[TracingServerInterceptor(registry_provider, rpc_seconds=metrics.rpc_seconds)],
     )
     router = RouterStandIn(  # type: ignore[abstract]
         router_provider,
@@ -166,7 +172,7 @@ async def running_stack(
     router_server, router_port, _ = await start_server(
         "127.0.0.1:0",
         [(router_service_pb2_grpc.add_RouterServiceServicer_to_server, router, "kvferry.v1.RouterService")],
-        interceptors=[TracingServerInterceptor(router_provider, metrics=metrics)],
+        interceptors=[TracingServerInterceptor(router_provider, rpc_seconds=metrics.rpc_seconds)],
     )
     try:
         yield Stack(f"127.0.0.1:{router_port}", engine, metrics)
@@ -277,63 +283,66 @@ async def test_untraced_service_passes_context_through() -> None:
     assert parent_id(lookup_server) == client.context.span_id
 
 
-NAMED_SERIES = [
-    "kvferry_turns_total",
-    "kvferry_ttft_seconds_bucket",
-    "kvferry_ttft_seconds_count",
-    "kvferry_reuse_hits_total",
-    "kvferry_reuse_lookups_total",
-    "kvferry_tokens_pulled_total",
-    "kvferry_tokens_recomputed_total",
-    "kvferry_retained_blocks",
-    "kvferry_releases_total",
-    "kvferry_registry_errors_total",
-    "kvferry_etcd_errors_total",
-    "kvferry_lease_renewals_total",
-    "kvferry_rpc_server_seconds_count",
-]
-
-
-async def test_metrics_endpoint_exposes_named_series() -> None:
-    metrics = create_metrics()
-    metrics.record_turn(SUMMARY)
-    metrics.record_lookup(hit=True)
-    metrics.record_lookup(hit=False)
-    metrics.retained_blocks.labels(engine="decode-0").set(17)
-    metrics.record_release(resources_pb2.RELEASE_REASON_SUPERSEDED)
-    metrics.registry_errors.labels(op="get_retention").inc()
-    metrics.etcd_errors.labels(op="put").inc()
-    metrics.lease_renewals.labels(kind="retention").inc(3)
-    metrics.rpc_server_seconds.labels(
-        service="kvferry.v1.RegistryService", method="GetRetention", code="OK"
-    ).observe(0.002)
-
-    server = await serve_metrics(metrics.registry, "127.0.0.1:0")
+async def scrape(
+    metrics: RouterMetrics | RegistryMetrics | SidecarMetrics, accept: str = ""
+) -> httpx.Response:
+    endpoint = await serve_metrics(metrics.registry, "127.0.0.1:0")
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=5) as http:
-            response = await http.get("/metrics")
-            missing = await http.get("/nope")
-            openmetrics = await http.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+        async with httpx.AsyncClient(timeout=5) as http:
+            return await http.get(f"http://127.0.0.1:{endpoint.port}/metrics", headers={"Accept": accept})
     finally:
-        await server.stop()
+        await endpoint.stop()
 
-    assert response.status_code == 200
-    assert response.headers["content-type"].startswith("text/plain")
-    text = response.text
-    for name in NAMED_SERIES:
-        assert f"\n{name}" in text, f"{name} missing from /metrics"
+
+async def test_each_service_serves_the_series_it_owns() -> None:
+    """Every series docs/observability.md names, on the service that updates it."""
+    router = RouterMetrics()
+    router.record_turn(SUMMARY)
+    router.record_lookup(hit=True)
+    router.record_lookup(hit=False)
+    router.registry_errors.labels(op="get_retention").inc()
+    text = (await scrape(router)).text
     assert 'kvferry_turns_total{reuse="pull"} 1.0' in text
     assert 'kvferry_turns_total{reuse="recompute"} 0.0' in text, "closed label sets start at zero"
     assert "kvferry_tokens_pulled_total 512.0" in text
     assert "kvferry_tokens_recomputed_total 128.0" in text
     assert "kvferry_reuse_hits_total 1.0" in text
     assert "kvferry_reuse_lookups_total 2.0" in text
-    assert 'kvferry_retained_blocks{engine="decode-0"} 17.0' in text
+    assert 'kvferry_ttft_seconds_bucket{le="0.05",reuse="pull"} 1.0' in text
+    assert 'kvferry_registry_errors_total{op="get_retention"} 1.0' in text
+    assert "kvferry_rpc_server_seconds" in text
+
+    registry = RegistryMetrics()
+    registry.released(resources_pb2.RELEASE_REASON_SUPERSEDED)
+    registry.etcd_error("txn")
+    registry.lease_renewed("retention")
+    registry.set_live(2, 3)
+    text = (await scrape(registry)).text
     assert 'kvferry_releases_total{reason="superseded"} 1.0' in text
     assert 'kvferry_releases_total{reason="engine_gone"} 0.0' in text
-    assert 'kvferry_lease_renewals_total{kind="retention"} 3.0' in text
-    assert 'kvferry_ttft_seconds_bucket{le="0.05",reuse="pull"} 1.0' in text
-    assert missing.status_code == 404
+    assert 'kvferry_etcd_errors_total{op="txn"} 1.0' in text
+    assert 'kvferry_lease_renewals_total{kind="retention"} 1.0' in text
+    assert "kvferry_registry_live_engines 2.0" in text and "kvferry_registry_live_retentions 3.0" in text
+    assert "kvferry_rpc_server_seconds" in text
+
+    sidecar = SidecarMetrics("decode-0")
+    sidecar.set_retained(2, 17)
+    sidecar.heartbeat()
+    sidecar.release(resources_pb2.RELEASE_REASON_EXPIRED)
+    sidecar.registry_error("heartbeat_engine")
+    text = (await scrape(sidecar)).text
+    assert 'kvferry_retained_blocks{engine="decode-0"} 17.0' in text
+    assert 'kvferry_lease_renewals_total{kind="engine"} 1.0' in text
+    assert 'kvferry_releases_total{reason="expired"} 1.0' in text
+    assert 'kvferry_registry_errors_total{op="heartbeat_engine"} 1.0' in text
+    assert "kvferry_sidecar_retentions 2.0" in text
+
+
+async def test_the_metrics_endpoint_speaks_prometheus_text_and_openmetrics() -> None:
+    text = await scrape(RouterMetrics())
+    assert text.status_code == 200
+    assert text.headers["content-type"].startswith("text/plain")
+    openmetrics = await scrape(RouterMetrics(), accept="application/openmetrics-text")
     assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
     assert openmetrics.text.endswith("# EOF\n")
 
@@ -345,12 +354,7 @@ async def test_server_interceptor_feeds_rpc_metrics() -> None:
         stub = router_service_pb2_grpc.RouterServiceStub(channel)
         await stub.GetConversation(router_service_pb2.GetConversationRequest(conversation_id="c3"))
         await channel.close()
-        server = await serve_metrics(stack.metrics.registry)
-        try:
-            async with httpx.AsyncClient(timeout=5) as http:
-                text = (await http.get(f"http://127.0.0.1:{server.port}/metrics")).text
-        finally:
-            await server.stop()
+        text = (await scrape(stack.metrics)).text
     counts = "kvferry_rpc_server_seconds_count"
     assert f'{counts}{{code="OK",method="GetConversation",service="kvferry.v1.RouterService"}} 1.0' in text
     assert f'{counts}{{code="OK",method="GetRetention",service="kvferry.v1.RegistryService"}} 1.0' in text
