@@ -2,9 +2,6 @@
 connector's own retention table, keeper and sidecar link (what runs inside the engine), with
 blocks "freed" where the engine would free them. With real engines: tests/sidecar/test_sidecar_engines.py.
 
-(This module sorts after test_engines*.py on purpose: once a test process has used gRPC aio, a
-``preexec_fn`` fork, as EngineProcess.start makes, can crash the child in gRPC's fork handlers.)
-
 Each test checks the invariant of issue 13 where the connector can break it: a retention it frees
 (or will free) is not served by the registry, and what the registry serves is not freed.
 """

@@ -52,8 +52,8 @@ def test_a_bad_environment_value_exits_2_naming_the_variable(
     with pytest.raises(SystemExit) as exited:
         _parser({"T_ENGINE_ID": "e", **environ}).parse_args([])
     assert exited.value.code == 2
-    error_line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error_line.startswith("kvferry test: error:") and named in error_line
+    [error_line] = capsys.readouterr().err.strip().splitlines()
+    assert error_line.startswith("kvferry test: error: argument --") and named in error_line
 
 
 def test_a_required_flag_is_satisfied_by_its_variable_and_missing_without_either(
@@ -96,7 +96,6 @@ def test_every_service_refuses_a_bad_environment_value_in_one_line(
         timeout=50,
     )
     assert done.returncode == 2
-    assert "Traceback" not in done.stderr
-    error_line = done.stderr.strip().splitlines()[-1]
+    [error_line] = done.stderr.strip().splitlines()
     assert error_line.startswith(f"kvferry {command}: error:")
     assert f"environment variable {variable}='{value}'" in error_line

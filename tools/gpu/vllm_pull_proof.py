@@ -54,6 +54,7 @@ from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient  # noqa: E40
 from kvferry.pd.kvferry_params import ConversationMark, PullOptions  # noqa: E402
 from kvferry.pd.reuse import RetainedKv, max_reusable_tokens  # noqa: E402
 from kvferry.pd.sequence import EngineTurn, Prefilled, Pull  # noqa: E402
+from kvferry.stack.child_process import child_command  # noqa: E402
 
 MODEL_NAME = "proof"
 # The Qwen3-8B shape of shared/gpu/qwen3-8b-config.json (36 layers, 8 KV heads x 128: 144 KiB/token).
@@ -251,13 +252,6 @@ def engine_env(args: argparse.Namespace, engine: Engine, index: int) -> dict[str
     return env
 
 
-def _die_with_parent() -> None:
-    """In the engine's process before exec: SIGTERM when this script dies (Linux prctl)."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def start_engines(args: argparse.Namespace, out: Path) -> tuple[Engine, Engine]:
     model = model_dir(args.device, out)
     engines = (
@@ -267,14 +261,13 @@ def start_engines(args: argparse.Namespace, out: Path) -> tuple[Engine, Engine]:
     for index, engine in enumerate(engines):
         with open(engine.log_path, "wb") as log:
             engine.process = subprocess.Popen(
-                engine_command(args, engine, model),
+                child_command(engine_command(args, engine, model), die_with_parent=True),
                 env=engine_env(args, engine, index),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=REPO,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
     deadline = time.monotonic() + args.start_timeout_s
     with httpx.Client(timeout=2.0) as client:

@@ -2,9 +2,9 @@
 
 One helper, :class:`EnvFlags`: each flag names its variable(s), ``--help`` shows them with the default,
 a flag given on the command line wins over the environment, and a bad environment value stops the
-command with one line naming the variable and exit status 2 (argparse's error path, never a
-traceback). The variable is read when the command is parsed, not when the parser is built, and only
-when the flag is not given.
+command with one line on stderr naming the flag and the variable, exit status 2 (no traceback, and no
+usage text: the command line was not wrong). The variable is read when the command is parsed, not when
+the parser is built, and only when the flag is not given.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -23,21 +23,25 @@ class _FromEnvironment(str):
     variable: str
 
 
-def _env_converter(kind: Callable[[str], Any], choices: Collection[Any] | None) -> Callable[[str], Any]:
+def _env_converter(
+    parser: argparse.ArgumentParser, flag: str, kind: Callable[[str], Any], choices: Collection[Any] | None
+) -> Callable[[str], Any]:
+    def refuse(text: _FromEnvironment, problem: str) -> NoReturn:
+        parser.exit(
+            2,
+            f"{parser.prog}: error: argument {flag}: environment variable "
+            f"{text.variable}={str(text)!r} {problem}\n",
+        )
+
     def convert(text: str) -> Any:
         if not isinstance(text, _FromEnvironment):
             return kind(text)  # argparse words a bad command-line value itself
         try:
             value = kind(text)
         except (TypeError, ValueError, argparse.ArgumentTypeError):
-            raise argparse.ArgumentTypeError(
-                f"environment variable {text.variable}={str(text)!r} is not a valid {_kind_name(kind)}"
-            ) from None
+            refuse(text, f"is not a valid {_kind_name(kind)}")
         if choices is not None and value not in choices:
-            raise argparse.ArgumentTypeError(
-                f"environment variable {text.variable}={str(text)!r} is not one of "
-                f"{', '.join(str(c) for c in choices)}"
-            )
+            refuse(text, f"is not one of {', '.join(str(c) for c in choices)}")
         return value
 
     # argparse names the type in its own messages ("invalid float value").
@@ -50,24 +54,21 @@ def _kind_name(kind: Callable[[str], Any]) -> str:
 
 
 class EnvFlags:
-    """Adds environment-backed flags to ``parser`` (or one of its argument groups).
+    """Adds environment-backed flags to ``parser`` (:meth:`group`: to a titled group of its flags).
 
     ``environ`` defaults to ``os.environ``; tests pass their own mapping.
     """
 
-    def __init__(
-        self,
-        parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-        environ: Mapping[str, str] | None = None,
-    ) -> None:
-        self._parser = parser
+    def __init__(self, parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+        self._root = parser
+        self._parser: argparse.ArgumentParser | argparse._ArgumentGroup = parser
         self._environ: Mapping[str, str] = os.environ if environ is None else environ
 
     def group(self, title: str) -> EnvFlags:
         """The same helper for a titled argument group (``--help`` lists the group's flags together)."""
-        if not isinstance(self._parser, argparse.ArgumentParser):
-            raise TypeError("argument groups nest only under a parser")
-        return EnvFlags(self._parser.add_argument_group(title), self._environ)
+        grouped = EnvFlags(self._root, self._environ)
+        grouped._parser = self._root.add_argument_group(title)
+        return grouped
 
     def add(
         self,
@@ -98,7 +99,7 @@ class EnvFlags:
             shown += "; required"
         self._parser.add_argument(
             flag,
-            type=_env_converter(type, choices),
+            type=_env_converter(self._root, flag, type, choices),
             default=value,
             required=required and not isinstance(value, _FromEnvironment),
             choices=choices,

@@ -9,7 +9,6 @@ time (tests take ``flock /tmp/kvferry-engines.lock``).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -200,14 +199,15 @@ class EngineProcess:
             log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting {self.engine_id}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                self.command(),
+                child_process.child_command(
+                    self.command(), die_with_parent=self.die_with_parent, core=self._own_core()
+                ),
                 env=self.environment(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=REPO_ROOT,
                 start_new_session=True,
-                preexec_fn=functools.partial(_prepare_child, self._own_core(), self.die_with_parent),
             )
 
     def wait_healthy(
@@ -332,15 +332,6 @@ class EngineProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-
-def _prepare_child(core: int | None, die_with_parent: bool) -> None:
-    """In the child before exec: bind it to its core (its children inherit that); with
-    ``die_with_parent``, SIGTERM when the parent thread exits (Linux prctl)."""
-    if core is not None:
-        os.sched_setaffinity(0, {core})
-    if die_with_parent:
-        child_process.die_with_parent()
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

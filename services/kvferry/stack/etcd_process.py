@@ -71,21 +71,23 @@ class EtcdProcess:
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         log_file = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self._proc = subprocess.Popen(
-            [
-                find_etcd_binary(),
-                "--name=kvferry",
-                f"--data-dir={self.data_dir}",
-                f"--listen-client-urls={client_url}",
-                f"--advertise-client-urls={client_url}",
-                f"--listen-peer-urls={peer_url}",
-                f"--initial-advertise-peer-urls={peer_url}",
-                f"--initial-cluster=kvferry={peer_url}",
-                "--log-level=warn",
-            ],
+            child_process.child_command(
+                [
+                    find_etcd_binary(),
+                    "--name=kvferry",
+                    f"--data-dir={self.data_dir}",
+                    f"--listen-client-urls={client_url}",
+                    f"--advertise-client-urls={client_url}",
+                    f"--listen-peer-urls={peer_url}",
+                    f"--initial-advertise-peer-urls={peer_url}",
+                    f"--initial-cluster=kvferry={peer_url}",
+                    "--log-level=warn",
+                ],
+                die_with_parent=self.die_with_parent,
+            ),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=child_process.die_with_parent if self.die_with_parent else None,
         )
         if not isinstance(log_file, int):
             log_file.close()  # the child holds its own descriptor
