@@ -20,7 +20,7 @@ from kvferry.router.turns import (
     TurnRequest,
     TurnRunner,
 )
-from kvferry.router.validation import chat_messages, conversation_id, model_name, sampling
+from kvferry.router.validation import chat_messages, conversation_id, model_name, sampling, token_ids
 from kvferry.runtime import errors
 from kvferry.runtime.errors import InvalidArgument, NotFound, Unavailable
 from kvferry.runtime.timestamps import to_timestamp
@@ -44,9 +44,7 @@ def turn_request_from_proto(request: router_pb2.GenerateRequest, tenant: Tenant)
     if kind == "chat":
         prompt = ChatPrompt(chat_messages([(m.role, m.content) for m in request.chat.messages]))
     elif kind == "tokens":
-        if not request.tokens.token_ids:
-            raise InvalidArgument("tokens.token_ids is empty", param="tokens")
-        prompt = TokenPrompt(tuple(request.tokens.token_ids))
+        prompt = TokenPrompt(token_ids(request.tokens.token_ids, param="tokens.token_ids"))
     elif kind == "text":
         if not request.text:
             raise InvalidArgument("text is empty", param="text")

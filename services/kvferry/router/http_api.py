@@ -461,7 +461,7 @@ def _completion_prompt(prompt: str | list[int] | list[str] | list[list[int]]) ->
     if not prompt:
         raise InvalidArgument("prompt is empty", param="prompt")
     if all(isinstance(t, int) for t in prompt):
-        return TokenPrompt(tuple(t for t in prompt if isinstance(t, int)))
+        return TokenPrompt(validation.token_ids([t for t in prompt if isinstance(t, int)], param="prompt"))
     if len(prompt) != 1:
         raise InvalidArgument(
             "batched prompts are not supported: send one prompt per request", param="prompt"

@@ -12,6 +12,9 @@ from kvferry.runtime.ids import check_id
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 MAX_MODEL_NAME = 256
 MAX_STOP_STRINGS = 16
+# vLLM holds token ids as int32 (its input_ids buffers), so no model has an id above this; larger
+# ones (2^63 and up do not even fit the digest's int64) are the caller's mistake, not an engine's.
+MAX_TOKEN_ID = 2**31 - 1
 
 
 def conversation_id(value: str, *, param: str = "conversation_id") -> str:
@@ -27,6 +30,19 @@ def model_name(value: str) -> str:
             f"model name is {len(value)} characters long; at most {MAX_MODEL_NAME}", param="model"
         )
     return value
+
+
+def token_ids(ids: Sequence[int], *, param: str) -> tuple[int, ...]:
+    """A token-id prompt, checked before the digest or any engine sees it."""
+    if not ids:
+        raise InvalidArgument(f"{param} is empty: send at least one token id", param=param)
+    if min(ids) < 0 or max(ids) > MAX_TOKEN_ID:  # min()/max(): C speed on long prompts
+        index, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t <= MAX_TOKEN_ID)
+        raise InvalidArgument(
+            f"{param}[{index}] is {token}; token ids are non-negative and at most {MAX_TOKEN_ID}",
+            param=param,
+        )
+    return tuple(ids)
 
 
 def chat_messages(messages: Sequence[tuple[str, str]]) -> tuple[ChatMessage, ...]:

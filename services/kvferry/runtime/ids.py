@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 MAX_ID_LENGTH = 128
-_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]+$")
+# fullmatch, not match: "$" also matches before a trailing newline, which let "id\n" through.
+_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
 
 
 def check_id(kind: str, value: str) -> str | None:
@@ -14,6 +15,6 @@ def check_id(kind: str, value: str) -> str | None:
         return f"{kind} is required"
     if len(value) > MAX_ID_LENGTH:
         return f"{kind} is {len(value)} characters long; at most {MAX_ID_LENGTH} are allowed"
-    if not _ID_PATTERN.match(value):
+    if not _ID_PATTERN.fullmatch(value):
         return f"{kind} {value[:40]!r} has characters outside [A-Za-z0-9._:-]"
     return None
