@@ -12,6 +12,11 @@ BENCHMARKS: list[tuple[str, str, str]] = [
     ("router", "kvferry.bench.router", "latency the router adds per turn, and turns/s per router process"),
     ("multiturn", "kvferry.bench.multiturn", "multi-turn agent TTFT with reuse on/off, and hit rate vs gap"),
     ("idle", "kvferry.bench.idle", "CPU an idle engine burns with and without retained KV"),
+    (
+        "faults",
+        "kvferry.bench.faults",
+        "turns under injected faults, checked by the no-served-after-freed oracle",
+    ),
 ]
 
 

@@ -13,6 +13,7 @@ Synchronous methods (subprocesses and etcdctl); the proxies live on the event lo
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -295,7 +296,9 @@ class EtcdCluster:
                 blocked = {m.member_id for m in self.members if m.name not in self._partitioned}
             else:
                 blocked = isolated
-            self.loop.loop.call_soon_threadsafe(member.proxy.block_sources, frozenset(blocked))
+            self.loop.loop.call_soon_threadsafe(
+                functools.partial(member.proxy.block_sources, frozenset(blocked), unknown=bool(isolated))
+            )
 
     def compact(self, keep_revisions: int = 0) -> int:
         """Compacts history up to the current revision minus ``keep_revisions``; returns that revision."""

@@ -95,6 +95,7 @@ class FaultProxy:
         self.latency_seconds = 0.0
         self.mode = Mode.PASS
         self.blocked_sources: frozenset[str] = frozenset()
+        self.block_unknown_sources = False
         self._source_of = source_of
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
@@ -134,11 +135,21 @@ class FaultProxy:
         self.latency_seconds = 0.0
         self.block_sources(())
 
-    def block_sources(self, sources: frozenset[str] | tuple[str, ...] | set[str]) -> None:
-        """Refuses (and closes) connections whose ``source_of`` is one of ``sources``."""
+    def block_sources(
+        self, sources: frozenset[str] | tuple[str, ...] | set[str], *, unknown: bool = False
+    ) -> None:
+        """Refuses (and closes) connections whose ``source_of`` is one of ``sources``; with
+        ``unknown``, also those whose first bytes name no source (a client may send its unnamed
+        requests first on a connection it goes on using for named ones, as etcd's prober and raft
+        pipeline share one)."""
         self.blocked_sources = frozenset(sources)
-        if self.blocked_sources:
-            self._close_where(lambda connection: connection.source in self.blocked_sources)
+        self.block_unknown_sources = unknown
+        self._close_where(self._blocked)
+
+    def _blocked(self, connection: _Connection) -> bool:
+        if connection.source is None:
+            return self.block_unknown_sources and self._source_of is not None
+        return connection.source in self.blocked_sources
 
     @property
     def open_connections(self) -> int:
@@ -165,7 +176,7 @@ class FaultProxy:
                 writer.close()
                 return
             source = self._source_of(head)
-            if source is not None and source in self.blocked_sources:
+            if self._blocked(_Connection(source=source, writers=(writer, writer))):
                 self.refused += 1
                 writer.close()
                 return
