@@ -42,7 +42,7 @@ CLIENT_CODES = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
-# -- values a careless or hostile client sends -------------------------------------------------------
+# -- values a careless or hostile client sends ---------------------------------------------------------
 
 EDGE_INTS = st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63), 10**30])
 INTS = st.one_of(EDGE_INTS, st.integers(min_value=-1000, max_value=1000))
@@ -153,7 +153,7 @@ def _check_http(client: httpx.Client, path: str, content: bytes, headers: dict[s
     return response
 
 
-# -- HTTP ------------------------------------------------------------------------------------------------
+# -- HTTP ----------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +200,7 @@ def test_conversation_ids_with_a_newline_are_400(http: httpx.Client, conversatio
     assert response.json()["error"]["param"] == "conversation_id"
 
 
-# -- router gRPC -----------------------------------------------------------------------------------------
+# -- router gRPC ---------------------------------------------------------------------------------------
 
 INT64 = st.one_of(
     st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, 2**63 - 1, -(2**63)]), st.integers(-(2**63), 2**63 - 1)
@@ -259,7 +259,7 @@ def test_grpc_token_ids_out_of_range_are_invalid_argument(services: ServicesOnTh
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-# -- registry gRPC ---------------------------------------------------------------------------------------
+# -- registry gRPC -------------------------------------------------------------------------------------
 
 DIGESTS = st.lists(st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=20)), max_size=4)
 

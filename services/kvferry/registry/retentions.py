@@ -247,7 +247,12 @@ class RetentionStore:
         if live_kv is not None:
             live_revision = live_kv.mod_revision
             current = decode_record(live_kv.value)
-            if current.retention.turn >= retention.turn:
+            # An expired record is not live (is_expired: the one definition), though etcd may keep it a
+            # while: a new request replaces it whatever its turn. Its own retry does not revive it.
+            replaceable = is_expired(current.retention, self._clock.time()) and not _is_same_publish(
+                current.retention, retention
+            )
+            if current.retention.turn >= retention.turn and not replaceable:
                 if (
                     _is_same_publish(current.retention, retention)
                     and current.engine_incarnation == incarnation

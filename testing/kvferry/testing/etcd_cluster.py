@@ -116,7 +116,7 @@ class EtcdCluster:
     def initial_cluster(self) -> str:
         return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
 
-    # -- life cycle ----------------------------------------------------------------------------------
+    # -- life cycle ------------------------------------------------------------------------------------
 
     def start(self, timeout_seconds: float = 30.0) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +195,7 @@ class EtcdCluster:
             return False
         return result.returncode == 0
 
-    # -- etcdctl --------------------------------------------------------------------------------------
+    # -- etcdctl ---------------------------------------------------------------------------------------
 
     def etcdctl(
         self, member: EtcdMember | None, *args: str, check: bool = True, timeout: float = 10
@@ -259,7 +259,7 @@ class EtcdCluster:
                 return int(status["header"]["revision"])
         raise RuntimeError("no etcd member answers")
 
-    # -- faults -------------------------------------------------------------------------------------------
+    # -- faults ----------------------------------------------------------------------------------------
 
     def kill(self, member: EtcdMember) -> None:
         """kill -9: no clean shutdown, the data dir stays as it was."""

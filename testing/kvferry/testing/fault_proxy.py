@@ -120,7 +120,7 @@ class FaultProxy:
                 await asyncio.wait_for(self._server.wait_closed(), 2)
             self._server = None
 
-    # -- faults ------------------------------------------------------------------------------------
+    # -- faults ----------------------------------------------------------------------------------------
 
     def cut(self) -> None:
         self.mode = Mode.CUT
@@ -160,7 +160,7 @@ class FaultProxy:
             connection.close()
             self._connections.discard(connection)
 
-    # -- forwarding -----------------------------------------------------------------------------------
+    # -- forwarding ------------------------------------------------------------------------------------
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.mode is Mode.CUT:

@@ -111,7 +111,7 @@ class FaultStack:
     def engine_url(self, role: str) -> str:
         return f"http://127.0.0.1:{self.engine_ports[role]}"
 
-    # -- start and stop ---------------------------------------------------------------------------------
+    # -- start and stop --------------------------------------------------------------------------------
 
     def start(self) -> None:
         if self.settings.work_dir.exists():
@@ -297,7 +297,7 @@ class FaultStack:
                 process.start()
         self._set_clock("prefill", 0.0)
 
-    # -- faults ---------------------------------------------------------------------------------------
+    # -- faults ----------------------------------------------------------------------------------------
 
     def inject(self, kind: FaultKind, on_concurrent: Callable[[], None] | None = None) -> None:
         """Injects one fault of ``kind``, holds it ``hold_seconds`` (turns keep running), heals it."""

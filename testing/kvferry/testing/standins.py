@@ -157,7 +157,7 @@ class StandInEngine:
     def now_wall(self) -> float:
         return time.time() + self.clock_offset_seconds
 
-    # -- life ---------------------------------------------------------------------------------------
+    # -- life ------------------------------------------------------------------------------------------
 
     async def serve(self) -> None:
         if self.settings.sidecar:
@@ -274,7 +274,7 @@ class StandInEngine:
             return await self._prefill(prompt, params, request_id)
         return await self._decode(prompt, params, body, request_id)
 
-    # -- P --------------------------------------------------------------------------------------------------
+    # -- P ---------------------------------------------------------------------------------------------
 
     async def _prefill(self, prompt: list[int], params: dict[str, Any], request_id: str) -> Response:
         remote = RemoteBlocks.from_params(params)
@@ -365,7 +365,7 @@ class StandInEngine:
         )
         return reusable * block_size
 
-    # -- D --------------------------------------------------------------------------------------------------
+    # -- D ---------------------------------------------------------------------------------------------
 
     async def _read(self, request: Request) -> Response:
         """The stand-in for a NIXL READ of D's memory: whatever the blocks hold now."""
