@@ -79,12 +79,13 @@ class Conversations:
         return [self._rng.randrange(40, 120) for _ in range(self._rng.randrange(8, 40))]
 
     async def turn(self, conversation: str, *, concurrent: bool = False) -> None:
-        """One turn (retried on what a client retries: connection errors, 409, 5xx)."""
+        """One turn, retried as an agent would while the stack recovers (connection errors, 409, 5xx,
+        and 404 while the router knows no engine of the model yet), for about 6 s."""
         history = self._histories[conversation]
         prompt = history + self._user_tokens()
         self.counts.sent += 1
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "conversation_id": conversation}
-        for attempt in range(4):
+        for attempt in range(6):
             try:
                 response = await self._client.post(f"{self.router_url}/v1/completions", json=body)
                 status = str(response.status_code)
@@ -106,7 +107,7 @@ class Conversations:
                 self.counts.refused_concurrent += 1
                 if concurrent:
                     return  # the other turn of the pair runs: this one was refused, as it should be
-            await asyncio.sleep(0.3 * (attempt + 1))
+            await asyncio.sleep(min(2.0, 0.25 * 2**attempt))
         self.counts.failed += 1
 
     async def run(
