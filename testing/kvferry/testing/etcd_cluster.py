@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvferry.stack import child_process
 from kvferry.stack.etcd_process import find_etcd_binary, free_port
 from kvferry.testing.fault_proxy import FaultProxy, http_header
 from kvferry.testing.loop_thread import LoopThread
+from kvferry.testing.processes import launcher_command
 
 _CLUSTER_TOKEN = "kvferry-faults"
 
@@ -155,6 +155,8 @@ class EtcdCluster:
         if self.quota_backend_bytes:
             command.append(f"--quota-backend-bytes={self.quota_backend_bytes}")
         member.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.die_with_parent:
+            command = launcher_command(command)
         with open(member.log_path, "ab") as log:
             member.process = subprocess.Popen(
                 command,
@@ -162,7 +164,6 @@ class EtcdCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=child_process.die_with_parent if self.die_with_parent else None,
             )
 
     def _stop_member(self, member: EtcdMember) -> None:

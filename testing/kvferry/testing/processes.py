@@ -21,6 +21,11 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
+def launcher_command(command: Sequence[str]) -> list[str]:
+    """``command`` run through this module's launcher: SIGKILLed when the harness dies."""
+    return [sys.executable, "-m", "kvferry.testing.processes", *command]
+
+
 @dataclass
 class ManagedProcess:
     """One named child with its log file; :meth:`kill9` and :meth:`start` again at will."""
@@ -47,7 +52,7 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "kvferry.testing.processes", *self.command],
+                launcher_command(self.command),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
