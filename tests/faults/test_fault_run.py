@@ -28,3 +28,14 @@ def test_every_fault_kind_once_serves_nothing_freed_and_leaks_nothing(tmp_path: 
     assert result.oracle.reads == result.oracle.pulls - result.oracle.failed_pulls
     assert result.held_blocks_at_end == 0
     assert result.oracle.leaked_blocks == 0
+
+
+def test_the_oracle_sees_a_decode_engine_that_frees_what_the_registry_serves(tmp_path: Path) -> None:
+    """The negative control: a D broken on purpose (it frees every retention at once) must be caught."""
+    result = run_faults(
+        StackSettings(work_dir=tmp_path / "broken", unsafe_decode=True), turns=40, faults_per_kind=0, kinds=()
+    )
+    assert result.oracle.pulls > 0
+    assert result.oracle.reads_after_free == result.oracle.reads
+    assert result.oracle.wrong_kv_pulls > 0  # freed blocks were handed out again and overwritten
+    assert any("served after freed" in problem for problem in result.oracle.violations())

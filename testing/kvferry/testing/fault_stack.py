@@ -74,6 +74,8 @@ class StackSettings:
     quota_backend_bytes: int = 24 * 1024 * 1024
     # How long a fault lasts before it is healed.
     hold_seconds: float = 1.5
+    # D frees retained blocks at once (broken on purpose: the harness's test of its own oracle).
+    unsafe_decode: bool = False
 
 
 @dataclass
@@ -220,6 +222,7 @@ class FaultStack:
                 str(self.settings.hard_cap_seconds),
                 "--lease-ttl-seconds",
                 str(self.settings.retention_ttl_seconds),
+                *(["--unsafe-free-at-finish"] if self.settings.unsafe_decode and role == "decode" else []),
             ],
             self.logs / f"{role}.log",
         )

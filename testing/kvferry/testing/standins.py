@@ -124,6 +124,9 @@ class EngineSettings:
     lease_ttl_seconds: int = 15
     min_read_seconds: float = 0.2
     kv_recompute_threshold: int = 16
+    # A deliberately broken D for the harness's own test: it frees every retention at once, while the
+    # registry still serves it (the oracle must then report served-after-freed).
+    unsafe_free_at_finish: bool = False
 
 
 class StandInEngine:
@@ -459,6 +462,8 @@ class StandInEngine:
         self.table.evict_over_budget()
         self.accounting.set_retained_blocks(self.table.held_blocks())
         self._poke()
+        if self.settings.unsafe_free_at_finish:
+            self.pool.free(blocks, request_id)
         log.info(
             "retained",
             extra={
@@ -487,6 +492,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grace-seconds", type=float, default=3.0)
     parser.add_argument("--hard-cap-seconds", type=float, default=20.0)
     parser.add_argument("--lease-ttl-seconds", type=int, default=15)
+    parser.add_argument(
+        "--unsafe-free-at-finish",
+        action="store_true",
+        help="BROKEN ON PURPOSE: free retained blocks at once (the harness's test that its oracle sees it)",
+    )
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
@@ -503,6 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         grace_seconds=args.grace_seconds,
         hard_cap_seconds=args.hard_cap_seconds,
         lease_ttl_seconds=args.lease_ttl_seconds,
+        unsafe_free_at_finish=args.unsafe_free_at_finish,
     )
     log.info(
         "stand-in engine starting", extra={"role": args.role, "engine_id": args.engine_id, "pid": os.getpid()}
