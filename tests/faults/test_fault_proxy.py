@@ -68,14 +68,21 @@ async def test_cut_closes_connections_and_heal_restores(echo: str) -> None:
         await proxy.stop()
 
 
-async def test_blackhole_stalls_without_closing(echo: str) -> None:
+async def test_blackhole_stalls_without_closing_and_heal_delivers_what_was_held(echo: str) -> None:
     proxy = FaultProxy(echo)
     await proxy.start()
     try:
         proxy.blackhole()
         with pytest.raises(TimeoutError):
             await _round_trip(proxy.endpoint, b"lost", wait_seconds=0.5)
+        host, _, port = proxy.endpoint.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"held")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reader.readexactly(4), 0.5)
         proxy.heal()
+        assert await asyncio.wait_for(reader.readexactly(4), 2) == b"held"  # as TCP would, late
+        writer.close()
         assert await _round_trip(proxy.endpoint, b"back") == b"back"
     finally:
         await proxy.stop()

@@ -6,8 +6,8 @@ etcd member and its peers) and, while traffic flows:
 - ``latency_seconds``: every chunk waits this long before it is forwarded (both directions);
 - :meth:`FaultProxy.cut`: every open connection is closed and new ones are closed at once (the far
   side is down: callers see connection errors at once);
-- :meth:`FaultProxy.blackhole`: connections stay open but nothing is forwarded (a partition: calls
-  time out, as across a dead switch);
+- :meth:`FaultProxy.blackhole`: connections stay open but nothing passes until healed (a partition:
+  calls time out, as across a dead switch);
 - :meth:`FaultProxy.heal`: back to normal.
 
 ``source_of`` tells connections apart by their first bytes (etcd's peer requests name the member
@@ -94,6 +94,8 @@ class FaultProxy:
         self.port = port
         self.latency_seconds = 0.0
         self.mode = Mode.PASS
+        self._passing = asyncio.Event()
+        self._passing.set()
         self.blocked_sources: frozenset[str] = frozenset()
         self.block_unknown_sources = False
         self._source_of = source_of
@@ -124,14 +126,18 @@ class FaultProxy:
 
     def cut(self) -> None:
         self.mode = Mode.CUT
+        self._passing.set()
         self._close_where(lambda connection: True)
 
     def blackhole(self) -> None:
-        """Open connections stall (what was sent is dropped); new ones are accepted and stall too."""
+        """Open connections stall (what is sent is held until :meth:`heal`); new ones are accepted and
+        stall too: calls time out, as across a partition."""
         self.mode = Mode.BLACKHOLE
+        self._passing.clear()
 
     def heal(self) -> None:
         self.mode = Mode.PASS
+        self._passing.set()
         self.latency_seconds = 0.0
         self.block_sources(())
 
@@ -202,8 +208,10 @@ class FaultProxy:
             while data := await source.read(_CHUNK):
                 if self.latency_seconds:
                     await asyncio.sleep(self.latency_seconds)
-                if self.mode is Mode.BLACKHOLE:
-                    continue  # dropped, as on a dead link
+                # Held, not dropped: TCP retransmits across a partition, so what was sent arrives
+                # after it heals (or never, when the connection dies first). Dropping bytes mid-stream
+                # would corrupt it, which no network does to TCP.
+                await self._passing.wait()
                 sink.write(data)
                 await sink.drain()
         except (OSError, asyncio.CancelledError):
