@@ -83,6 +83,8 @@ def _print(summary: dict[str, Any], workdir: Path) -> None:
     print(f"faults: {summary['faults_total']} injected")
     for kind, count in sorted(summary["faults"].items()):
         print(f"  {kind:26s} {count}")
+    for kind, error in sorted(summary["inject_errors"].items()):
+        print(f"  {kind} could not always be injected: {error}")
     print(
         f"pulls: {oracle['pulls']} ({oracle['failed_pulls']} failed), fenced {summary['fenced']} "
         f"(not recomputed: {oracle['fenced_not_recomputed']})"

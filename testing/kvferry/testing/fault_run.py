@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ class FaultRunResult:
     oracle: OracleReport
     held_blocks_at_end: int | None
     seconds: float
+    # Fault kinds that failed to inject or heal at least once, with the first error.
+    inject_errors: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -52,6 +55,7 @@ class FaultRunResult:
             "turns": vars(self.turns),
             "faults": self.faults,
             "faults_total": sum(self.faults.values()),
+            "inject_errors": self.inject_errors,
             "fenced": self.oracle.fenced_pulls,
             "served_after_freed": self.oracle.served_after_freed,
             "leaked_blocks": self.oracle.leaked_blocks,
@@ -177,11 +181,16 @@ def run_faults(
             load = asyncio.run_coroutine_threadsafe(
                 talk.run(stop, concurrency, turns, paced, pace), loop.loop
             )
+            inject_errors: dict[str, str] = {}
             for kind in schedule:
-                stack.inject(
-                    kind,
-                    on_concurrent=lambda: loop.run(talk.concurrent_pair()),
-                )
+                try:
+                    stack.inject(kind, on_concurrent=lambda: loop.run(talk.concurrent_pair()))
+                except (TimeoutError, OSError, subprocess.SubprocessError, RuntimeError) as error:
+                    # A fault that could not be injected or healed (e.g. no etcd leader in time) is
+                    # counted and everything healed; the run goes on.
+                    inject_errors.setdefault(kind.value, f"{type(error).__name__}: {error}")
+                    stack.injected[kind.value] -= 1
+                    stack.heal_all()
                 time.sleep(0.2)
             paced.clear()
             stack.heal_all()
@@ -200,6 +209,7 @@ def run_faults(
                 oracle=oracle,
                 held_blocks_at_end=held,
                 seconds=time.monotonic() - started,
+                inject_errors=inject_errors,
             )
         finally:
             stack.stop()
