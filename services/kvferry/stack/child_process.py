@@ -24,14 +24,18 @@ def _tool(name: str) -> str:
 
 
 def child_command(
-    command: Sequence[str], *, die_with_parent: bool = False, core: int | None = None
+    command: Sequence[str],
+    *,
+    die_with_parent: bool = False,
+    death_signal: str = "TERM",
+    core: int | None = None,
 ) -> list[str]:
-    """``command`` wrapped so that the child gets SIGTERM when the thread that starts it exits (even by
-    SIGKILL; Linux PR_SET_PDEATHSIG, kept across exec) and, with ``core``, runs bound to that core
-    (its own children inherit the binding)."""
+    """``command`` wrapped so that the child gets ``death_signal`` (SIGTERM by default) when the thread
+    that starts it exits (even by SIGKILL; Linux PR_SET_PDEATHSIG, kept across exec) and, with ``core``,
+    runs bound to that core (its own children inherit the binding)."""
     wrapped = list(command)
     if core is not None:
         wrapped = [_tool("taskset"), "--cpu-list", str(core), *wrapped]
     if die_with_parent:
-        wrapped = [_tool("setpriv"), "--pdeathsig", "TERM", *wrapped]
+        wrapped = [_tool("setpriv"), "--pdeathsig", death_signal, *wrapped]
     return wrapped

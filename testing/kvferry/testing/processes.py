@@ -1,29 +1,26 @@
 """Child processes the fault harness starts, kills with SIGKILL and starts again.
 
-Each child is launched through this module (``python -m kvferry.testing.processes CMD...``), which
-asks the kernel to SIGKILL it when the harness dies and then execs the command: no ``preexec_fn``,
-because forking with one after gRPC aio has run in the parent can crash the child in gRPC's fork
-handlers, and the harness's test process runs gRPC.
+Each child is started through :func:`kvferry.stack.child_process.child_command`, so the kernel SIGKILLs
+it when the harness dies (no ``preexec_fn``: the harness's test process runs gRPC aio, whose fork
+handlers can crash a child forked with one).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
+from kvferry.stack.child_process import child_command
 
 
 def launcher_command(command: Sequence[str]) -> list[str]:
-    """``command`` run through this module's launcher: SIGKILLed when the harness dies."""
-    return [sys.executable, "-m", "kvferry.testing.processes", *command]
+    """``command`` wrapped so that it is SIGKILLed when the harness dies."""
+    return child_command(command, die_with_parent=True, death_signal="KILL")
 
 
 @dataclass
@@ -91,14 +88,3 @@ def wait_until(check: object, timeout_seconds: float, what: str, interval: float
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not within {timeout_seconds} s")
         time.sleep(interval)
-
-
-def _exec(command: Sequence[str]) -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    os.execvp(command[0], list(command))
-
-
-if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m kvferry.testing.processes COMMAND [ARGS...]")
-    _exec(sys.argv[1:])
