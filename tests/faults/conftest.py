@@ -8,12 +8,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from kvferry.bench.router import StandInEngine
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.server import Registry, create_registry
 from kvferry.router.server import RouterConfig, RunningRouter, start_router
 from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.testing.loop_thread import LoopThread
+from kvferry.testing.standin_engine import StandInEngine
 from kvferry.v1 import resources_pb2
 
 from tests.fixtures.registry import TEST_TTLS

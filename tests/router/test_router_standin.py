@@ -1,5 +1,5 @@
 """The router against the real registry (real etcd) with FAST STAND-IN engines
-(kvferry.bench.router.StandInEngine): the router's own logic - turns, reuse bookkeeping, retries,
+(kvferry.testing.standin_engine.StandInEngine): the router's own logic - turns, reuse bookkeeping, retries,
 auth, tenants, bad input - over its real gRPC and HTTP servers. The same paths with real vLLM engines
 are in test_router_engines.py.
 """
@@ -16,17 +16,17 @@ import grpc
 import httpx
 import openai
 import pytest
-from kvferry.bench.router import (
+from kvferry.registry.config import RegistryConfig
+from kvferry.registry.server import create_registry
+from kvferry.router.server import RunningRouter
+from kvferry.stack.etcd_process import EtcdProcess, free_port
+from kvferry.testing.standin_engine import (
     StandInEngine,
     standin_detokenize,
     standin_generate,
     standin_render_chat,
     standin_tokenize,
 )
-from kvferry.registry.config import RegistryConfig
-from kvferry.registry.server import create_registry
-from kvferry.router.server import RunningRouter
-from kvferry.stack.etcd_process import EtcdProcess, free_port
 from kvferry.v1 import resources_pb2
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc

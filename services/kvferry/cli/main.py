@@ -11,7 +11,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# (subcommand, module, one-line help)
+# (subcommand, module, one-line help). `up`, `down` and `bench` live in the kvferry-dev distribution (dev/),
+# which a checkout's tools/setup installs and the server image does not.
 SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("registry", "kvferry.registry.cli", "run the KV-metadata registry service (etcd-backed)"),
     ("sidecar", "kvferry.sidecar.cli", "run the sidecar beside one vLLM engine"),
@@ -29,7 +30,14 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     for name, module_name, help_text in SUBCOMMANDS:
         child = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:
-            module = importlib.import_module(module_name)
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as error:
+                if error.name not in (module_name, module_name.rsplit(".", 1)[0]):
+                    raise
+                parser.error(
+                    f"`kvferry {name}` needs the kvferry-dev distribution (dev/; tools/setup installs it)"
+                )
             module.configure(child)
             child.set_defaults(_run=module.run)
     return parser

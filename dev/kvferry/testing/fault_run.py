@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from kvferry.bench.router import standin_tokenize
 from kvferry.testing.fault_stack import API_KEY, FaultKind, FaultStack, StackSettings
 from kvferry.testing.loop_thread import LoopThread
 from kvferry.testing.oracle import OracleReport, check
 from kvferry.testing.processes import wait_until
+from kvferry.testing.standin_engine import standin_tokenize
 from kvferry.testing.standins import MODEL
 
 

@@ -7,12 +7,12 @@ so a benchmark killed half-way can be cleaned up with ``kvferry down --workdir <
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from kvferry.connector.settings import KvferrySettings
 from kvferry.stack.engine import REPO_ROOT, EngineProcess
 from kvferry.stack.etcd_process import EtcdProcess, free_port
@@ -199,17 +199,15 @@ def start_stack(options: StackOptions, progress: Progress) -> BenchStack:
 
 
 def proc_cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of the given processes (utime + stime from /proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
+    """User + system CPU seconds of the given processes (those gone count nothing)."""
+    total = 0.0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
             continue
-        total += int(fields[11]) + int(fields[12])
-    return total / ticks
+        total += times.user + times.system
+    return total
 
 
 __all__ = ["BenchStack", "StackOptions", "proc_cpu_seconds", "start_stack"]

@@ -4,7 +4,7 @@ kvferry's REAL connector retention machinery inside.
 What is real: D's retention table, keeper and sidecar link (kvferry.connector.retention / keeper /
 sidecar_link, exactly what runs inside vLLM), talking to a real ``kvferry sidecar`` process, which
 talks to the real registry and etcd; P's read-deadline check (kvferry.connector.accounting). What is
-stood in: the model (kvferry.bench.router's byte tokenizer and deterministic generator) and the KV
+stood in: the model (kvferry.testing.standin_engine's byte tokenizer and deterministic generator) and the KV
 memory, a :class:`BlockPool` whose blocks hold the digest of the tokens written into them and a
 generation that D bumps when it frees the block (as kvferry's pull-time fencing does).
 
@@ -41,7 +41,6 @@ from typing import Any
 
 import httpx
 import uvicorn
-from kvferry.bench.router import standin_detokenize, standin_generate, standin_render_chat, standin_tokenize
 from kvferry.connector.accounting import Accounting, pull_allowed
 from kvferry.connector.keeper import RetentionKeeper
 from kvferry.connector.retention import RetainedEntry, RetentionTable
@@ -51,6 +50,12 @@ from kvferry.pd.digest import block_digests
 from kvferry.pd.kvferry_params import ConversationMark, lease_expire_time_from_params, parse_mark
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 from kvferry.runtime.logs import JsonFormatter
+from kvferry.testing.standin_engine import (
+    standin_detokenize,
+    standin_generate,
+    standin_render_chat,
+    standin_tokenize,
+)
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse

@@ -1,5 +1,5 @@
 """The fault harness's oracle: what the engines' logs say happened to every block, checked against
-rule 1 of the design ("a block that D has freed, or will free, is never served").
+rule 1 of docs/design.md ("a block that D has freed, or will free, is never served").
 
 It reads D's and P's JSON log lines (kvferry.testing.standins writes them with the connector's
 names and fields; each engine process appends to one file across restarts):

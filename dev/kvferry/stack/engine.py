@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+import psutil
 from kvferry.connector.compat import kv_compatibility_hash, layout_from_model_dir
 from kvferry.connector.settings import KvferrySettings, settings_to_extra_config
 from kvferry.pd.engine_api import EngineApi, PrefillResult, Sampling
@@ -309,8 +310,8 @@ class EngineProcess:
         moved = 0
         for pid in self.process_ids():
             try:
-                tasks = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
-            except OSError:
+                tasks = [thread.id for thread in psutil.Process(pid).threads()]
+            except psutil.NoSuchProcess:
                 continue
             for tid in tasks:
                 try:
@@ -342,23 +343,10 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 
 
 def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found: list[int] = []
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def engine_pair(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -36,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import psutil
 from kvferry.stack.readiness import grpc_serving
 
 PHASES = ("throughput", "paced", "hold")
@@ -104,10 +107,10 @@ async def _main_until_signalled(args: argparse.Namespace) -> int:
 
 
 def percentile(sorted_values: Sequence[float], fraction: float) -> float:
+    """The nearest-rank percentile, ``fraction`` in [0, 1]; NaN when empty."""
     if not sorted_values:
         return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(fraction * (len(sorted_values) - 1))))
-    return sorted_values[index]
+    return float(np.percentile(sorted_values, fraction * 100, method="nearest"))
 
 
 @dataclass
@@ -162,13 +165,10 @@ class CpuMeter:
             sample["cpu_wait"] = int(some.rsplit("total=", 1)[1]) / 1e6
         except (OSError, IndexError, ValueError):
             pass
-        ticks = os.sysconf("SC_CLK_TCK")
         for name, pid in self._pids.items():
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                sample[name] = (int(fields[11]) + int(fields[12])) / ticks
-            except (OSError, IndexError, ValueError):
-                continue
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = psutil.Process(pid).cpu_times()
+                sample[name] = times.user + times.system
         return sample
 
     @contextmanager

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
 from kvferry.stack.etcd_process import EtcdProcess, free_port
 
 STATE_FILE = "stack.json"
@@ -23,8 +24,8 @@ class StartedProcess:
     pid: int
     command: list[str]
     log_path: str
-    # Start time as the kernel reports it, so a recycled pid is never mistaken for ours.
-    start_ticks: int
+    # Start time as the kernel reports it (psutil's create_time): a recycled pid is never mistaken for ours.
+    started_at: float
 
 
 @dataclass
@@ -59,25 +60,23 @@ class StackState:
                 pid=pid,
                 command=list(command),
                 log_path=str(log_path),
-                start_ticks=process_start_ticks(pid) or 0,
+                started_at=process_started_at(pid) or 0.0,
             )
         )
         self.save()
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks), or None if the process is gone."""
+def process_started_at(pid: int) -> float | None:
+    """When the process started (seconds since the epoch), or None if it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return float(psutil.Process(pid).create_time())
+    except psutil.NoSuchProcess:
         return None
-    # The command name (field 2) may hold spaces; fields after it start past the last ')'.
-    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def is_ours(process: StartedProcess) -> bool:
-    ticks = process_start_ticks(process.pid)
-    return ticks is not None and ticks == process.start_ticks
+    started_at = process_started_at(process.pid)
+    return started_at is not None and started_at == process.started_at
 
 
 def spawn(

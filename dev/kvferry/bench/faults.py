@@ -6,7 +6,7 @@ block was served after D freed it, that every fenced pull became a recompute, an
 Prints turns answered / reused / recomputed / failed, faults injected per kind, fenced pulls,
 served-after-freed and leaked blocks; exits 1 when the oracle finds a violation.
 
-Needs a source checkout (``tools/setup``): the harness (kvferry.testing) is dev tooling, not in the wheel.
+Needs the kvferry-dev distribution (``tools/setup`` installs it): the harness (kvferry.testing) lives there.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 SCHEMA = "kvferry.bench.multiturn/v1"
 
 # Modes, in the order they alternate.
@@ -80,15 +82,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]; NaN when empty."""
     if not values:
         return math.nan
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = math.floor(position)
-    high = math.ceil(position)
-    if low == high:
-        return float(ordered[low])
-    return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
+    return float(np.percentile(values, q))
 
 
 def bucket_of(prompt_tokens: int, width: int) -> int:
