@@ -3,7 +3,7 @@ router (which checks a new prompt against it).
 
 Digest ``i`` covers tokens ``[0, (i + 1) * block_size)``: it hashes digest ``i - 1`` with block
 ``i``'s token ids, so two sequences share digest ``i`` only if they share that whole prefix.
-Only full blocks get a digest; reuse is therefore always block-aligned (rule 2 of the design).
+Only full blocks get a digest; reuse is therefore always block-aligned (rule 2 of docs/design.md).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ RETAIN_KEY = "retain"
 # may start reading it. The prefill engine's connector declines the pull (and recomputes) when less than its
 # ``min_read_seconds`` is left. Clients send :func:`kvferry.pd.reuse.read_deadline`: never later than the
 # lease end, and within a read window shorter than the decode engine's release grace, so a retention
-# released meanwhile is still intact (rule 1 of the design).
+# released meanwhile is still intact (rule 1 of docs/design.md).
 LEASE_EXPIRE_KEY = "lease_expire_time"
 # Per-request pull options, beside the mark.
 PULL_OPTIONS_KEY = "kvferry_pull"

@@ -60,7 +60,7 @@ class EngineTurn:
     # Options for P's pull (tests and comparisons; routers send none).
     pull_options: PullOptions | None = None
     # How long after the prefill is sent it may still start reading the retention; below the decode engines'
-    # release grace (rule 1 of the design).
+    # release grace (rule 1 of docs/design.md).
     read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
 
     @property

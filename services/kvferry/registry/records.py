@@ -4,7 +4,7 @@ An engine's value is its ``Engine`` message. A live record is the ``Retention`` 
 a small header naming the engine incarnation (the engine's lease id when the retention was
 published). A lookup accepts the record only while that same incarnation is registered: a
 re-registered engine (a restart, whose KV blocks are gone) never serves retentions from before
-(design rule 3).
+(rule 3 of docs/design.md).
 """
 
 from __future__ import annotations

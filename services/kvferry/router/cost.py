@@ -4,7 +4,7 @@ Pulling costs a fixed setup plus the KV bytes over the link; recomputing costs t
 the prefill engine's rate. Rates come from what the engines measured themselves (EngineStats) and
 fall back to a :class:`~kvferry.router.calibration.CostProfile`. Below ``kv_recompute_threshold``
 tokens the engines themselves recompute, so the router does too; a lease that may end before the
-pull finishes (plus a safety margin) also means recompute (rule 3 of the design).
+pull finishes (plus a safety margin) also means recompute (rule 3 of docs/design.md).
 """
 
 from __future__ import annotations

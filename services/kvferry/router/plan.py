@@ -3,7 +3,7 @@
 :func:`plan_turn` takes what the router knows at the moment (the prompt, the conversation's retention, the
 engine table and the load this router has in flight) and decides in three steps:
 
-1. **Prove the prefix** (rule 2 of the design): the retention counts only while its engine is registered and
+1. **Prove the prefix** (docs/design.md rule 2): the retention counts only while its engine is registered and
    serves the model (rule 3); the prompt's digest chain, salted with the holder's KV compatibility hash, gives
    the longest block-aligned prefix the retention holds.
 2. **Choose** pull or recompute: a prefill engine that can read the holder's KV layout, then the cost model

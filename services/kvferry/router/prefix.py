@@ -1,4 +1,4 @@
-"""Which leading part of a new prompt a conversation's retained KV covers (rule 2 of the design).
+"""Which leading part of a new prompt a conversation's retained KV covers (rule 2 of docs/design.md).
 
 Reuse is block-aligned and proven by the digest chain: block ``i`` is reusable only if the prompt's
 digest ``i`` equals the retained digest ``i``, which holds only if every token before it matches.

@@ -2,7 +2,7 @@
 the registry's engine watch.
 
 Every call carries a deadline. A registry that does not answer raises :class:`RegistryUnavailable`;
-the turn logic then serves by recompute (rule 7 of the design) instead of failing the turn.
+the turn logic then serves by recompute (rule 7 of docs/design.md) instead of failing the turn.
 """
 
 from __future__ import annotations
