@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-import psutil
 import pytest
+from kvferry.bench.multiturn_stack import proc_cpu_seconds
 from kvferry.pd.engine_api import ChatMessage, DecodeRequest, PrefillRequest, PrefillResult, Sampling
 from kvferry.pd.engine_client import VllmEngineClient
 from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
@@ -249,17 +249,6 @@ async def test_streamed_decode_matches_and_a_cancelled_stream_is_not_retained(
     assert cancelled not in retained, "an aborted request is never retained"
 
 
-def _engine_cpu_seconds(pids: Sequence[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            times = psutil.Process(pid).cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return float(total)
-
-
 async def test_idle_engines_holding_retentions_use_almost_no_cpu(engine_pair: EnginePair) -> None:
     for index in range(3):
         await _run(engine_pair, Conversation(engine_pair, _conversation_id(f"idle{index}")), TEXTS[:2])
@@ -269,10 +258,10 @@ async def test_idle_engines_holding_retentions_use_almost_no_cpu(engine_pair: En
     assert len(held) >= 3
     await asyncio.sleep(1.0)
     engines = (engine_pair.prefill, engine_pair.decode)
-    before = [_engine_cpu_seconds(e.process.process_ids()) for e in engines]
+    before = [proc_cpu_seconds(e.process.process_ids()) for e in engines]
     window = 8.0
     await asyncio.sleep(window)
-    after = [_engine_cpu_seconds(e.process.process_ids()) for e in engines]
+    after = [proc_cpu_seconds(e.process.process_ids()) for e in engines]
     for engine, start, end in zip(engines, before, after, strict=True):
         share = (end - start) / window
         # An idle engine here uses ~1-2 % of a core; vLLM's busy loop would take 75-100 %.
