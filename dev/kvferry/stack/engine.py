@@ -114,6 +114,10 @@ class EngineProcess:
         return self._proc.pid if self._proc is not None else None
 
     @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self._proc
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -60,6 +60,10 @@ class EtcdProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self._proc
+
     def start(self, timeout_seconds: float = 20.0) -> None:
         """Starts etcd (reusing the same ports and data on a restart) and waits until it answers."""
         self.data_dir.mkdir(parents=True, exist_ok=True)

