@@ -46,8 +46,9 @@ TURN_HEADER = "x-kvferry-turn"
 
 
 class _Body(BaseModel):
-    # Unknown OpenAI fields are ignored, as OpenAI-compatible servers do.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown OpenAI fields are ignored, as OpenAI-compatible servers do. Strict: "yes" is not a boolean
+    # and "5" not a number (OpenAI answers 400 too); an integer is still a float.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class _ContentPart(_Body):
