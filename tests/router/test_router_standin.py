@@ -137,7 +137,7 @@ async def test_grpc_multi_turn_pulls_the_retained_prefix(stack: Stack) -> None:
     params = stack.prefill.counters.prefill_params[-1]
     assert params["remote_engine_id"] == stack.decode.engine_id
     assert params["kvferry"]["conversation_id"] == conv
-    assert params["kvferry"]["lease_expire_time"] > 0
+    assert 0 < params["kvferry_read_ms"] <= 10_000
     # Every decode carried the mark for the next turn.
     marks = [p["kvferry"]["turn"] for p in stack.decode.counters.decode_params]
     assert marks == [1, 2, 3]
@@ -256,6 +256,60 @@ async def test_small_match_below_threshold_recomputes(stack: Stack) -> None:
     request.tokens.token_ids.extend(range(60, 70))
     _, _, summary = await generate(stub, request)
     assert summary.reuse == router_pb2.REUSE_DECISION_RECOMPUTE and summary.pulled_tokens == 0
+
+
+async def test_an_unretained_turn_s_pull_carries_its_read_window(stack: Stack) -> None:
+    stub = stack.grpc_stub()
+    conv = f"nrp-{uuid.uuid4().hex[:8]}"
+    history = [("user", "Tell me about KV caches. " * 8)]
+    text, _, _ = await generate(stub, chat_request(conv, stack.model, history))
+    request = chat_request(conv, stack.model, [*history, ("assistant", text), ("user", "and more? " * 4)])
+    request.retain = False
+    _, _, summary = await generate(stub, request)
+    assert summary.reuse == router_pb2.REUSE_DECISION_PULL and summary.turn == 0
+    params = stack.prefill.counters.prefill_params[-1]
+    assert params["remote_engine_id"] == stack.decode.engine_id and "kvferry" not in params
+    assert 0 < params["kvferry_read_ms"] <= 10_000
+
+
+async def test_a_holder_whose_release_grace_is_too_short_is_recomputed(
+    router_factory: RouterFactory, standin_factory: StandInFactory
+) -> None:
+    model = f"standin-{uuid.uuid4().hex[:6]}"
+    prefill = await standin_factory("prefill", model=model)
+    # A 10 s read window (the default) needs a grace of 20 s at least.
+    decode = await standin_factory("decode", model=model, release_grace_seconds=19.0)
+    router = await router_factory()
+    await wait_for_engines(router, {prefill.engine_id, decode.engine_id})
+    stub = Stack(model, prefill, decode, router).grpc_stub()
+    conv = f"g-{uuid.uuid4().hex[:8]}"
+    history = [("user", "Tell me about KV caches. " * 8)]
+    text, _, first = await generate(stub, chat_request(conv, model, history))
+    assert first.turn == 1
+    _, _, second = await generate(
+        stub, chat_request(conv, model, [*history, ("assistant", text), ("user", "more? " * 4)])
+    )
+    assert second.reuse == router_pb2.REUSE_DECISION_RECOMPUTE and second.pulled_tokens == 0
+    assert "remote_engine_id" not in prefill.counters.prefill_params[-1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"read_window_seconds": 20.0},
+            r"--read-window 20 s is not safely under .* at most half of it, 15 s",
+        ),
+        ({"read_window_seconds": 3.0, "min_release_grace_seconds": 4.0}, r"at most half of it, 2 s"),
+        ({"min_release_grace_seconds": 0.0}, r"--min-release-grace is 0 s"),
+        ({"read_window_seconds": 0.0}, r"--read-window is 0 s"),
+    ],
+)
+async def test_start_refuses_a_read_window_not_safely_under_the_release_grace(
+    router_factory: RouterFactory, overrides: dict[str, float], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        await router_factory(**overrides)
 
 
 async def test_retain_false_and_no_conversation_id_retain_nothing(stack: Stack) -> None:

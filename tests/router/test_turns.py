@@ -21,6 +21,7 @@ from kvferry.router.tenants import Tenant
 from kvferry.router.turns import (
     PreparedTurn,
     TextOut,
+    TextPrompt,
     TokenPrompt,
     TurnRequest,
     TurnResult,
@@ -93,12 +94,25 @@ class Cluster:
     registry: FakeRegistry = field(default_factory=FakeRegistry)
     fakes: dict[str, FakeEngine] = field(default_factory=dict)
     load: LoadTracker = field(default_factory=LoadTracker)
+    # Both the monotonic and the wall clock the runner reads (tests move it).
+    now: float = NOW
 
     def __post_init__(self) -> None:
         for engine_id in ("p1", "p2", "d1", "d2"):
             self.fakes[engine_id] = FakeEngine(engine_id, block_size=BS, on_finished=self.registry.publish)
         infos = [
-            EngineInfo(e, P if e[0] == "p" else D, f"http://{e}", "10.0.0.1", 5600, "m", SALT, BS, 4096)
+            EngineInfo(
+                e,
+                P if e[0] == "p" else D,
+                f"http://{e}",
+                "10.0.0.1",
+                5600,
+                "m",
+                SALT,
+                BS,
+                4096,
+                release_grace_seconds=2 * SETTINGS.read_window_seconds,
+            )
             for e in self.fakes
         ]
         self.runner = TurnRunner(
@@ -107,19 +121,21 @@ class Cluster:
             clients=self,
             registry=self.registry,
             settings=SETTINGS,
-            clock=lambda: NOW,
+            clock=lambda: self.now,
+            wall_clock=lambda: self.now,
         )
 
     def get(self, engine: EngineInfo) -> EngineApi:
         return self.fakes[engine.engine_id]
 
     async def prepare(
-        self, prompt: list[int], *, conversation: str | None = "c1", retain: bool = True
+        self, prompt: list[int] | str, *, conversation: str | None = "c1", retain: bool = True
     ) -> PreparedTurn:
-        request = TurnRequest(TENANT, conversation, "", TokenPrompt(tuple(prompt)), retain=retain)
+        as_prompt = TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(tuple(prompt))
+        request = TurnRequest(TENANT, conversation, "", as_prompt, retain=retain)
         return await self.runner.prepare(request)
 
-    async def turn(self, prompt: list[int], **options: object) -> tuple[list[TextOut], TurnResult]:
+    async def turn(self, prompt: list[int] | str, **options: object) -> tuple[list[TextOut], TurnResult]:
         prepared = await self.prepare(prompt, **options)  # type: ignore[arg-type]
         texts: list[TextOut] = []
         result = None
@@ -172,9 +188,43 @@ async def test_the_next_turn_pulls_the_proven_prefix_from_the_holder(cluster: Cl
     assert second.decode_engine_id == first.decode_engine_id == "d1" and second.turn == 2
     prefill = cluster.fakes["p1"].prefills[-1]
     assert prefill.reuse is not None and prefill.reuse.engine_id == "d1" and prefill.reuse.num_tokens == 40
-    # The read deadline: the lease end (NOW + 120) or the read window, whichever comes first.
+    # The read window's time left: the read window (the lease, NOW + 120, ends later), from the lookup.
     assert prefill.mark == ConversationMark("acme", "c1", 2)
-    assert prefill.lease_expire_time == NOW + SETTINGS.read_window_seconds
+    assert prefill.read_ms == SETTINGS.read_window_seconds * 1000
+
+
+async def test_a_slow_tokenization_eats_into_the_read_window_not_past_it(cluster: Cluster) -> None:
+    text = "".join(chr(c) for c in PROMPT)
+    await cluster.turn(text)
+    tokenize = cluster.fakes["p1"].tokenize
+
+    async def slow_tokenize(text: str, *, add_special_tokens: bool = True) -> list[int]:
+        # The lookup went out first (it opened the window); then tokenization takes 4 s.
+        await asyncio.sleep(0)
+        cluster.now += 4.0
+        return await tokenize(text, add_special_tokens=add_special_tokens)
+
+    cluster.fakes["p1"].tokenize = slow_tokenize  # type: ignore[method-assign]
+    _, second = await cluster.turn(text + "".join(chr(c) for c in (101, 102, 103, 7)))
+    assert second.reuse is Reuse.PULL
+    # The window opened at the lookup: 4 s of it went to tokenizing, P gets the 6 s left.
+    assert cluster.fakes["p1"].prefills[-1].read_ms == (SETTINGS.read_window_seconds - 4.0) * 1000
+
+
+async def test_a_read_window_that_closed_while_tokenizing_means_recompute(cluster: Cluster) -> None:
+    text = "".join(chr(c) for c in PROMPT)
+    await cluster.turn(text)
+    tokenize = cluster.fakes["p1"].tokenize
+
+    async def stalled_tokenize(text: str, *, add_special_tokens: bool = True) -> list[int]:
+        await asyncio.sleep(0)
+        cluster.now += SETTINGS.read_window_seconds
+        return await tokenize(text, add_special_tokens=add_special_tokens)
+
+    cluster.fakes["p1"].tokenize = stalled_tokenize  # type: ignore[method-assign]
+    _, second = await cluster.turn(text + "".join(chr(c) for c in (101, 102, 103, 7)))
+    assert (second.reuse, second.matched_tokens, second.pulled_tokens) == (Reuse.RECOMPUTE, 40, 0)
+    assert cluster.fakes["p1"].prefills[-1].reuse is None
 
 
 async def test_a_declined_pull_is_reported_as_recompute(cluster: Cluster) -> None:
@@ -253,8 +303,10 @@ async def test_an_unretained_turn_releases_its_blocks_and_renews_the_conversatio
     _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7], retain=False)
     assert second.turn == 0 and second.reuse is Reuse.PULL
     assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark()
-    # The pull still carries no conversation mark: nothing of this turn is retained.
-    assert cluster.fakes["p1"].prefills[-1].mark is None
+    # The pull carries no conversation mark (nothing of this turn is retained), but its read window.
+    prefill = cluster.fakes["p1"].prefills[-1]
+    assert prefill.mark is None and prefill.read_ms == SETTINGS.read_window_seconds * 1000
+    assert prefill.transfer_params()["kvferry_read_ms"] == prefill.read_ms
     await cluster.background()
     assert cluster.registry.renewed == ["c1"]
 

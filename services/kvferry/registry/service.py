@@ -68,7 +68,12 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
         self, request: registry.HeartbeatEngineRequest, context: grpc.aio.ServicerContext
     ) -> registry.HeartbeatEngineResponse:
         stats = request.stats if request.HasField("stats") else None
-        renewal = await self._engines.heartbeat_engine(request.engine_id, stats, request.incarnation)
+        renewal = await self._engines.heartbeat_engine(
+            request.engine_id,
+            stats,
+            request.incarnation,
+            release_grace_seconds=request.release_grace_seconds,
+        )
         return registry.HeartbeatEngineResponse(
             header=_header(renewal.revision), ttl_seconds=renewal.ttl_seconds
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from kvferry.pd.reuse import max_read_window, read_window_fits
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.runtime.backoff import Backoff, BackoffPolicy
 from kvferry.runtime.errors import Internal, InvalidArgument, ServiceError
@@ -198,8 +199,11 @@ class EngineWatcher:
         resync_seconds: float = 30.0,
         backoff: BackoffPolicy = WATCH_BACKOFF,
         on_left: Callable[[str], None] | None = None,
+        read_window_seconds: float | None = None,
     ) -> None:
         self._on_left = on_left
+        # Engines joining with a release grace too short for it are named in a warning.
+        self._read_window_seconds = read_window_seconds
         self._registry = registry
         self._table = table
         self._load = load
@@ -263,6 +267,21 @@ class EngineWatcher:
         for engine_id in gone:
             self._forget(engine_id)
 
+    def _check_grace(self, engine: EngineInfo) -> None:
+        window = self._read_window_seconds
+        if window is None or not engine.can_decode or read_window_fits(window, engine.release_grace_seconds):
+            return
+        log.warning(
+            "a decode engine's release grace is too short for the read window (or not published yet): "
+            "its retentions are recomputed, never pulled",
+            extra={
+                "engine_id": engine.engine_id,
+                "release_grace_seconds": engine.release_grace_seconds,
+                "read_window_seconds": window,
+                "longest_read_window_seconds": max_read_window(engine.release_grace_seconds),
+            },
+        )
+
     def _forget(self, engine_id: str) -> None:
         log.info("engine left", extra={"engine_id": engine_id})
         self._load.forget(engine_id)
@@ -276,9 +295,16 @@ class EngineWatcher:
             for left in self._left_during_snapshots:
                 left.add(event.engine_id)
         elif event.engine is not None:
-            if self._table.get(event.engine_id) is None:
+            known = self._table.get(event.engine_id)
+            if known is None:
                 log.info(
                     "engine joined",
-                    extra={"engine_id": event.engine_id, "endpoint": event.engine.http_endpoint},
+                    extra={
+                        "engine_id": event.engine_id,
+                        "endpoint": event.engine.http_endpoint,
+                        "release_grace_seconds": event.engine.release_grace_seconds,
+                    },
                 )
+            if known is None or known.release_grace_seconds != event.engine.release_grace_seconds:
+                self._check_grace(event.engine)
             self._table.upsert(event.engine)

@@ -17,7 +17,7 @@ from typing import Literal
 import grpc
 import uvicorn
 from kvferry.pd.engine_client import HttpTimeouts
-from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, max_read_window, read_window_fits
 from kvferry.router.calibration import CPU_DEFAULT, GPU_PROFILES, CostProfile
 from kvferry.router.cost import CostSettings
 from kvferry.router.engine_clients import EngineClients
@@ -65,9 +65,13 @@ class RouterConfig:
     default_max_tokens: int = 256
     max_attempts: int = 2
     publish_wait_seconds: float = 2.0
-    # A prefill may start reading a handed-out retention at most this long after; keep it below the
-    # decode engines' release_grace_seconds.
+    # A prefill may start reading a retention at most this long after the router looked it up.
     read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
+    # The shortest release grace of the decode engines this router serves (their connectors'
+    # release_grace_seconds, 30 by default): the read window must be safely under it (at most half) or
+    # the router refuses to start. Each engine also publishes its own; retentions of an engine whose
+    # grace is too short for the window are recomputed, never pulled.
+    min_release_grace_seconds: float = 30.0
     # Engine HTTP: connect timeout, per-read timeout (a stalled stream fails after it), pool size.
     engine_connect_timeout_seconds: float = 3.0
     engine_read_timeout_seconds: float = 120.0
@@ -84,6 +88,28 @@ class RouterConfig:
 
 COST_PROFILES = ("cpu", *sorted(GPU_PROFILES))
 REUSE_POLICIES = ("cost", "always", "never")
+
+
+def check_read_window(config: RouterConfig) -> None:
+    """Refuses a read window that is not safely under the engines' minimum release grace (ValueError)."""
+    window, grace = config.read_window_seconds, config.min_release_grace_seconds
+    if not grace > 0:
+        raise ValueError(
+            f"--min-release-grace is {grace:g} s; give the shortest release_grace_seconds of your decode "
+            "engines' connectors (> 0: without a grace a retention ended just after its lookup could be "
+            "freed while a prefill reads it)"
+        )
+    if not window > 0:
+        raise ValueError(
+            f"--read-window is {window:g} s; it must be > 0 (use --reuse-policy never to not pull)"
+        )
+    if not read_window_fits(window, grace):
+        raise ValueError(
+            f"--read-window {window:g} s is not safely under the engines' release grace "
+            f"(--min-release-grace {grace:g} s): a read window may be at most half of it, "
+            f"{max_read_window(grace):g} s. Lower --read-window, or raise the engines' release_grace_seconds "
+            "and --min-release-grace with it"
+        )
 
 
 def cost_profile(name: str) -> CostProfile:
@@ -181,6 +207,7 @@ async def start_router(
     ``api_keys`` overrides the keys named in ``config`` (tests pass a table directly);
     ``span_exporter`` (e.g. an ``InMemorySpanExporter``) turns tracing on for tests.
     """
+    check_read_window(config)
     keys = api_keys if api_keys is not None else api_keys_from_config(config)
     grpc_host, _ = _split_host_port(config.grpc_listen)
     http_host, http_port = _split_host_port(config.http_listen)
@@ -203,7 +230,12 @@ async def start_router(
         )
         host.on_stop("engine clients", clients.aclose)
         watcher = EngineWatcher(
-            registry, engines, load, resync_seconds=config.engine_resync_seconds, on_left=clients.forget
+            registry,
+            engines,
+            load,
+            resync_seconds=config.engine_resync_seconds,
+            on_left=clients.forget,
+            read_window_seconds=config.read_window_seconds,
         )
         runner = TurnRunner(
             engines=engines,

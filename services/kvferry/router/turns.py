@@ -2,8 +2,9 @@
 
 ``prepare`` (may raise a ``ServiceError`` before anything is sent to the client):
   1. resolve the model; 2. turn the prompt into token ids (the engines' own tokenizer / chat
-  template) while looking the conversation's retention up in the registry; 3. check the length
-  against the model's limit.
+  template) while looking the conversation's retention up in the registry (the lookup opens the
+  retention's read window: :class:`~kvferry.pd.reuse.ReadWindow`); 3. check the length against the
+  model's limit.
 ``execute`` (an async stream of :class:`TextOut`, then one :class:`TurnResult`):
   4-6. plan the attempt (:func:`kvferry.router.plan.plan_turn`: the proven prefix, pull or recompute,
   the engines); 7. run :func:`kvferry.pd.sequence.prefill_then_decode`: prefill with ``max_tokens=1``
@@ -36,7 +37,7 @@ from kvferry.pd.engine_api import (
     Sampling,
 )
 from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
-from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, ReadWindow
 from kvferry.pd.sequence import Decoded, EngineTurn, Prefilled, prefill_then_decode
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
@@ -133,6 +134,8 @@ class PreparedTurn:
     # False when the registry did not answer: this turn neither reuses nor retains.
     registry_ok: bool
     started: float
+    # The retention's read window, opened when it was looked up (None without a retention).
+    read_window: ReadWindow | None = None
     # The turn's span (ended when the turn's stream ends).
     span: Span = trace.INVALID_SPAN
 
@@ -146,8 +149,8 @@ class TurnSettings:
     max_attempts: int = 2
     # How long to wait after the last token for the registry to show the new retention.
     publish_wait_seconds: float = 2.0
-    # How long after handing a retention out a prefill may still start reading it; must stay below
-    # the decode engines' release grace (rule 1), see kvferry.pd.reuse.read_deadline.
+    # How long after looking a retention up a prefill may still start reading it; safely under the decode
+    # engines' release grace (rule 1), see kvferry.pd.reuse.
     read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
 
 
@@ -191,7 +194,8 @@ class TurnRunner:
         registry: RetentionPort,
         settings: TurnSettings,
         telemetry: TurnTelemetry | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.telemetry = telemetry or TurnTelemetry()
         self._engines = engines
@@ -200,7 +204,10 @@ class TurnRunner:
         self._registry = registry
         self._settings = settings
         self._plan_settings = PlanSettings(settings.cost, settings.read_window_seconds)
+        # Read windows are measured on the monotonic clock; only the lease end (unix seconds, the registry's
+        # clock) is compared with the wall clock, and only to shorten a window.
         self._clock = clock
+        self._wall_clock = wall_clock
         self._background: set[asyncio.Task[None]] = set()
 
     # -- prepare ------------------------------------------------------------------------------
@@ -254,7 +261,7 @@ class TurnRunner:
             if lookup is not None:
                 lookup.cancel()
             raise
-        retention, registry_ok = await lookup if lookup is not None else (None, True)
+        retention, window, registry_ok = await lookup if lookup is not None else (None, None, True)
         max_model_len = min(
             (e.max_model_len for e in self._model_engines(model) if e.max_model_len), default=0
         )
@@ -268,6 +275,7 @@ class TurnRunner:
             retention=retention,
             registry_ok=registry_ok,
             started=started,
+            read_window=window,
         )
 
     def _model_engines(self, model: str) -> list[EngineInfo]:
@@ -324,18 +332,31 @@ class TurnRunner:
                 last_error = error
         raise Unavailable(f"no engine of model {model!r} could tokenize the prompt: {last_error}")
 
-    async def _lookup(self, tenant: str, conversation_id: str | None) -> tuple[RetentionRecord | None, bool]:
+    async def _lookup(
+        self, tenant: str, conversation_id: str | None
+    ) -> tuple[RetentionRecord | None, ReadWindow | None, bool]:
+        """The conversation's retention and its read window, which opens *before* the registry is asked:
+        the registry may end the retention right after it answered, and D's grace then runs from there."""
         if conversation_id is None:
-            return None, True
+            return None, None, True
+        looked_up_at = self._clock()
         try:
-            return await self._registry.get_retention(tenant, conversation_id), True
+            retention = await self._registry.get_retention(tenant, conversation_id)
         except RegistryUnavailable as error:
             self.telemetry.registry_error("get_retention")
             log.warning(
                 "registry unavailable: serving the turn by recompute",
                 extra={"conversation_id": conversation_id, "error": str(error)},
             )
-            return None, False
+            return None, None, False
+        if retention is None:
+            return None, None, True
+        window = ReadWindow.opened(
+            looked_up_at,
+            self._settings.read_window_seconds,
+            lease_seconds_left=retention.expire_time - self._wall_clock(),
+        )
+        return retention, window, True
 
     async def _renew(self, tenant: str, conversation_id: str) -> None:
         try:
@@ -397,6 +418,7 @@ class TurnRunner:
         mark = self._mark(turn)
         failed: set[str] = set()
         retention = turn.retention
+        window = turn.read_window
         for attempt in range(1, self._settings.max_attempts + 1):
             plan = plan_turn(
                 turn.token_ids,
@@ -405,6 +427,7 @@ class TurnRunner:
                 engines=self._engines,
                 load=self._load,
                 settings=self._plan_settings,
+                window=window,
                 now=self._clock(),
                 exclude=frozenset(failed),
             )
@@ -415,7 +438,6 @@ class TurnRunner:
                 mark=mark if mark is not None else ReleaseMark(),
                 pull=plan.pull,
                 request_id=f"{turn.request_id}-{attempt}",
-                read_window_seconds=self._settings.read_window_seconds,
             )
             computed = len(turn.token_ids) - engine_turn.offered_pull_tokens
             # Counted from the plan on (no await in between), so turns planned meanwhile see this one: P's
@@ -467,7 +489,7 @@ class TurnRunner:
                 if failure.role == "prefill" and plan.pull is not None and plan.holder is not None:
                     # A prefill that fails while pulling may be the holder's fault (gone, unreachable).
                     failed.add(plan.holder.engine_id)
-                retention = None
+                retention, window = None, None
             finally:
                 if prefilled is None:
                     self._load.add_prefill(plan.prefill.engine_id, -computed)

@@ -165,11 +165,16 @@ class HeartbeatEngineRequest(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    RELEASE_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Engine to renew."""
     incarnation: _builtins.int
     """The registration to renew (RegisterEngineResponse.incarnation): NOT_FOUND when the engine is
     registered under another one. 0: whatever registration is live.
+    """
+    release_grace_seconds: _builtins.float
+    """The engine's release grace in seconds (`Engine.release_grace_seconds`) when it became known or
+    changed after the engine registered (its connector said it later); 0: unchanged.
     """
     @_builtins.property
     def stats(self) -> _resources_pb2.EngineStats:
@@ -181,10 +186,11 @@ class HeartbeatEngineRequest(_message.Message):
         engine_id: _builtins.str = ...,
         stats: _resources_pb2.EngineStats | None = ...,
         incarnation: _builtins.int = ...,
+        release_grace_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "release_grace_seconds", b"release_grace_seconds", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
