@@ -5,6 +5,7 @@ stand-in engines in test_router_standin.py and with real engines in test_router_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
-from kvferry.router.registry_client import RegistryUnavailable, RetentionRecord
+from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
 from kvferry.router.tenants import Tenant
 from kvferry.router.turns import (
     PreparedTurn,
@@ -28,7 +29,7 @@ from kvferry.router.turns import (
     TurnRunner,
     TurnSettings,
 )
-from kvferry.runtime.errors import ErrorKind, ServiceError
+from kvferry.runtime.errors import Aborted, ErrorKind, ServiceError
 from kvferry.v1 import resources_pb2
 
 from tests.pd.fake_engine import FakeEngine
@@ -58,11 +59,43 @@ class FakeRegistry:
         self.retentions: dict[tuple[str, str], RetentionRecord] = {}
         self.renewed: list[str] = []
         self.down = False
+        # Turn marks: (tenant, conversation) -> request id; every call, in order.
+        self.marks: dict[tuple[str, str], str] = {}
+        self.mark_calls: list[tuple[str, str]] = []
+        self.marks_down = False
+        self.lookups = 0
+        # What BeginTurn says was retained when it took the mark (None: the truth).
+        self.retained_turn_at_mark: int | None = None
 
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None:
+        self.lookups += 1
         if self.down:
             raise RegistryUnavailable("fake registry down")
         return self.retentions.get((tenant, conversation_id))
+
+    async def begin_turn(
+        self, tenant: str, conversation_id: str, request_id: str, *, holder: str, ttl_seconds: int
+    ) -> BegunTurn:
+        await asyncio.sleep(0)
+        if self.down or self.marks_down:
+            raise RegistryUnavailable("fake registry down")
+        held = self.marks.setdefault((tenant, conversation_id), request_id)
+        if held != request_id:
+            self.mark_calls.append(("refused", request_id))
+            raise Aborted(f"conversation {conversation_id} has a turn in flight: {held}")
+        self.mark_calls.append(("begin", request_id))
+        record = self.retentions.get((tenant, conversation_id))
+        retained = record.turn if record is not None else 0
+        if self.retained_turn_at_mark is not None:
+            retained = self.retained_turn_at_mark
+        return BegunTurn(ttl_seconds=ttl_seconds, retained_turn=retained)
+
+    async def end_turn(self, tenant: str, conversation_id: str, request_id: str) -> bool:
+        self.mark_calls.append(("end", request_id))
+        if self.marks.get((tenant, conversation_id)) != request_id:
+            return False
+        del self.marks[(tenant, conversation_id)]
+        return True
 
     async def renew_retention(self, tenant: str, conversation_id: str) -> float | None:
         self.renewed.append(conversation_id)
@@ -369,3 +402,96 @@ async def test_the_decode_counts_until_the_turn_ends(cluster: Cluster) -> None:
     # there, so a concurrent turn planned meanwhile goes elsewhere.
     assert seen[0] == 0 and seen[1:] and set(seen[1:]) == {1}
     assert cluster.idle()
+
+
+# -- one turn in flight per conversation --------------------------------------------------------------
+
+
+async def test_a_turn_holds_its_conversation_s_mark_until_just_before_its_result(cluster: Cluster) -> None:
+    prepared = await cluster.prepare(PROMPT)
+    assert cluster.registry.marks == {("acme", "c1"): prepared.request_id}
+    async for event in cluster.runner.execute(prepared):
+        if isinstance(event, TurnResult):
+            # Cleared before the client has the result: its next turn finds the conversation free.
+            assert cluster.registry.marks == {}
+    assert cluster.registry.mark_calls == [("begin", prepared.request_id), ("end", prepared.request_id)]
+
+
+async def test_a_second_concurrent_turn_is_refused_naming_the_running_one(cluster: Cluster) -> None:
+    running = await cluster.prepare(PROMPT)
+    with pytest.raises(Aborted) as refused:
+        await cluster.prepare([*PROMPT, 1])
+    assert running.request_id in refused.value.message
+    # Nothing ran for the refused turn, and the running one is untouched.
+    assert cluster.fakes["p1"].prefills == [] and cluster.registry.marks == {
+        ("acme", "c1"): running.request_id
+    }
+    async for _ in cluster.runner.execute(running):
+        pass
+    # Other conversations and one-off turns never wait for it.
+    await cluster.turn(PROMPT, conversation="c2")
+    await cluster.turn(PROMPT, conversation=None)
+    assert cluster.registry.marks == {}
+
+
+async def test_a_failed_turn_frees_its_conversation_before_the_client_hears(cluster: Cluster) -> None:
+    for engine in ("d1", "d2"):
+        cluster.fakes[engine].fail_decodes = 1
+    prepared = await cluster.prepare(PROMPT)
+    with pytest.raises(ServiceError):
+        async for _ in cluster.runner.execute(prepared):
+            pass
+    assert cluster.registry.marks == {}
+    await cluster.turn(PROMPT)  # sent again at once: not refused
+
+
+async def test_a_turn_refused_before_it_ran_or_abandoned_frees_the_mark(cluster: Cluster) -> None:
+    # The prompt is too long for the model: refused in prepare, after the mark was taken.
+    with pytest.raises(ServiceError) as refused:
+        await cluster.prepare(list(range(5000)))
+    assert refused.value.kind is ErrorKind.INVALID_ARGUMENT and cluster.registry.marks == {}
+    # Prepared, then the client went away before the stream ended.
+    prepared = await cluster.prepare(PROMPT)
+    events = cluster.runner.execute(prepared)
+    await anext(events)
+    await events.aclose()
+    await cluster.background()
+    assert cluster.registry.marks == {}
+
+
+async def test_the_mark_is_renewed_while_the_turn_runs(cluster: Cluster) -> None:
+    stall = asyncio.Event()
+    cluster.fakes["d1"].stall = stall
+    cluster.runner._settings = dataclasses.replace(SETTINGS, turn_mark_seconds=1)
+    prepared = await cluster.prepare(PROMPT)
+    events = cluster.runner.execute(prepared)
+    await anext(events)  # streaming, then stalled
+    await asyncio.sleep(0.8)
+    stall.set()
+    async for _ in events:
+        pass
+    begins = [call for call in cluster.registry.mark_calls if call[0] == "begin"]
+    assert len(begins) >= 3 and cluster.registry.marks == {}
+
+
+async def test_a_lookup_made_before_the_mark_is_repeated_when_a_turn_came_in_between(
+    cluster: Cluster,
+) -> None:
+    await cluster.turn(PROMPT)
+    # The mark's transaction saw turn 2 retained while the concurrent lookup read turn 1.
+    cluster.registry.retained_turn_at_mark = 2
+    before = cluster.registry.lookups
+    await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    assert cluster.registry.lookups == before + 2 + 1  # the lookup, its repetition, the publication poll
+    cluster.registry.retained_turn_at_mark = None
+    before = cluster.registry.lookups
+    await cluster.turn([*PROMPT, 101, 102, 103, 7, 101, 102, 103, 8])
+    assert cluster.registry.lookups == before + 1 + 1
+
+
+async def test_without_its_mark_a_turn_neither_reuses_nor_retains(cluster: Cluster) -> None:
+    await cluster.turn(PROMPT)
+    cluster.registry.marks_down = True
+    _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    assert (second.reuse, second.turn, second.pulled_tokens) == (Reuse.NONE, 0, 0)
+    assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark()

@@ -61,6 +61,10 @@ def retention_ttl(requested: int, policy: TtlPolicy) -> int:
     )
 
 
+def turn_ttl(requested: int, policy: TtlPolicy) -> int:
+    return resolve_ttl("turn", requested, policy.default_turn_ttl_seconds, policy.max_turn_ttl_seconds)
+
+
 def validate_engine(engine: resources.Engine) -> None:
     require_id("engine.engine_id", engine.engine_id)
     if engine.role not in _VALID_ROLES:

@@ -127,6 +127,14 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         default=_DEFAULTS.min_release_grace_seconds,
     )
     flags.add(
+        "--turn-mark-lease",
+        "KVFERRY_ROUTER_TURN_MARK_LEASE",
+        "lease of a turn's mark in the registry (one turn in flight per conversation), renewed while the "
+        "turn runs, seconds: how long a conversation stays held after its router died",
+        type=int,
+        default=_DEFAULTS.turn_mark_seconds,
+    )
+    flags.add(
         "--engine-connect-timeout",
         "KVFERRY_ROUTER_ENGINE_CONNECT_TIMEOUT",
         "engine HTTP connect timeout, seconds",
@@ -182,6 +190,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         publish_wait_seconds=args.publish_wait,
         read_window_seconds=args.read_window,
         min_release_grace_seconds=args.min_release_grace,
+        turn_mark_seconds=args.turn_mark_lease,
         engine_connect_timeout_seconds=args.engine_connect_timeout,
         engine_read_timeout_seconds=args.engine_read_timeout,
         engine_max_connections=args.engine_max_connections,

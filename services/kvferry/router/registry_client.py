@@ -1,5 +1,5 @@
-"""The router's view of the registry: retention lookups and renewals, and the engine table kept from
-the registry's engine watch.
+"""The router's view of the registry: retention lookups and renewals, the marks of turns in flight, and
+the engine table kept from the registry's engine watch.
 
 Every call carries a deadline. A registry that does not answer raises :class:`RegistryUnavailable`;
 the turn logic then serves by recompute (rule 7 of docs/design.md) instead of failing the turn.
@@ -17,7 +17,7 @@ import grpc
 from kvferry.pd.reuse import max_read_window, read_window_fits
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.runtime.backoff import Backoff, BackoffPolicy
-from kvferry.runtime.errors import Internal, InvalidArgument, ServiceError
+from kvferry.runtime.errors import Aborted, Internal, InvalidArgument, ServiceError
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2
@@ -62,6 +62,17 @@ class RetentionRecord:
 
 
 @dataclass(frozen=True)
+class BegunTurn:
+    """A turn's mark, taken (or renewed) in the registry."""
+
+    # The mark's lease: renew well within it.
+    ttl_seconds: int
+    # The conversation's retained turn when the mark was taken (0: none, or a renewal): a lookup made
+    # concurrently that found another turn is out of date.
+    retained_turn: int
+
+
+@dataclass(frozen=True)
 class EngineEvent:
     # "joined", "updated" or "left"
     kind: str
@@ -69,7 +80,15 @@ class EngineEvent:
     engine_id: str
 
 
-class RegistryApi(Protocol):
+class EngineSource(Protocol):
+    """Where the engine table comes from (the registry's engine listing and watch)."""
+
+    async def list_engines(self) -> list[EngineInfo]: ...
+
+    def watch_engines(self) -> AsyncIterator[EngineEvent]: ...
+
+
+class RegistryApi(EngineSource, Protocol):
     """What the router asks of the registry."""
 
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None: ...
@@ -82,9 +101,15 @@ class RegistryApi(Protocol):
         """True when a live retention was released."""
         ...
 
-    async def list_engines(self) -> list[EngineInfo]: ...
+    async def begin_turn(
+        self, tenant: str, conversation_id: str, request_id: str, *, holder: str, ttl_seconds: int
+    ) -> BegunTurn:
+        """Takes (or renews) the mark of a turn in flight; ``Aborted`` when another turn holds it."""
+        ...
 
-    def watch_engines(self) -> AsyncIterator[EngineEvent]: ...
+    async def end_turn(self, tenant: str, conversation_id: str, request_id: str) -> bool:
+        """Clears the turn's mark; True when it held it."""
+        ...
 
 
 class GrpcRegistry:
@@ -102,6 +127,8 @@ class GrpcRegistry:
             )
         if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidArgument(error.details() or what)
+        if error.code() == grpc.StatusCode.ABORTED:
+            return Aborted(error.details() or what)
         return Internal(f"registry failed {what}: {error.code().name} {error.details()}")
 
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None:
@@ -143,6 +170,36 @@ class GrpcRegistry:
                 return False
             raise self._fail(error, "ReleaseRetention") from None
         return True
+
+    async def begin_turn(
+        self, tenant: str, conversation_id: str, request_id: str, *, holder: str, ttl_seconds: int
+    ) -> BegunTurn:
+        try:
+            response = await self._stub.BeginTurn(
+                registry_pb2.BeginTurnRequest(
+                    tenant=tenant,
+                    conversation_id=conversation_id,
+                    request_id=request_id,
+                    holder=holder,
+                    ttl_seconds=ttl_seconds,
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "BeginTurn") from None
+        return BegunTurn(ttl_seconds=response.ttl_seconds, retained_turn=response.retained_turn)
+
+    async def end_turn(self, tenant: str, conversation_id: str, request_id: str) -> bool:
+        try:
+            response = await self._stub.EndTurn(
+                registry_pb2.EndTurnRequest(
+                    tenant=tenant, conversation_id=conversation_id, request_id=request_id
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "EndTurn") from None
+        return bool(response.ended)
 
     async def list_engines(self) -> list[EngineInfo]:
         engines: list[EngineInfo] = []
@@ -192,7 +249,7 @@ class EngineWatcher:
 
     def __init__(
         self,
-        registry: RegistryApi,
+        registry: EngineSource,
         table: EngineTable,
         load: LoadTracker,
         *,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import re
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,6 +74,9 @@ class RouterConfig:
     # the router refuses to start. Each engine also publishes its own; retentions of an engine whose
     # grace is too short for the window are recomputed, never pulled.
     min_release_grace_seconds: float = 30.0
+    # The lease of a turn's mark in the registry (one turn in flight per conversation), renewed every
+    # third of it while the turn runs: how long a conversation stays held after its router died.
+    turn_mark_seconds: int = 5
     # Engine HTTP: connect timeout, per-read timeout (a stalled stream fails after it), pool size.
     engine_connect_timeout_seconds: float = 3.0
     engine_read_timeout_seconds: float = 120.0
@@ -88,6 +93,12 @@ class RouterConfig:
 
 COST_PROFILES = ("cpu", *sorted(GPU_PROFILES))
 REUSE_POLICIES = ("cost", "always", "never")
+
+
+def router_holder() -> str:
+    """This router as its turns' marks name it: host:pid (as an id: [A-Za-z0-9._:-])."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:96] or "router"
+    return f"{host}:{os.getpid()}"
 
 
 def check_read_window(config: RouterConfig) -> None:
@@ -253,6 +264,8 @@ async def start_router(
                 max_attempts=config.max_attempts,
                 publish_wait_seconds=config.publish_wait_seconds,
                 read_window_seconds=config.read_window_seconds,
+                turn_mark_seconds=config.turn_mark_seconds,
+                holder=router_holder(),
             ),
             telemetry=TurnTelemetry(provider, metrics),
         )

@@ -297,6 +297,46 @@ class Retention(_message.Message):
 Global___Retention: _TypeAlias = Retention  # noqa: Y015
 
 @_typing.final
+class RunningTurn(_message.Message):
+    """A turn of a conversation in flight (BeginTurn): at most one per conversation at a time."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """The conversation."""
+    request_id: _builtins.str
+    """The turn's id (the router's request id)."""
+    holder: _builtins.str
+    """Who runs it (a router's host:pid)."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When the turn took its mark. Output only."""
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        holder: _builtins.str = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "holder", b"holder", "request_id", b"request_id", "start_time", b"start_time", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunningTurn: _TypeAlias = RunningTurn  # noqa: Y015
+
+@_typing.final
 class ResponseHeader(_message.Message):
     """Metadata every registry response carries."""
 
