@@ -450,6 +450,11 @@ async def test_a_turn_refused_before_it_ran_or_abandoned_frees_the_mark(cluster:
     with pytest.raises(ServiceError) as refused:
         await cluster.prepare(list(range(5000)))
     assert refused.value.kind is ErrorKind.INVALID_ARGUMENT and cluster.registry.marks == {}
+    # The engine refuses the prompt while the mark is being taken: cleared before the error is out.
+    cluster.fakes["p1"].fail_tokenizes, cluster.fakes["p1"].fail_status = 1, 400
+    with pytest.raises(ServiceError) as rejected:
+        await cluster.prepare("some text")
+    assert rejected.value.kind is ErrorKind.INVALID_ARGUMENT and cluster.registry.marks == {}
     # Prepared, then the client went away before the stream ended.
     prepared = await cluster.prepare(PROMPT)
     events = cluster.runner.execute(prepared)

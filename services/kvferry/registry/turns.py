@@ -138,6 +138,8 @@ class TurnStore:
                 [Put(key, running.SerializeToString(), lease.id), Get(self.layout.live(conversation))],
                 [Get(key)],
             )
+        except LeaseNotFound:
+            return None  # the fresh lease was gone before the write (an etcd leader change): again
         except BaseException:
             await self.etcd.revoke_quietly(lease.id, "turn mark not written")
             raise

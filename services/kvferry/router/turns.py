@@ -308,14 +308,16 @@ class TurnRunner:
                     # Looked up before the mark was taken, and a turn was published in between: the lookup
                     # made now is current (the mark holds the conversation still).
                     retention, window, registry_ok = await self._lookup(tenant, conversation_id)
-        except BaseException:
-            for task in (marking, lookup, tokenizing):
+        except BaseException as error:
+            for task in (lookup, tokenizing):
                 if task is not None:
                     task.cancel()
-            if marking is not None and marking.done() and not marking.cancelled():
-                held = marking.result() if marking.exception() is None else None
-                if held is not None:
-                    self._spawn(self._release(held.mark))
+            if marking is not None:
+                if isinstance(error, asyncio.CancelledError):
+                    self._spawn(self._drop_mark(marking))
+                else:
+                    # Before the client hears of the failure: it may send the turn again at once.
+                    await self._drop_mark(marking)
             raise
         max_model_len = min(
             (e.max_model_len for e in self._model_engines(model) if e.max_model_len), default=0
@@ -439,13 +441,7 @@ class TurnRunner:
         without reuse or retention). Raises ``Aborted`` when another turn holds it."""
         assert conversation_id is not None
         try:
-            begun = await self._registry.begin_turn(
-                tenant,
-                conversation_id,
-                request_id,
-                holder=self._settings.holder,
-                ttl_seconds=self._settings.turn_mark_seconds,
-            )
+            begun = await self._ask_mark(tenant, conversation_id, request_id)
         except RegistryUnavailable as error:
             self.telemetry.registry_error("begin_turn")
             log.warning(
@@ -462,18 +458,31 @@ class TurnRunner:
         mark = TurnMark(tenant, conversation_id, request_id, max(1, begun.ttl_seconds))
         return _MarkTaken(mark, begun)
 
+    async def _drop_mark(self, marking: asyncio.Future[_MarkTaken | None]) -> None:
+        """Clears the mark a turn that will not run took (once the registry answered)."""
+        try:
+            taken = await marking
+        except Exception:
+            return  # not taken (refused, or the registry did not answer)
+        if taken is not None:
+            await self._release(taken.mark)
+
+    async def _ask_mark(self, tenant: str, conversation_id: str, request_id: str) -> BegunTurn:
+        """BeginTurn: takes the mark, or renews it when ``request_id`` holds it."""
+        return await self._registry.begin_turn(
+            tenant,
+            conversation_id,
+            request_id,
+            holder=self._settings.holder,
+            ttl_seconds=self._settings.turn_mark_seconds,
+        )
+
     async def _keep_mark(self, mark: TurnMark) -> None:
         """Renews the turn's mark every third of its lease while the turn runs."""
         while True:
             await asyncio.sleep(mark.ttl_seconds / 3)
             try:
-                begun = await self._registry.begin_turn(
-                    mark.tenant,
-                    mark.conversation_id,
-                    mark.request_id,
-                    holder=self._settings.holder,
-                    ttl_seconds=self._settings.turn_mark_seconds,
-                )
+                begun = await self._ask_mark(mark.tenant, mark.conversation_id, mark.request_id)
                 mark.ttl_seconds = max(1, begun.ttl_seconds)
             except (RegistryUnavailable, ServiceError) as error:
                 # The turn goes on: what it publishes is still judged by the registry (an older or equal
