@@ -11,7 +11,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import pytest_asyncio
+from kvferry.registry.etcd import EtcdGateway, EtcdSettings
 from kvferry.registry.server import create_registry
+from kvferry.registry.turns import LeasePool
+from kvferry.runtime.clock import ManualClock
 from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
@@ -180,3 +183,24 @@ async def test_bad_begin_turn_requests_are_invalid(
         await stub.BeginTurn(request_, timeout=5)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in (refused.value.details() or "")
+
+
+async def test_the_lease_pool_hands_out_only_leases_with_two_thirds_of_their_ttl_left(
+    etcd: EtcdProcess,
+) -> None:
+    gateway = EtcdGateway(EtcdSettings(endpoints=(etcd.endpoint,)))
+    await gateway.connect()
+    clock = ManualClock()
+    pool = LeasePool(gateway, 6, spares=2, clock=clock)
+    try:
+        first = await pool.take()  # nothing granted ahead yet: granted now
+        pool.fill()
+        await asyncio.sleep(1.0)  # two grants in the background
+        spare = await pool.take()
+        assert spare.id != first.id and spare.ttl_seconds == 6
+        await clock.advance(2.5)  # more than a third of 6 s: the other spare is too old to hand out
+        late = await pool.take()
+        assert late.id not in (first.id, spare.id)
+    finally:
+        await pool.close()
+        await gateway.close()

@@ -6,10 +6,11 @@ a short lease of its own; another turn of the conversation finds the mark and is
 (BeginTurn again with the same request id) and clears it when the turn ends (EndTurn revokes the lease); a
 router that dies stops renewing, and etcd drops the mark within the lease.
 
-Taking a mark is a lease grant, then one transaction that writes the mark only if no mark exists and reads
-the conversation's retention record at the same revision: its turn (``retained_turn``) tells the caller
-whether a lookup it made concurrently is still current. Renewing a mark this registry took is a lease
-keep-alive plus a check that the mark still lives under that lease, together.
+Taking a mark is one transaction that writes the mark only if no mark exists, under a lease granted ahead
+(:class:`LeasePool`: a grant is an etcd write of its own, which would double the time a turn waits), and
+reads the conversation's retention record at the same revision: its turn (``retained_turn``) tells the
+caller whether a lookup it made concurrently is still current. Renewing a mark this registry took is a
+lease keep-alive plus a check that the mark still lives under that lease, together.
 
 Plain Python over the etcd gateway; the gRPC handlers only translate messages.
 """
@@ -17,20 +18,30 @@ Plain Python over the etcd gateway; the gRPC handlers only translate messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from kvferry.registry import validation
 from kvferry.registry.batching import TxnBatcher
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.errors import TurnInFlight
-from kvferry.registry.etcd import EtcdGateway, Get, KeyValue, LeaseIs, LeaseNotFound, ModRevisionIs, Put
+from kvferry.registry.etcd import (
+    EtcdGateway,
+    Get,
+    KeyValue,
+    Lease,
+    LeaseIs,
+    LeaseNotFound,
+    ModRevisionIs,
+    Put,
+)
 from kvferry.registry.keys import ConversationKey, KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.records import decode_record
 from kvferry.runtime.clock import Clock, SystemClock
-from kvferry.runtime.errors import Aborted
+from kvferry.runtime.errors import Aborted, ServiceError
 from kvferry.runtime.metrics import LEASE_TURN
 from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import resources_pb2 as resources
@@ -75,6 +86,53 @@ def _in_flight(running: resources.RunningTurn, now: float) -> TurnInFlight:
     )
 
 
+class LeasePool:
+    """Leases of one TTL granted ahead of need, so that taking a mark is a single etcd write.
+
+    A lease waits at most a third of its TTL in the pool: the mark it carries keeps two thirds, and its
+    holder renews it a third of the TTL after taking it. Each lease taken is replaced in the background;
+    an idle registry grants nothing (spares that aged out are left to expire: they hold no keys).
+    """
+
+    def __init__(self, etcd: EtcdGateway, ttl_seconds: int, *, clock: Clock, spares: int = 8) -> None:
+        self._etcd = etcd
+        self._ttl = ttl_seconds
+        self._target = spares
+        self._clock = clock
+        self._spares: deque[tuple[float, Lease]] = deque()
+        self._filling: asyncio.Task[None] | None = None
+
+    async def take(self) -> Lease:
+        """A lease with at least two thirds of its TTL left; call :meth:`fill` once it is used."""
+        now = self._clock.monotonic()
+        while self._spares:
+            granted_at, spare = self._spares.popleft()
+            if now - granted_at < spare.ttl_seconds / 3:
+                return spare
+        return await self._etcd.grant(self._ttl)
+
+    def fill(self) -> None:
+        """Grants spares in the background, after the write that used one (not beside it: etcd serves the
+        write sooner alone)."""
+        if self._filling is None or self._filling.done():
+            self._filling = asyncio.create_task(self._grant_spares(), name="turn-lease-pool")
+
+    async def _grant_spares(self) -> None:
+        while len(self._spares) < self._target:
+            try:
+                lease = await self._etcd.grant(self._ttl)
+            except ServiceError as error:
+                log.warning("could not grant spare turn leases", extra={"error": str(error)})
+                return
+            self._spares.append((self._clock.monotonic(), lease))
+
+    async def close(self) -> None:
+        if self._filling is not None:
+            self._filling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._filling
+
+
 class TurnStore:
     """Begins, renews and ends the turns in flight."""
 
@@ -94,6 +152,7 @@ class TurnStore:
         self._metrics = metrics if metrics is not None else RegistryMetrics()
         self._writes = TxnBatcher(etcd)
         self._held: OrderedDict[bytes, _Held] = OrderedDict()
+        self._leases: dict[int, LeasePool] = {}
 
     async def begin_turn(
         self, tenant: str, conversation_id: str, request_id: str, holder: str, ttl_seconds: int
@@ -124,7 +183,10 @@ class TurnStore:
         self, conversation: ConversationKey, key: bytes, request_id: str, holder: str, ttl: int
     ) -> BegunTurn | None:
         """One attempt: the mark written (or renewed, or refused); None when it vanished under the call."""
-        lease = await self.etcd.grant(ttl)
+        pool = self._leases.get(ttl)
+        if pool is None:
+            pool = self._leases[ttl] = LeasePool(self.etcd, ttl, clock=self._clock)
+        lease = await pool.take()
         running = resources.RunningTurn(
             tenant=conversation.tenant,
             conversation_id=conversation.conversation_id,
@@ -139,10 +201,12 @@ class TurnStore:
                 [Get(key)],
             )
         except LeaseNotFound:
-            return None  # the fresh lease was gone before the write (an etcd leader change): again
+            return None  # the lease was gone before the write (an etcd leader change): again
         except BaseException:
             await self.etcd.revoke_quietly(lease.id, "turn mark not written")
             raise
+        finally:
+            pool.fill()
         if written.succeeded:
             self._remember(key, _Held(request_id, lease.id, running))
             record = written.range(1).first
@@ -202,6 +266,10 @@ class TurnStore:
             return EndedTurn(False, read.revision)
         revision = await self.etcd.revoke(existing.lease)
         return EndedTurn(revision > 0, revision or read.revision)
+
+    async def close(self) -> None:
+        for pool in self._leases.values():
+            await pool.close()
 
     def _remember(self, key: bytes, held: _Held) -> None:
         self._held[key] = held
