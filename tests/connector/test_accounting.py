@@ -1,15 +1,8 @@
-"""Pulled-versus-computed accounting and the prefill's read-deadline decision."""
+"""Pulled-versus-computed accounting."""
 
 from __future__ import annotations
 
-from kvferry.connector.accounting import Accounting, pull_allowed
-
-
-def test_pull_allowed_needs_enough_time_before_the_read_deadline() -> None:
-    assert pull_allowed(None, 100.0, 2.0)
-    assert pull_allowed(103.0, 100.0, 2.0)
-    assert not pull_allowed(101.5, 100.0, 2.0)
-    assert not pull_allowed(99.0, 100.0, 0.0)
+from kvferry.connector.accounting import Accounting
 
 
 def test_counts_pulled_and_computed_tokens_and_rates() -> None:

@@ -66,7 +66,9 @@ def test_wrong_types_fail(key: str, value: object) -> None:
     [
         ({"max_retention_seconds": 0}, "max_retention_seconds"),
         ({"retained_kv_fraction": 1.5}, "retained_kv_fraction"),
-        ({"release_grace_seconds": 1, "min_read_seconds": 2}, "smaller than release_grace_seconds"),
+        ({"release_grace_seconds": 3, "min_read_seconds": 2}, "smaller than half of release_grace_seconds"),
+        ({"release_grace_seconds": 0}, "release_grace_seconds must be > 0"),
+        ({"release_grace_seconds": -1.0}, "release_grace_seconds must be > 0"),
         ({"nixl_progress_delay_us": -1}, "nixl_progress_delay_us"),
     ],
 )

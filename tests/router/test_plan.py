@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 from kvferry.pd.digest import block_digests
+from kvferry.pd.reuse import ReadWindow
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineStats, EngineTable, LoadTracker
@@ -24,11 +25,12 @@ PROMPT = [*HISTORY, 1, 2, 3]
 PROFILE = CostProfile(
     prefill_tokens_per_second=1000.0, transfer_bytes_per_second=1e9, transfer_setup_seconds=0.02
 )
+READ_WINDOW_SECONDS = 10.0
 SETTINGS = PlanSettings(
     CostSettings(
         PROFILE, kv_recompute_threshold=64, lease_margin_seconds=2.0, fallback_kv_bytes_per_token=10_000
     ),
-    read_window_seconds=10.0,
+    read_window_seconds=READ_WINDOW_SECONDS,
 )
 P, D, BOTH = (
     resources_pb2.ENGINE_ROLE_PREFILL,
@@ -37,8 +39,21 @@ P, D, BOTH = (
 )
 
 
-def engine(engine_id: str, role: int, *, model: str = "m", kv_hash: str = SALT) -> EngineInfo:
-    return EngineInfo(engine_id, role, f"http://{engine_id}", "10.0.0.1", 5600, model, kv_hash, BS, 4096)
+def engine(
+    engine_id: str, role: int, *, model: str = "m", kv_hash: str = SALT, grace: float = 30.0
+) -> EngineInfo:
+    return EngineInfo(
+        engine_id,
+        role,
+        f"http://{engine_id}",
+        "10.0.0.1",
+        5600,
+        model,
+        kv_hash,
+        BS,
+        4096,
+        release_grace_seconds=grace,
+    )
 
 
 def retention(
@@ -56,6 +71,11 @@ def retention(
         turn=3,
         expire_time=NOW + expires_in,
     )
+
+
+def window_of(record: RetentionRecord | None, read_window: float = READ_WINDOW_SECONDS) -> ReadWindow | None:
+    """The read window of ``record`` looked up at NOW (monotonic and wall clocks both at NOW here)."""
+    return None if record is None else ReadWindow.opened(NOW, read_window, record.expire_time - NOW)
 
 
 @dataclass
@@ -151,6 +171,37 @@ CASES = [
         matched=160,
     ),
     Case(
+        "the holder's release grace is too short for the read window",
+        [engine("p1", P), engine("d1", D, grace=19.0)],
+        retention(),
+        Reuse.RECOMPUTE,
+        "engine d1's release grace (19 s) allows read windows of 9.5 s, not the router's 10 s",
+        "p1",
+        "d1",
+        matched=160,
+    ),
+    Case(
+        "the holder has not published its release grace",
+        [engine("p1", P), engine("d1", D, grace=0.0)],
+        retention(),
+        Reuse.RECOMPUTE,
+        "has not published its release grace",
+        "p1",
+        "d1",
+        matched=160,
+    ),
+    Case(
+        "a grace of twice the read window is enough",
+        [engine("p1", P), engine("d1", D, grace=20.0)],
+        retention(),
+        Reuse.PULL,
+        "",
+        "p1",
+        "d1",
+        matched=160,
+        pulled=160,
+    ),
+    Case(
         "no prefill engine reads the holder's KV layout",
         [engine("p1", P, kv_hash="kv-b"), engine("d1", D)],
         retention(),
@@ -217,6 +268,7 @@ def test_plan_turn(case: Case) -> None:
         engines=EngineTable(case.engines),
         load=load,
         settings=SETTINGS,
+        window=window_of(case.retention),
         now=NOW,
         exclude=case.exclude,
     )
@@ -240,9 +292,10 @@ def test_a_pull_names_exactly_the_holder_s_blocks_of_the_prefix() -> None:
         engines=EngineTable([engine("p1", P), holder]),
         load=LoadTracker(),
         settings=SETTINGS,
+        window=ReadWindow(NOW + 7.0),
         now=NOW,
     )
-    assert plan.pull is not None and plan.pull.lease_expire_time == NOW + 60
+    assert plan.pull is not None and plan.pull.window == ReadWindow(NOW + 7.0)
     blocks = plan.pull.blocks
     assert blocks.block_ids == ((40, 41, 42, 43, 44),) and blocks.num_tokens == 80
     assert (blocks.engine_id, blocks.request_id, blocks.host, blocks.port) == (
@@ -253,12 +306,15 @@ def test_a_pull_names_exactly_the_holder_s_blocks_of_the_prefix() -> None:
     )
 
 
-def test_the_lease_counted_on_is_at_most_the_read_window() -> None:
+def test_the_time_counted_on_is_what_the_read_window_has_left() -> None:
     # An hour of lease, but the prefill must start reading within the read window: 1.5 s is too short.
-    short_window = PlanSettings(SETTINGS.cost, read_window_seconds=1.5)
-    plan = _plan_with(retention(expires_in=3600.0), settings=short_window)
+    record = retention(expires_in=3600.0)
+    plan = _plan_with(record, window=window_of(record, read_window=1.5))
     assert plan.choice.reuse is Reuse.RECOMPUTE and "lease ends in 1.50 s" in plan.choice.reason
-    assert _plan_with(retention(expires_in=3600.0)).choice.reuse is Reuse.PULL
+    assert _plan_with(record).choice.reuse is Reuse.PULL
+    # A window opened 9 s ago (a slow tokenization since the lookup) has 1 s left.
+    late = _plan_with(record, window=ReadWindow.opened(NOW - 9.0, READ_WINDOW_SECONDS, 3600.0))
+    assert late.choice.reuse is Reuse.RECOMPUTE and "lease ends in 1.00 s" in late.choice.reason
 
 
 def test_fragmented_retained_blocks_price_more_descriptors() -> None:
@@ -270,9 +326,7 @@ def test_fragmented_retained_blocks_price_more_descriptors() -> None:
         descriptors_per_block=10,
         block_size_tokens=BS,
     )
-    settings = PlanSettings(
-        CostSettings(profile, fallback_kv_bytes_per_token=10_000), read_window_seconds=10.0
-    )
+    settings = PlanSettings(CostSettings(profile, fallback_kv_bytes_per_token=10_000), READ_WINDOW_SECONDS)
     ordered = _plan_with(retention(), settings=settings)
     scattered = _plan_with(replace(retention(), block_ids=tuple(range(100, 0, -10))), settings=settings)
     assert ordered.choice.reuse is Reuse.PULL and scattered.choice.reuse is Reuse.RECOMPUTE
@@ -298,6 +352,7 @@ def _plan_with(
     *,
     engines: list[EngineInfo] | None = None,
     settings: PlanSettings = SETTINGS,
+    window: ReadWindow | None = None,
 ) -> TurnPlan:
     return plan_turn(
         PROMPT,
@@ -306,6 +361,7 @@ def _plan_with(
         engines=EngineTable(engines if engines is not None else TWO_BY_TWO),
         load=LoadTracker(),
         settings=settings,
+        window=window if window is not None else window_of(record),
         now=NOW,
     )
 

@@ -30,7 +30,7 @@ from kvferry.stack.engine import EngineProcess
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
-from tests.fixtures.engines import EnginePair
+from tests.fixtures.engines import ENGINE_SETTINGS, TEST_READ_WINDOW_SECONDS, EnginePair
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
 from tests.fixtures.sidecar import TEST_BACKOFF, SidecarHandle, sidecar_test_config
@@ -151,8 +151,9 @@ async def routed(engine_pair: EnginePair, registry: RegistryHandle) -> AsyncIter
                 await start_router(
                     RouterConfig(
                         registry_address=registry.address,
-                        # The test engines free released blocks after 4 s and refuse reads within 1 s.
-                        read_window_seconds=3.0,
+                        # The test engines free released blocks after 6 s and refuse reads within 1 s.
+                        read_window_seconds=TEST_READ_WINDOW_SECONDS,
+                        min_release_grace_seconds=ENGINE_SETTINGS.release_grace_seconds,
                         lease_margin_seconds=1.0,
                         # Show reuse whatever the tiny CPU model's rates say; the cost model has its
                         # own tests.

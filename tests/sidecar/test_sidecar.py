@@ -423,6 +423,56 @@ async def test_watch_releases_for_another_engine_is_refused(
         await releases.close()
 
 
+async def test_the_connector_s_release_grace_is_published_in_the_engine_record(
+    registry: RegistryHandle, sidecar_factory: SidecarFactory, stand_in_engine_factory: StandInEngineFactory
+) -> None:
+    # The connector links (and says its grace) while the engine starts: the registration carries it.
+    engine = await stand_in_engine_factory(healthy=False)
+    engine_id = unique("engine")
+    sidecar = await sidecar_factory(engine_url=engine.url, engine_id=engine_id)
+    early = Releases(sidecar.stub(), engine_id, release_grace_seconds=30.0)
+    try:
+        await eventually(lambda: sidecar.sidecar.registration.release_grace_seconds == 30.0)
+        engine.healthy = True
+        await sidecar.wait_registered()
+        stored = await find_engine(registry.stub(), engine_id)
+        assert stored is not None and stored.release_grace_seconds == 30.0
+    finally:
+        await early.close()
+
+    # Said only after the registration (an older connector said nothing, then a new one linked): the
+    # next heartbeat publishes it, without registering again.
+    late_sidecar = await _started(sidecar_factory, stand_in_engine_factory)
+    stored = await find_engine(registry.stub(), late_sidecar.engine_id)
+    assert stored is not None and stored.release_grace_seconds == 0.0
+    late = Releases(late_sidecar.stub(), late_sidecar.engine_id, release_grace_seconds=12.5)
+    try:
+
+        async def published() -> bool:
+            found = await find_engine(registry.stub(), late_sidecar.engine_id)
+            return found is not None and found.release_grace_seconds == 12.5
+
+        await eventually(published, what="the late grace in the registry")
+        assert late_sidecar.sidecar.registration.generation == 1
+    finally:
+        await late.close()
+
+
+@pytest.mark.parametrize("grace", [-1.0, float("inf"), float("nan")])
+async def test_a_release_grace_that_is_not_a_duration_is_refused(
+    sidecar_factory: SidecarFactory, stand_in_engine_factory: StandInEngineFactory, grace: float
+) -> None:
+    sidecar = await _started(sidecar_factory, stand_in_engine_factory)
+    releases = Releases(sidecar.stub(), sidecar.engine_id, release_grace_seconds=grace)
+    try:
+        assert await releases.next() is None
+        assert releases.error is not None
+        assert releases.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "release_grace_seconds" in (releases.error.details() or "")
+    finally:
+        await releases.close()
+
+
 async def test_evict_retention_ends_only_the_named_request(
     registry: RegistryHandle, sidecar_factory: SidecarFactory, stand_in_engine_factory: StandInEngineFactory
 ) -> None:

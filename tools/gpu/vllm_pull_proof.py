@@ -52,7 +52,7 @@ from kvferry.pd.block_runs import consecutive_fraction  # noqa: E402
 from kvferry.pd.engine_api import Sampling  # noqa: E402
 from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient  # noqa: E402
 from kvferry.pd.kvferry_params import ConversationMark, PullOptions  # noqa: E402
-from kvferry.pd.reuse import RetainedKv, max_reusable_tokens  # noqa: E402
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, RetainedKv, max_reusable_tokens  # noqa: E402
 from kvferry.pd.sequence import EngineTurn, Prefilled, Pull  # noqa: E402
 from kvferry.stack.child_process import child_command  # noqa: E402
 
@@ -374,7 +374,8 @@ async def run_conversation(
         if previous is not None:
             reusable = max_reusable_tokens(len(prompt), previous.num_tokens, profile.block_size)
             if reusable > 0:
-                pull = Pull(previous.prefix(reusable), lease_expire_time=previous.lease_expire_time)
+                window = previous.read_window(time.monotonic(), DEFAULT_READ_WINDOW_SECONDS, time.time())
+                pull = Pull(previous.prefix(reusable), window=window)
             result.reused_tokens = reusable if pull is not None else 0
         modes = (
             ["off"]

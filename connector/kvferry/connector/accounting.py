@@ -1,7 +1,6 @@
 """What an engine pulled versus computed, and the rates the router's cost model reads.
 
-Pure bookkeeping fed by the connector's scheduler half; times are monotonic seconds. Also the
-prefill engine's decision to decline a pull whose read deadline is too near.
+Pure bookkeeping fed by the connector's scheduler half; times are monotonic seconds.
 """
 
 from __future__ import annotations
@@ -9,18 +8,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-
-
-def pull_allowed(read_deadline_wall: float | None, now_wall: float, min_read_seconds: float) -> bool:
-    """Whether a prefill may still start reading a retention.
-
-    ``read_deadline_wall`` is the deadline the router handed out with the retention (never later
-    than its lease end, and shorter than the decode engine's release grace); None means the
-    router set none, and vLLM's own expiry check is the only guard.
-    """
-    if read_deadline_wall is None:
-        return True
-    return read_deadline_wall - now_wall >= min_read_seconds
 
 
 @dataclass

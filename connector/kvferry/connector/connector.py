@@ -19,8 +19,9 @@ between them. What kvferry changes:
   retentions idles like any idle engine), until the registry has confirmed the retention ended,
   plus a grace period, or the hard cap (kvferry.connector.retention). A prefill reading them frees
   nothing. Every free goes through ``_free_due`` and is logged as ``freed retained blocks``.
-- prefill engine: declines a pull whose read deadline is too near, and counts pulled versus
-  computed tokens.
+- prefill engine: declines a pull whose read window is too near its end as it schedules it, fails
+  one whose window closed before the READ is posted (kvferry.connector.read_deadlines), and counts
+  pulled versus computed tokens.
 - both: report to the local sidecar (retentions, evictions, engine stats) from a background
   thread; NIXL's progress thread sleeps between polls instead of spinning; vLLM's READs (D->P
   and P->D pulls) are posted as the fewest, largest descriptors the block ids and KV layout
@@ -36,12 +37,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvferry.connector import vllm_internals
-from kvferry.connector.accounting import Accounting, StatsSnapshot, pull_allowed
+from kvferry.connector.accounting import Accounting, StatsSnapshot
 from kvferry.connector.compat import KvLayout, kv_compatibility_hash
 from kvferry.connector.keeper import RetentionKeeper
 from kvferry.connector.logs import setup_logging
 from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullRecord
-from kvferry.connector.retention import RetainedEntry, RetentionTable
+from kvferry.connector.read_deadlines import pull_allowed, read_deadline, read_may_start
+from kvferry.connector.retention import Clock, RetainedEntry, RetentionTable, SystemClock
 from kvferry.connector.settings import KvferrySettings, SettingsError, parse_settings
 from kvferry.connector.sidecar_link import BackgroundLoop, DueTimer, SidecarLink
 from kvferry.pd import vllm_params
@@ -52,7 +54,6 @@ from kvferry.pd.kvferry_params import (
     Mark,
     PullOptions,
     ReleaseMark,
-    lease_expire_time_from_params,
     parse_mark,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -95,14 +96,16 @@ def engine_layout(vllm_config: VllmConfig) -> KvLayout:
 
 
 class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
-    """vLLM's NIXL metadata plus which requests kvferry retains and per-request pull options
-    (scheduler -> worker)."""
+    """vLLM's NIXL metadata plus which requests kvferry retains, per-request pull options and the read
+    deadlines of pulls (scheduler -> worker)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.retained_added: list[str] = []
         self.retained_released: list[str] = []
         self.pull_options: dict[str, PullOptions] = {}
+        # Monotonic deadlines (one host: the engine core and its workers share CLOCK_MONOTONIC).
+        self.read_deadlines: dict[str, float] = {}
 
     @classmethod
     def extend(
@@ -111,17 +114,22 @@ class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
         added: list[str],
         released: list[str],
         pull_options: dict[str, PullOptions] | None = None,
+        read_deadlines: dict[str, float] | None = None,
     ) -> KvferryConnectorMetadata:
         meta = cls()
         meta.__dict__.update(base.__dict__)
         meta.retained_added = added
         meta.retained_released = released
         meta.pull_options = pull_options or {}
+        meta.read_deadlines = read_deadlines or {}
         return meta
 
 
 class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     """Scheduler half: retention table, block holds, accounting, sidecar link."""
+
+    # Read deadlines are measured on it (tests skew it).
+    clock: Clock = SystemClock()
 
     def __init__(
         self,
@@ -149,6 +157,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._worker_added: list[str] = []
         self._worker_released: list[str] = []
         self._pull_options: dict[str, PullOptions] = {}
+        self._read_deadlines: dict[str, float] = {}
         self._waker = vllm_internals.EngineWaker(vllm_internals.find_engine_core_input_queue())
         self._loop = BackgroundLoop("kvferry-connector")
         self._timer = DueTimer(self._loop, self.table.next_due, self._waker.wake)
@@ -168,6 +177,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 stats=self._stats,
                 timeout_seconds=settings.sidecar_timeout_seconds,
                 stats_interval_seconds=settings.stats_interval_seconds,
+                release_grace_seconds=settings.release_grace_seconds,
             )
             self._link.start()
         else:
@@ -198,17 +208,38 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and vllm_params.wants_remote_decode(params) and vllm_params.names_remote_blocks(params):
-            deadline = lease_expire_time_from_params(params)
-            if not pull_allowed(deadline, time.time(), self.settings.min_read_seconds):
-                vllm_params.strip_remote_blocks(params)
-                self.accounting.on_declined()
-                logger.info(
-                    "declined a pull: read deadline too near, recomputing",
-                    extra={"request_id": request.request_id, "seconds_left": (deadline or 0) - time.time()},
-                )
+            self._check_read_window(request, params)
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         self.accounting.on_matched(request.request_id, request.num_prompt_tokens, num_computed_tokens)
         return count, is_async
+
+    def _check_read_window(self, request: Request, params: dict[str, Any]) -> None:
+        """Declines the pull (P recomputes) when its read window has less than ``min_read_seconds`` left;
+        otherwise keeps its deadline for the worker, which checks it again as it posts the READ."""
+        now = self.clock.monotonic()
+        try:
+            deadline = read_deadline(params, float(request.arrival_time), self.clock)
+        except ValueError as bad:
+            self._decline(
+                request, params, "declined a pull: malformed read window, recomputing", error=str(bad)
+            )
+            return
+        if not pull_allowed(deadline, now, self.settings.min_read_seconds):
+            assert deadline is not None
+            self._decline(
+                request,
+                params,
+                "declined a pull: read deadline too near, recomputing",
+                seconds_left=round(deadline - now, 3),
+            )
+        elif deadline is not None:
+            self._read_deadlines[request.request_id] = deadline
+
+    def _decline(self, request: Request, params: dict[str, Any], message: str, **fields: Any) -> None:
+        vllm_params.strip_remote_blocks(params)
+        self._read_deadlines.pop(request.request_id, None)
+        self.accounting.on_declined()
+        logger.info(message, extra={"request_id": request.request_id, **fields})
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -245,6 +276,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         mark = self._mark(request)
         self._pull_options.pop(request.request_id, None)
+        self._read_deadlines.pop(request.request_id, None)
         delay_free, params = super().request_finished(request, block_ids)
         self.accounting.on_finished(request.request_id, time.monotonic())
         if isinstance(mark, ReleaseMark):
@@ -337,9 +369,12 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         base = super().build_connector_meta(scheduler_output)
         assert isinstance(base, NixlConnectorMetadata)
         self._free_due()
-        # Options travel with the step that asks the worker to pull (reqs_to_recv).
+        # Options and read deadlines travel with the step that asks the worker to pull (reqs_to_recv).
         options = {r: self._pull_options.pop(r) for r in base.reqs_to_recv if r in self._pull_options}
-        meta = KvferryConnectorMetadata.extend(base, self._worker_added, self._worker_released, options)
+        deadlines = {r: self._read_deadlines.pop(r) for r in base.reqs_to_recv if r in self._read_deadlines}
+        meta = KvferryConnectorMetadata.extend(
+            base, self._worker_added, self._worker_released, options, deadlines
+        )
         self._worker_added, self._worker_released = [], []
         return meta
 
@@ -432,6 +467,7 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._retained: set[str] = set()
         self._released_at: dict[str, float] = {}
         self._pull_options: dict[str, PullOptions] = {}
+        self._read_deadlines: dict[str, float] = {}
         agent: Any = getattr(self, "nixl_wrapper")  # noqa: B009 - set by vLLM's __init__
         transfer = vllm_config.kv_transfer_config
         self.pulls = PullCoalescer(
@@ -458,9 +494,24 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             self._pull_options.update(metadata.pull_options)
             while len(self._pull_options) > _MAX_PULL_OPTIONS:
                 self._pull_options.pop(next(iter(self._pull_options)))
+            self._read_deadlines.update(metadata.read_deadlines)
+            while len(self._read_deadlines) > _MAX_PULL_OPTIONS:
+                self._read_deadlines.pop(next(iter(self._read_deadlines)))
         super().start_load_kv(metadata)
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        # Called again for a request that first waited for a handshake with its remote engine: checked then.
+        deadline = self._read_deadlines.get(req_id)
+        now = time.monotonic()
+        if not read_may_start(deadline, now):
+            assert deadline is not None
+            del self._read_deadlines[req_id]
+            logger.warning(
+                "failed a pull: its read window closed before the READ was posted, recomputing",
+                extra={"request_id": req_id, "seconds_late": round(now - deadline, 3)},
+            )
+            vllm_internals.fail_pull(self, req_id)
+            return
         # vLLM posts this request's READs inside: tell the coalescer whose they are.
         options = self._pull_options.get(req_id)
         local_ids, remote_ids = vllm_internals.pull_block_ids(meta)
@@ -480,6 +531,7 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def _pulled(self, record: PullRecord) -> None:
         self._pull_options.pop(record.request_id, None)
+        self._read_deadlines.pop(record.request_id, None)
 
 
 class KvferryConnector(NixlPullConnector):  # type: ignore[misc]

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvferry.pd.reuse import max_read_window
+
 # Keys vLLM's NixlConnector reads from the same dictionary (left to vLLM).
 VLLM_KEYS = frozenset(
     {
@@ -40,8 +42,9 @@ class KvferrySettings:
     # (report acknowledged, renewal), even if the sidecar or registry is unreachable (rule 4).
     max_retention_seconds: float = 1800.0
     # After the registry ends a retention, D keeps its blocks this much longer, so a prefill
-    # that was handed the retention just before can still read it (rule 1). Must exceed the
-    # read window routers hand out.
+    # that was handed the retention just before can still read it (rule 1). Published in the
+    # engine's registry record; routers hand out read windows of at most half of it
+    # (kvferry.pd.reuse.max_read_window).
     release_grace_seconds: float = 30.0
     # Lease length the connector asks for when it reports a retention.
     lease_ttl_seconds: int = 120
@@ -73,16 +76,22 @@ class KvferrySettings:
         problems: list[str] = []
         if self.max_retention_seconds <= 0:
             problems.append("max_retention_seconds must be > 0")
-        if self.release_grace_seconds < 0:
-            problems.append("release_grace_seconds must be >= 0")
+        if not self.release_grace_seconds > 0:
+            problems.append(
+                "release_grace_seconds must be > 0: it is what lets a prefill that was handed a retention "
+                "just before it ended still read it (routers hand out read windows of at most half of it)"
+            )
         if self.lease_ttl_seconds <= 0:
             problems.append("lease_ttl_seconds must be > 0")
         if not 0.0 < self.retained_kv_fraction <= 1.0:
             problems.append("retained_kv_fraction must be in (0, 1]")
         if self.min_read_seconds < 0:
             problems.append("min_read_seconds must be >= 0")
-        if self.min_read_seconds >= self.release_grace_seconds > 0:
-            problems.append("min_read_seconds must be smaller than release_grace_seconds")
+        if self.min_read_seconds >= max_read_window(self.release_grace_seconds) > 0:
+            problems.append(
+                "min_read_seconds must be smaller than half of release_grace_seconds (the longest read "
+                "window a router hands out): no pull could start otherwise"
+            )
         if self.stats_interval_seconds <= 0:
             problems.append("stats_interval_seconds must be > 0")
         if self.sidecar_timeout_seconds <= 0:

@@ -8,7 +8,7 @@ One daemon thread hosts an asyncio loop with four tasks:
   call is ever dropped or sent for a retention that no longer needs it; the scheduler thread only
   pokes the sender (:meth:`SidecarLink.poke`).
 - watcher: the WatchReleases stream (SYNC, RENEWED, ENDED), fed to a :class:`ReleaseListener`;
-  reconnects with backoff.
+  reconnects with backoff. Each watch says the engine's release grace, which the sidecar publishes.
 - stats: ReportEngineStats every ``stats_interval_seconds`` while the stats change.
 - timer: wakes the engine when the next retained block is due to be freed, so frees happen on
   time even when no request runs (the engine's loop sleeps otherwise).
@@ -230,10 +230,13 @@ class SidecarLink:
         stats: Callable[[], tuple[int, StatsSnapshot]],
         timeout_seconds: float,
         stats_interval_seconds: float,
+        release_grace_seconds: float = 0.0,
     ) -> None:
         self._loop = loop
         self.address = address
         self.engine_id = engine_id
+        # Said on every watch: the sidecar publishes it in the engine's registry record.
+        self.release_grace_seconds = release_grace_seconds
         self._listener = listener
         self._stats = stats
         self._timeout = timeout_seconds
@@ -299,7 +302,9 @@ class SidecarLink:
     async def _watch(self) -> None:
         assert self._stub is not None
         backoff = 0.5
-        request = sidecar_service_pb2.WatchReleasesRequest(engine_id=self.engine_id)
+        request = sidecar_service_pb2.WatchReleasesRequest(
+            engine_id=self.engine_id, release_grace_seconds=self.release_grace_seconds
+        )
         while True:
             try:
                 call = self._stub.WatchReleases(request)

@@ -28,6 +28,9 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
    sorts those fresh blocks by id (:func:`order_new_blocks`), so that prompts and pulls occupy
    ascending runs whatever order vLLM's free queue handed the blocks out in. Blocks that carry a
    prefix-cache hash (vLLM hashes blocks it computes at allocation when caching is on) never move.
+8. A failed pull: a pull whose read window closed before its READ was posted is failed the way vLLM
+   fails an expired read of its own (``_handle_failed_transfer`` into ``_recv_failures``, without
+   counting a transport failure): the scheduler sees it in ``failed_recving`` and recomputes.
 """
 
 from __future__ import annotations
@@ -82,7 +85,10 @@ def check_vllm() -> str:
     for owner, names in (
         (BlockPool, ("touch", "free_blocks")),
         (NixlPullConnectorScheduler, ("request_finished", "build_connector_meta", "has_pending_push_work")),
-        (NixlPullConnectorWorker, ("start_load_kv", "_get_new_notifs", "_read_blocks_for_req")),
+        (
+            NixlPullConnectorWorker,
+            ("start_load_kv", "_get_new_notifs", "_read_blocks_for_req", "_handle_failed_transfer"),
+        ),
         (EngineCore, ("step",)),
     ):
         missing += [f"{owner.__name__}.{n}" for n in names if not hasattr(owner, n)]
@@ -96,6 +102,9 @@ def check_vllm() -> str:
         for n in ("_reqs_need_send", "_reqs_not_processed")
         if n not in source
     ]
+    worker_source = inspect.getsource(NixlPullConnectorWorker.__mro__[1].__init__)
+    if "_recv_failures" not in worker_source:
+        missing.append("NixlBaseConnectorWorker._recv_failures")
     if missing:
         raise UnsupportedVllmError(
             f"vLLM {version} lacks internals kvferry's connector needs: {', '.join(missing)} "
@@ -361,3 +370,13 @@ def _fresh(block: Any) -> bool:
 
 def filter_known(ids: Collection[str], known: Callable[[str], bool]) -> list[str]:
     return [i for i in ids if known(i)]
+
+
+# -- 8. a failed pull -----------------------------------------------------------------------------
+
+
+def fail_pull(worker_half: Any, request_id: str) -> None:
+    """Reports ``request_id``'s pull failed without posting it; vLLM then recomputes the request's prompt."""
+    worker_half._handle_failed_transfer(
+        request_id, None, worker_half._recv_failures, record_failed_transfer=False
+    )

@@ -424,7 +424,8 @@ async def direct_turn(
     if previous is not None:
         reusable = max_reusable_tokens(len(token_ids), previous.num_tokens, block_size)
         if reusable > 0:
-            pull = Pull(previous.prefix(reusable), lease_expire_time=previous.lease_expire_time)
+            window = previous.read_window(time.monotonic(), read_window_seconds, time.time())
+            pull = Pull(previous.prefix(reusable), window=window)
     done = await run_turn(
         prefill,
         decode,
@@ -434,7 +435,6 @@ async def direct_turn(
             mark=mark,
             pull=pull,
             request_id=request_id,
-            read_window_seconds=read_window_seconds,
         ),
     )
     retained = None

@@ -41,13 +41,14 @@ from typing import Any
 
 import httpx
 import uvicorn
-from kvferry.connector.accounting import Accounting, pull_allowed
+from kvferry.connector.accounting import Accounting
 from kvferry.connector.keeper import RetentionKeeper
+from kvferry.connector.read_deadlines import pull_allowed, read_deadline, read_may_start
 from kvferry.connector.retention import RetainedEntry, RetentionTable
 from kvferry.connector.sidecar_link import BackgroundLoop, SidecarLink
 from kvferry.pd import vllm_params
 from kvferry.pd.digest import block_digests
-from kvferry.pd.kvferry_params import ConversationMark, lease_expire_time_from_params, parse_mark
+from kvferry.pd.kvferry_params import ConversationMark, parse_mark
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 from kvferry.runtime.logs import JsonFormatter
 from kvferry.testing.standin_engine import (
@@ -165,6 +166,14 @@ class StandInEngine:
     def now_wall(self) -> float:
         return time.time() + self.clock_offset_seconds
 
+    # The engine's clocks as the connector reads them (kvferry.connector.retention.Clock): a skewed wall
+    # clock, an unskewed monotonic one.
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return self.now_wall()
+
     # -- life ------------------------------------------------------------------------------------------
 
     async def serve(self) -> None:
@@ -177,6 +186,7 @@ class StandInEngine:
                 stats=lambda: (self.accounting.version, self.accounting.snapshot()),
                 timeout_seconds=5.0,
                 stats_interval_seconds=5.0,
+                release_grace_seconds=self.settings.grace_seconds,
             )
             self._link.start()
         self._loop.start()
@@ -272,6 +282,7 @@ class StandInEngine:
         return JSONResponse({"offset_seconds": self.clock_offset_seconds})
 
     async def _completions(self, request: Request) -> Response:
+        arrival_wall = self.now_wall()  # as vLLM stamps arrival_time
         body = await request.json()
         prompt = body.get("prompt")
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
@@ -279,23 +290,26 @@ class StandInEngine:
         params = body.get("kv_transfer_params") or {}
         request_id = request.headers.get("x-request-id") or f"standin-{uuid.uuid4().hex[:12]}"
         if vllm_params.wants_remote_decode(params):
-            return await self._prefill(prompt, params, request_id)
+            return await self._prefill(prompt, params, request_id, arrival_wall)
         return await self._decode(prompt, params, body, request_id)
 
     # -- P ---------------------------------------------------------------------------------------------
 
-    async def _prefill(self, prompt: list[int], params: dict[str, Any], request_id: str) -> Response:
+    async def _prefill(
+        self, prompt: list[int], params: dict[str, Any], request_id: str, arrival_wall: float
+    ) -> Response:
         remote = RemoteBlocks.from_params(params)
         pulled = 0
         if remote is not None and vllm_params.names_remote_blocks(params):
-            deadline = lease_expire_time_from_params(params)
-            if not pull_allowed(deadline, self.now_wall(), self.settings.min_read_seconds):
+            # What the connector does: the read window becomes a deadline on this engine's own clocks.
+            deadline = read_deadline(params, arrival_wall, self)
+            if not pull_allowed(deadline, self.monotonic(), self.settings.min_read_seconds):
                 log.info(
                     "declined a pull: read deadline too near, recomputing",
                     extra={"request_id": request_id, "remote_request_id": remote.request_id},
                 )
             else:
-                pulled = await self._pull(prompt, remote, request_id)
+                pulled = await self._pull(prompt, remote, request_id, deadline)
         self.accounting.on_matched(request_id, len(prompt), 0)
         first = standin_generate(prompt, 1)
         return JSONResponse(
@@ -332,7 +346,9 @@ class StandInEngine:
             }
         )
 
-    async def _pull(self, prompt: list[int], remote: RemoteBlocks, request_id: str) -> int:
+    async def _pull(
+        self, prompt: list[int], remote: RemoteBlocks, request_id: str, deadline: float | None
+    ) -> int:
         """Reads the retained blocks from D; returns the tokens reused (0: recomputed)."""
         block_size = self.settings.block_size
         reusable = min(remote.num_tokens or 0, len(prompt) - 1) // block_size
@@ -345,6 +361,13 @@ class StandInEngine:
             "remote_request_id": remote.request_id,
             "block_ids": block_ids,
         }
+        if not read_may_start(deadline, self.monotonic()):
+            # As the connector's worker: the window closed before the READ was posted; vLLM recomputes.
+            log.info(
+                "kv pull",
+                extra={**fields, "failed": "read window closed", "content_ok": None, "recomputed": True},
+            )
+            return 0
         try:
             answer = await self._http.post(
                 f"http://{remote.host}:{remote.port}/kvferry/read",

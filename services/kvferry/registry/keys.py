@@ -6,6 +6,7 @@
     {prefix}engine-retentions/{engine_id}/{tenant}/{conversation_id}
                                                              incarnation     the retention's lease
     {prefix}ended-requests/{engine_id}/{engine_request_id}   tombstone       a lease of its own
+    {prefix}turns/{tenant}/{conversation_id}                 RunningTurn     a lease of its own
     {prefix}epoch                                            epoch           none
 
 Ids are restricted to ``[A-Za-z0-9._:-]`` (kvferry.runtime.ids), so ``/`` separates fields
@@ -105,3 +106,7 @@ class KeyLayout:
     def index_entry_of(self, key: bytes) -> tuple[str, ConversationKey]:
         engine_id, _, tail = key[len(self.engine_indexes) :].partition(b"/")
         return engine_id.decode(), self._conversation(tail)
+
+    # turns in flight (one per conversation)
+    def turn(self, conversation: ConversationKey) -> bytes:
+        return f"{self.prefix}turns/{conversation.tenant}/{conversation.conversation_id}".encode()

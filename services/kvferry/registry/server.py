@@ -25,6 +25,7 @@ from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.reaper import EngineReaper
 from kvferry.registry.retentions import RetentionStore
 from kvferry.registry.service import RegistryServicer
+from kvferry.registry.turns import TurnStore
 from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.runtime.errors import ServiceError
 from kvferry.runtime.host import ServiceHost
@@ -55,6 +56,7 @@ class Registry:
         etcd: EtcdGateway,
         engines: EngineStore,
         retentions: RetentionStore,
+        turns: TurnStore,
         reaper: EngineReaper,
         metrics: RegistryMetrics,
         metrics_endpoint: MetricsEndpoint | None,
@@ -64,6 +66,7 @@ class Registry:
         self.etcd = etcd
         self.engines = engines
         self.retentions = retentions
+        self.turns = turns
         self.reaper = reaper
         self.metrics = metrics
         self.metrics_endpoint = metrics_endpoint
@@ -191,6 +194,8 @@ async def create_registry(
         reaper = EngineReaper(etcd, layout, clock=clock, metrics=metrics)
         engines = EngineStore(etcd, layout, config.ttl, reaper, epochs=epochs, clock=clock, metrics=metrics)
         retentions = RetentionStore(etcd, layout, config.ttl, clock=clock, metrics=metrics)
+        turns = TurnStore(etcd, layout, config.ttl, clock=clock, metrics=metrics)
+        host.on_stop("turn store", turns.close)
         hub = RetentionEventHub(etcd, layout, clock, metrics=metrics)
         host.on_stop("retention event hub", hub.close)
         metrics_endpoint = (
@@ -198,7 +203,7 @@ async def create_registry(
             if config.metrics_address is not None
             else None
         )
-        servicer = RegistryServicer(engines, retentions, hub)
+        servicer = RegistryServicer(engines, retentions, hub, turns)
         grpc_endpoint = await host.serve_grpc(
             config.listen_address,
             [(registry_grpc.add_RegistryServiceServicer_to_server, servicer, SERVICE_NAME)],
@@ -226,6 +231,7 @@ async def create_registry(
         etcd=etcd,
         engines=engines,
         retentions=retentions,
+        turns=turns,
         reaper=reaper,
         metrics=metrics,
         metrics_endpoint=metrics_endpoint,

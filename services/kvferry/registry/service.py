@@ -1,5 +1,5 @@
-"""The gRPC RegistryService: thin handlers over the engine store, the retention store and the
-retention event hub (the reaper runs beside them, started by ``server``).
+"""The gRPC RegistryService: thin handlers over the engine store, the retention store, the turn store and
+the retention event hub (the reaper runs beside them, started by ``server``).
 
 Each handler translates messages; errors become statuses through the kit's table
 (``kvferry.runtime.errors``). Watch streams send their initial metadata once the watch is in place,
@@ -15,6 +15,7 @@ from kvferry.registry import validation
 from kvferry.registry.engines import EngineStore
 from kvferry.registry.events import RetentionEvent, RetentionEventHub
 from kvferry.registry.retentions import RetentionStore
+from kvferry.registry.turns import TurnStore
 from kvferry.runtime import errors
 from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as registry
@@ -40,10 +41,13 @@ def _retention_event(event: RetentionEvent) -> registry.WatchRetentionsResponse:
 
 
 class RegistryServicer(registry_grpc.RegistryServiceServicer):
-    def __init__(self, engines: EngineStore, retentions: RetentionStore, hub: RetentionEventHub) -> None:
+    def __init__(
+        self, engines: EngineStore, retentions: RetentionStore, hub: RetentionEventHub, turns: TurnStore
+    ) -> None:
         self._engines = engines
         self._retentions = retentions
         self._hub = hub
+        self._turns = turns
 
     @unary
     async def RegisterEngine(
@@ -68,7 +72,12 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
         self, request: registry.HeartbeatEngineRequest, context: grpc.aio.ServicerContext
     ) -> registry.HeartbeatEngineResponse:
         stats = request.stats if request.HasField("stats") else None
-        renewal = await self._engines.heartbeat_engine(request.engine_id, stats, request.incarnation)
+        renewal = await self._engines.heartbeat_engine(
+            request.engine_id,
+            stats,
+            request.incarnation,
+            release_grace_seconds=request.release_grace_seconds,
+        )
         return registry.HeartbeatEngineResponse(
             header=_header(renewal.revision), ttl_seconds=renewal.ttl_seconds
         )
@@ -164,3 +173,24 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
             await context.send_initial_metadata(())
             async for event in subscription.events():
                 yield _retention_event(event)
+
+    @unary
+    async def BeginTurn(
+        self, request: registry.BeginTurnRequest, context: grpc.aio.ServicerContext
+    ) -> registry.BeginTurnResponse:
+        begun = await self._turns.begin_turn(
+            request.tenant, request.conversation_id, request.request_id, request.holder, request.ttl_seconds
+        )
+        return registry.BeginTurnResponse(
+            header=_header(begun.revision),
+            ttl_seconds=begun.ttl_seconds,
+            retained_turn=begun.retained_turn,
+            turn=begun.turn,
+        )
+
+    @unary
+    async def EndTurn(
+        self, request: registry.EndTurnRequest, context: grpc.aio.ServicerContext
+    ) -> registry.EndTurnResponse:
+        ended = await self._turns.end_turn(request.tenant, request.conversation_id, request.request_id)
+        return registry.EndTurnResponse(header=_header(ended.revision), ended=ended.ended)

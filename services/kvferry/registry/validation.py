@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 
 from kvferry.pd.digest import DIGEST_BYTES
 from kvferry.registry.config import TtlPolicy
@@ -60,6 +61,10 @@ def retention_ttl(requested: int, policy: TtlPolicy) -> int:
     )
 
 
+def turn_ttl(requested: int, policy: TtlPolicy) -> int:
+    return resolve_ttl("turn", requested, policy.default_turn_ttl_seconds, policy.max_turn_ttl_seconds)
+
+
 def validate_engine(engine: resources.Engine) -> None:
     require_id("engine.engine_id", engine.engine_id)
     if engine.role not in _VALID_ROLES:
@@ -80,6 +85,15 @@ def validate_engine(engine: resources.Engine) -> None:
         )
     if engine.max_model_len < 0:
         raise InvalidArgument(f"engine.max_model_len is {engine.max_model_len}; it cannot be negative")
+    release_grace(engine.release_grace_seconds, "engine.release_grace_seconds")
+
+
+def release_grace(seconds: float, name: str) -> None:
+    """A release grace is a finite number of seconds, 0 meaning not known."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgument(
+            f"{name} is {seconds}; give the engine connector's release_grace_seconds (> 0), or 0 if not known"
+        )
 
 
 def validate_retention_shape(retention: resources.Retention) -> ConversationKey:

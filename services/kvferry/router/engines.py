@@ -38,6 +38,9 @@ class EngineInfo:
     block_size: int
     max_model_len: int
     stats: EngineStats = field(default_factory=EngineStats)
+    # How long it keeps a retention's blocks after the registry ended it; 0: not known (nothing is
+    # pulled from it).
+    release_grace_seconds: float = 0.0
 
     @property
     def can_prefill(self) -> bool:
@@ -67,6 +70,7 @@ class EngineInfo:
                 inflight_prefill_tokens=s.inflight_prefill_tokens,
                 running_requests=s.running_requests,
             ),
+            release_grace_seconds=engine.release_grace_seconds,
         )
 
 

@@ -1,5 +1,5 @@
-"""The router's view of the registry: retention lookups and renewals, and the engine table kept from
-the registry's engine watch.
+"""The router's view of the registry: retention lookups and renewals, the marks of turns in flight, and
+the engine table kept from the registry's engine watch.
 
 Every call carries a deadline. A registry that does not answer raises :class:`RegistryUnavailable`;
 the turn logic then serves by recompute (rule 7 of docs/design.md) instead of failing the turn.
@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from kvferry.pd.reuse import max_read_window, read_window_fits
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.runtime.backoff import Backoff, BackoffPolicy
-from kvferry.runtime.errors import Internal, InvalidArgument, ServiceError
+from kvferry.runtime.errors import Aborted, Internal, InvalidArgument, ServiceError
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2
@@ -61,6 +62,17 @@ class RetentionRecord:
 
 
 @dataclass(frozen=True)
+class BegunTurn:
+    """A turn's mark, taken (or renewed) in the registry."""
+
+    # The mark's lease: renew well within it.
+    ttl_seconds: int
+    # The conversation's retained turn when the mark was taken (0: none, or a renewal): a lookup made
+    # concurrently that found another turn is out of date.
+    retained_turn: int
+
+
+@dataclass(frozen=True)
 class EngineEvent:
     # "joined", "updated" or "left"
     kind: str
@@ -68,7 +80,15 @@ class EngineEvent:
     engine_id: str
 
 
-class RegistryApi(Protocol):
+class EngineSource(Protocol):
+    """Where the engine table comes from (the registry's engine listing and watch)."""
+
+    async def list_engines(self) -> list[EngineInfo]: ...
+
+    def watch_engines(self) -> AsyncIterator[EngineEvent]: ...
+
+
+class RegistryApi(EngineSource, Protocol):
     """What the router asks of the registry."""
 
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None: ...
@@ -81,9 +101,15 @@ class RegistryApi(Protocol):
         """True when a live retention was released."""
         ...
 
-    async def list_engines(self) -> list[EngineInfo]: ...
+    async def begin_turn(
+        self, tenant: str, conversation_id: str, request_id: str, *, holder: str, ttl_seconds: int
+    ) -> BegunTurn:
+        """Takes (or renews) the mark of a turn in flight; ``Aborted`` when another turn holds it."""
+        ...
 
-    def watch_engines(self) -> AsyncIterator[EngineEvent]: ...
+    async def end_turn(self, tenant: str, conversation_id: str, request_id: str) -> bool:
+        """Clears the turn's mark; True when it held it."""
+        ...
 
 
 class GrpcRegistry:
@@ -101,6 +127,8 @@ class GrpcRegistry:
             )
         if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidArgument(error.details() or what)
+        if error.code() == grpc.StatusCode.ABORTED:
+            return Aborted(error.details() or what)
         return Internal(f"registry failed {what}: {error.code().name} {error.details()}")
 
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None:
@@ -142,6 +170,36 @@ class GrpcRegistry:
                 return False
             raise self._fail(error, "ReleaseRetention") from None
         return True
+
+    async def begin_turn(
+        self, tenant: str, conversation_id: str, request_id: str, *, holder: str, ttl_seconds: int
+    ) -> BegunTurn:
+        try:
+            response = await self._stub.BeginTurn(
+                registry_pb2.BeginTurnRequest(
+                    tenant=tenant,
+                    conversation_id=conversation_id,
+                    request_id=request_id,
+                    holder=holder,
+                    ttl_seconds=ttl_seconds,
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "BeginTurn") from None
+        return BegunTurn(ttl_seconds=response.ttl_seconds, retained_turn=response.retained_turn)
+
+    async def end_turn(self, tenant: str, conversation_id: str, request_id: str) -> bool:
+        try:
+            response = await self._stub.EndTurn(
+                registry_pb2.EndTurnRequest(
+                    tenant=tenant, conversation_id=conversation_id, request_id=request_id
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "EndTurn") from None
+        return bool(response.ended)
 
     async def list_engines(self) -> list[EngineInfo]:
         engines: list[EngineInfo] = []
@@ -191,15 +249,18 @@ class EngineWatcher:
 
     def __init__(
         self,
-        registry: RegistryApi,
+        registry: EngineSource,
         table: EngineTable,
         load: LoadTracker,
         *,
         resync_seconds: float = 30.0,
         backoff: BackoffPolicy = WATCH_BACKOFF,
         on_left: Callable[[str], None] | None = None,
+        read_window_seconds: float | None = None,
     ) -> None:
         self._on_left = on_left
+        # Engines joining with a release grace too short for it are named in a warning.
+        self._read_window_seconds = read_window_seconds
         self._registry = registry
         self._table = table
         self._load = load
@@ -263,6 +324,21 @@ class EngineWatcher:
         for engine_id in gone:
             self._forget(engine_id)
 
+    def _check_grace(self, engine: EngineInfo) -> None:
+        window = self._read_window_seconds
+        if window is None or not engine.can_decode or read_window_fits(window, engine.release_grace_seconds):
+            return
+        log.warning(
+            "a decode engine's release grace is too short for the read window (or not published yet): "
+            "its retentions are recomputed, never pulled",
+            extra={
+                "engine_id": engine.engine_id,
+                "release_grace_seconds": engine.release_grace_seconds,
+                "read_window_seconds": window,
+                "longest_read_window_seconds": max_read_window(engine.release_grace_seconds),
+            },
+        )
+
     def _forget(self, engine_id: str) -> None:
         log.info("engine left", extra={"engine_id": engine_id})
         self._load.forget(engine_id)
@@ -276,9 +352,16 @@ class EngineWatcher:
             for left in self._left_during_snapshots:
                 left.add(event.engine_id)
         elif event.engine is not None:
-            if self._table.get(event.engine_id) is None:
+            known = self._table.get(event.engine_id)
+            if known is None:
                 log.info(
                     "engine joined",
-                    extra={"engine_id": event.engine_id, "endpoint": event.engine.http_endpoint},
+                    extra={
+                        "engine_id": event.engine_id,
+                        "endpoint": event.engine.http_endpoint,
+                        "release_grace_seconds": event.engine.release_grace_seconds,
+                    },
                 )
+            if known is None or known.release_grace_seconds != event.engine.release_grace_seconds:
+                self._check_grace(event.engine)
             self._table.upsert(event.engine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -76,6 +77,14 @@ class SidecarServicer(sidecar_grpc.SidecarServiceServicer):  # type: ignore[misc
                 f"this sidecar serves engine {self._engine_id!r}, not {request.engine_id!r}; "
                 "point the connector at its own engine's sidecar",
             )
+        grace = request.release_grace_seconds
+        if not math.isfinite(grace) or grace < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"release_grace_seconds is {grace}; give the connector's release_grace_seconds (> 0)",
+            )
+        if grace > 0:
+            self._registration.set_release_grace(grace)
         subscription = self._fanout.subscribe()
         try:
             async for event in subscription:

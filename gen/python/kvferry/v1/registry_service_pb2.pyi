@@ -165,11 +165,16 @@ class HeartbeatEngineRequest(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    RELEASE_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Engine to renew."""
     incarnation: _builtins.int
     """The registration to renew (RegisterEngineResponse.incarnation): NOT_FOUND when the engine is
     registered under another one. 0: whatever registration is live.
+    """
+    release_grace_seconds: _builtins.float
+    """The engine's release grace in seconds (`Engine.release_grace_seconds`) when it became known or
+    changed after the engine registered (its connector said it later); 0: unchanged.
     """
     @_builtins.property
     def stats(self) -> _resources_pb2.EngineStats:
@@ -181,10 +186,11 @@ class HeartbeatEngineRequest(_message.Message):
         engine_id: _builtins.str = ...,
         stats: _resources_pb2.EngineStats | None = ...,
         incarnation: _builtins.int = ...,
+        release_grace_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "release_grace_seconds", b"release_grace_seconds", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -749,3 +755,140 @@ class WatchRetentionsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchRetentionsResponse: _TypeAlias = WatchRetentionsResponse  # noqa: Y015
+
+@_typing.final
+class BeginTurnRequest(_message.Message):
+    """Request for BeginTurn."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """The conversation the turn belongs to."""
+    request_id: _builtins.str
+    """The turn's id (the router's request id); BeginTurn again with it renews the mark."""
+    holder: _builtins.str
+    """Who runs the turn (e.g. a router's host:pid), named to a turn refused meanwhile."""
+    ttl_seconds: _builtins.int
+    """How long the mark lives without a renewal, in seconds; 0 takes the registry's default (5)."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        holder: _builtins.str = ...,
+        ttl_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "holder", b"holder", "request_id", b"request_id", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginTurnRequest: _TypeAlias = BeginTurnRequest  # noqa: Y015
+
+@_typing.final
+class BeginTurnResponse(_message.Message):
+    """Response for BeginTurn."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    RETAINED_TURN_FIELD_NUMBER: _builtins.int
+    TURN_FIELD_NUMBER: _builtins.int
+    ttl_seconds: _builtins.int
+    """The mark's lease, in seconds (etcd may grant more than asked): renew well within it."""
+    retained_turn: _builtins.int
+    """The turn of the conversation's retention record when the mark was taken, read in the same
+    transaction (0: none). A lookup made concurrently that found another turn is out of date: look
+    up again. Only set when this call took the mark.
+    """
+    @_builtins.property
+    def header(self) -> _resources_pb2.ResponseHeader:
+        """Registry metadata; `revision` is the one the mark was written (or renewed) at."""
+
+    @_builtins.property
+    def turn(self) -> _resources_pb2.RunningTurn:
+        """The mark as stored."""
+
+    def __init__(
+        self,
+        *,
+        header: _resources_pb2.ResponseHeader | None = ...,
+        ttl_seconds: _builtins.int = ...,
+        retained_turn: _builtins.int = ...,
+        turn: _resources_pb2.RunningTurn | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "turn", b"turn"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "retained_turn", b"retained_turn", "ttl_seconds", b"ttl_seconds", "turn", b"turn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginTurnResponse: _TypeAlias = BeginTurnResponse  # noqa: Y015
+
+@_typing.final
+class EndTurnRequest(_message.Message):
+    """Request for EndTurn."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """The conversation the turn belongs to."""
+    request_id: _builtins.str
+    """The turn whose mark to clear."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndTurnRequest: _TypeAlias = EndTurnRequest  # noqa: Y015
+
+@_typing.final
+class EndTurnResponse(_message.Message):
+    """Response for EndTurn."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    ended: _builtins.bool
+    """True when this call cleared the turn's mark; false when it held none (expired, or never taken)."""
+    @_builtins.property
+    def header(self) -> _resources_pb2.ResponseHeader:
+        """Registry metadata."""
+
+    def __init__(
+        self,
+        *,
+        header: _resources_pb2.ResponseHeader | None = ...,
+        ended: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndTurnResponse: _TypeAlias = EndTurnResponse  # noqa: Y015

@@ -159,6 +159,7 @@ class Engine(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     REGISTER_TIME_FIELD_NUMBER: _builtins.int
+    RELEASE_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `engines/{engine_id}`. Output only."""
     engine_id: _builtins.str
@@ -181,6 +182,12 @@ class Engine(_message.Message):
     """Total KV blocks the engine has."""
     max_model_len: _builtins.int
     """The model's context limit, in tokens."""
+    release_grace_seconds: _builtins.float
+    """How long, in seconds, the engine keeps a retention's blocks after the registry ended it (its
+    connector's `release_grace_seconds`), so a prefill handed the retention just before can still read
+    it. Routers hand out read windows of at most half of it. 0: not known (a connector that has not
+    said it yet, or an older one): routers pull nothing from the engine.
+    """
     @_builtins.property
     def stats(self) -> Global___EngineStats:
         """Latest self-measured rates, refreshed by heartbeat."""
@@ -205,10 +212,11 @@ class Engine(_message.Message):
         max_model_len: _builtins.int = ...,
         stats: Global___EngineStats | None = ...,
         register_time: _timestamp_pb2.Timestamp | None = ...,
+        release_grace_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["register_time", b"register_time", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_id", b"engine_id", "http_endpoint", b"http_endpoint", "kv_capacity_blocks", b"kv_capacity_blocks", "kv_compatibility_hash", b"kv_compatibility_hash", "max_model_len", b"max_model_len", "model", b"model", "name", b"name", "nixl_host", b"nixl_host", "nixl_port", b"nixl_port", "register_time", b"register_time", "role", b"role", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_id", b"engine_id", "http_endpoint", b"http_endpoint", "kv_capacity_blocks", b"kv_capacity_blocks", "kv_compatibility_hash", b"kv_compatibility_hash", "max_model_len", b"max_model_len", "model", b"model", "name", b"name", "nixl_host", b"nixl_host", "nixl_port", b"nixl_port", "register_time", b"register_time", "release_grace_seconds", b"release_grace_seconds", "role", b"role", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -287,6 +295,46 @@ class Retention(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Retention: _TypeAlias = Retention  # noqa: Y015
+
+@_typing.final
+class RunningTurn(_message.Message):
+    """A turn of a conversation in flight (BeginTurn): at most one per conversation at a time."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """The conversation."""
+    request_id: _builtins.str
+    """The turn's id (the router's request id)."""
+    holder: _builtins.str
+    """Who runs it (a router's host:pid)."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When the turn took its mark. Output only."""
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        holder: _builtins.str = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "holder", b"holder", "request_id", b"request_id", "start_time", b"start_time", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunningTurn: _TypeAlias = RunningTurn  # noqa: Y015
 
 @_typing.final
 class ResponseHeader(_message.Message):
