@@ -328,7 +328,10 @@ class Driver:
                 decoded = event
         assert decoded is not None
         retained = RetainedKv.from_decode_answer(
-            decoded.retained, block_size=self.block_size, lease_expire_time=time.time() + 600
+            decoded.retained,
+            block_size=self.block_size,
+            lease_expire_time=time.time() + 600,
+            generations=decoded.retained_generations,
         )
         return list(decoded.token_ids), retained
 
@@ -374,7 +377,11 @@ async def run_conversation(
         if previous is not None:
             reusable = max_reusable_tokens(len(prompt), previous.num_tokens, profile.block_size)
             if reusable > 0:
-                pull = Pull(previous.prefix(reusable), lease_expire_time=previous.lease_expire_time)
+                pull = Pull(
+                    previous.prefix(reusable),
+                    lease_expire_time=previous.lease_expire_time,
+                    generations=previous.prefix_generations(reusable),
+                )
             result.reused_tokens = reusable if pull is not None else 0
         modes = (
             ["off"]

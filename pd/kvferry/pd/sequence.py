@@ -30,7 +30,7 @@ from kvferry.pd.engine_api import (
     Sampling,
     Usage,
 )
-from kvferry.pd.kvferry_params import ConversationMark, Mark, PullOptions
+from kvferry.pd.kvferry_params import BlockGenerations, ConversationMark, Mark, PullOptions
 from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, read_deadline
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 
@@ -43,6 +43,8 @@ class Pull:
     # When the retention's lease ends (unix seconds); the prefill's read deadline is drawn from it. None:
     # blocks vLLM holds on its own (no lease; the request then carries no mark either).
     lease_expire_time: float | None = None
+    # The generations the retention published for ``blocks`` (P checks them after pulling; None: no check).
+    generations: BlockGenerations | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ class Decoded:
     # A non-streamed decode's returned params: the blocks D retained (vLLM streams carry none).
     retained: KvHandoff | None
     seconds: float
+    # The generations D published with the retained blocks (non-streamed decodes of fencing engines).
+    retained_generations: BlockGenerations | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -166,6 +170,7 @@ async def prefill(
             lease_expire_time=deadline,
             request_id=f"{turn.request_id}-p" if turn.request_id else None,
             pull_options=turn.pull_options,
+            generations=pull.generations if pull is not None else None,
         )
     )
     seconds = time.perf_counter() - started
@@ -193,6 +198,7 @@ async def decode(
     finish_reason = ""
     usage: Usage | None = None
     retained: KvHandoff | None = None
+    retained_generations: BlockGenerations | None = None
     if stream:
         # Closing the stream (here, or when our caller closes us) closes the HTTP request: vLLM aborts it.
         async with aclosing(engine.decode_stream(request)) as chunks:
@@ -205,6 +211,7 @@ async def decode(
     else:
         answer = await engine.decode(request)
         finish_reason, usage, retained = answer.finish_reason or "", answer.usage, answer.retained
+        retained_generations = answer.retained_generations
         token_ids.extend(answer.token_ids)
         texts.append(answer.text)
         yield DecodeChunk(answer.token_ids, answer.text, answer.finish_reason, answer.usage)
@@ -217,4 +224,5 @@ async def decode(
         usage=usage,
         retained=retained,
         seconds=time.perf_counter() - started,
+        retained_generations=retained_generations,
     )
