@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from kvferry.pd import kvferry_params, vllm_params
 from kvferry.pd.engine_api import (
@@ -217,12 +219,58 @@ def test_the_connector_s_in_place_edits_of_vllm_params() -> None:
 
 def test_every_kvferry_key_is_in_the_versioned_module() -> None:
     """A new kvferry key means a new version and a line of history (kvferry_params.py)."""
-    keys = {kvferry_params.MARK_KEY, kvferry_params.PULL_OPTIONS_KEY, kvferry_params.READ_MS_KEY}
-    assert keys == {"kvferry", "kvferry_pull", "kvferry_read_ms"}
-    assert kvferry_params.KVFERRY_PARAMS_VERSION == 5
+    keys = {
+        kvferry_params.MARK_KEY,
+        kvferry_params.PULL_OPTIONS_KEY,
+        kvferry_params.READ_MS_KEY,
+        kvferry_params.GENERATIONS_KEY,
+    }
+    assert keys == {"kvferry", "kvferry_pull", "kvferry_read_ms", "kvferry_generations"}
+    assert kvferry_params.KVFERRY_PARAMS_VERSION == 6
     # kvferry's top-level keys never collide with vLLM's.
     assert not keys & {
         *vllm_params.REMOTE_BLOCK_KEYS,
         vllm_params.DO_REMOTE_DECODE,
         vllm_params.DO_REMOTE_PREFILL,
     }
+
+
+def test_block_generations_round_trip_and_refuse_what_json_cannot_carry() -> None:
+    generations = kvferry_params.BlockGenerations((7, 2**52 + 3))
+    params = generations.to_params()
+    assert params == {"kvferry_generations": [7, 2**52 + 3]}
+    assert kvferry_params.BlockGenerations.from_params(params) == generations
+    assert kvferry_params.BlockGenerations.from_params({}) is None
+    for bad in ([1.5], [-1], [2**53], [True], "7", {"a": 1}):
+        with pytest.raises(ValueError, match="kvferry_generations"):
+            kvferry_params.BlockGenerations.from_params({"kvferry_generations": bad})
+
+
+def test_retained_kv_hands_out_the_generations_of_the_pulled_prefix() -> None:
+    retained = RetainedKv(
+        engine_id="d",
+        engine_request_id="r",
+        block_ids=(7, 8, 9),
+        num_tokens=80,
+        nixl_host="h",
+        nixl_port=1,
+        block_size=32,
+        lease_expire_time=0.0,
+        block_generations=(50, 51, 52),
+    )
+    assert retained.prefix_generations(64) == kvferry_params.BlockGenerations((50, 51))
+    assert dataclasses.replace(retained, block_generations=()).prefix_generations(64) is None
+    with pytest.raises(ValueError, match="2 block generations for 3 block ids"):
+        dataclasses.replace(retained, block_generations=(1, 2))
+    params = prefill_transfer_params(
+        None,
+        retained.prefix(64),
+        read_ms=None,
+        generations=retained.prefix_generations(64),
+    )
+    assert params["kvferry_generations"] == [50, 51]
+    assert params["remote_block_ids"] == [[7, 8]]
+    # Without a pull there is nothing to check.
+    assert "kvferry_generations" not in prefill_transfer_params(
+        None, None, read_ms=None, generations=kvferry_params.BlockGenerations((1,))
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 
@@ -304,6 +305,34 @@ def test_a_pull_names_exactly_the_holder_s_blocks_of_the_prefix() -> None:
         "10.0.0.1",
         5600,
     )
+
+
+def test_a_pull_carries_the_generations_the_record_published_for_its_blocks() -> None:
+    record = dataclasses.replace(retention(), block_generations=tuple(range(900, 900 + len(HISTORY) // BS)))
+    plan = plan_turn(
+        [*PROMPT[:85], 7, *PROMPT[86:]],
+        record,
+        model="m",
+        engines=EngineTable([engine("p1", P), engine("d1", D)]),
+        load=LoadTracker(),
+        settings=SETTINGS,
+        window=window_of(record),
+        now=NOW,
+    )
+    assert plan.pull is not None and plan.pull.generations is not None
+    # P checks them after pulling; one per pulled block, in the same order.
+    assert plan.pull.generations.values == (900, 901, 902, 903, 904)
+    unfenced = plan_turn(
+        [*PROMPT[:85], 7, *PROMPT[86:]],
+        retention(),
+        model="m",
+        engines=EngineTable([engine("p1", P), engine("d1", D)]),
+        load=LoadTracker(),
+        settings=SETTINGS,
+        window=window_of(retention()),
+        now=NOW,
+    )
+    assert unfenced.pull is not None and unfenced.pull.generations is None
 
 
 def test_the_time_counted_on_is_what_the_read_window_has_left() -> None:

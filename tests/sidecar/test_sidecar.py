@@ -15,6 +15,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2
 from kvferry.sidecar.app import HEALTH_ENGINE, HEALTH_REGISTRY
+from kvferry.sidecar.metrics import SidecarMetrics
 from kvferry.sidecar.registration import Phase
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
@@ -124,8 +125,11 @@ async def test_heartbeats_keep_the_engine_registered_past_its_ttl(
     sidecar = await _started(sidecar_factory, stand_in_engine_factory)
     ttl = sidecar.sidecar.registration.granted_ttl_seconds
     assert ttl == 2
-    stats = resources_pb2.EngineStats(prefill_tokens_per_second=1234.0, retained_blocks=7)
+    stats = resources_pb2.EngineStats(
+        prefill_tokens_per_second=1234.0, retained_blocks=7, fenced_pulls_total=3
+    )
     await sidecar.stub().ReportEngineStats(sidecar_pb2.ReportEngineStatsRequest(stats=stats), timeout=5)
+    assert _sample(sidecar, "kvferry_sidecar_fenced_pulls_total") == 3
 
     await asyncio.sleep(3 * ttl)
     stored = await find_engine(registry.stub(), sidecar.engine_id)
@@ -133,6 +137,7 @@ async def test_heartbeats_keep_the_engine_registered_past_its_ttl(
     # Heartbeats carry the connector's latest stats.
     assert stored.stats.prefill_tokens_per_second == 1234.0
     assert stored.stats.retained_blocks == 7
+    assert stored.stats.fenced_pulls_total == 3
     registration = sidecar.sidecar.registration
     assert registration.generation == 1  # never re-registered
     heartbeats = _sample(sidecar, "kvferry_lease_renewals_total", kind="engine")
@@ -579,3 +584,10 @@ async def test_registry_watch_for_the_engine_matches_what_the_sidecar_relays(
     finally:
         call.cancel()
         await releases.close()
+
+
+def test_the_fenced_pull_counter_follows_the_engine_total_across_engine_restarts() -> None:
+    metrics = SidecarMetrics("engine-1")
+    for total in (2, 5, 5, 1, 4):  # the engine restarted after 5: its total starts again
+        metrics.engine_stats(resources_pb2.EngineStats(fenced_pulls_total=total))
+    assert metrics.registry.get_sample_value("kvferry_sidecar_fenced_pulls_total") == 5 + 4

@@ -328,7 +328,10 @@ class Driver:
                 decoded = event
         assert decoded is not None
         retained = RetainedKv.from_decode_answer(
-            decoded.retained, block_size=self.block_size, lease_expire_time=time.time() + 600
+            decoded.retained,
+            block_size=self.block_size,
+            lease_expire_time=time.time() + 600,
+            generations=decoded.retained_generations,
         )
         return list(decoded.token_ids), retained
 
@@ -375,7 +378,11 @@ async def run_conversation(
             reusable = max_reusable_tokens(len(prompt), previous.num_tokens, profile.block_size)
             if reusable > 0:
                 window = previous.read_window(time.monotonic(), DEFAULT_READ_WINDOW_SECONDS, time.time())
-                pull = Pull(previous.prefix(reusable), window=window)
+                pull = Pull(
+                    previous.prefix(reusable),
+                    window=window,
+                    generations=previous.prefix_generations(reusable),
+                )
             result.reused_tokens = reusable if pull is not None else 0
         modes = (
             ["off"]

@@ -32,6 +32,8 @@ class StatsSnapshot:
     pulled_tokens_total: int
     computed_tokens_total: int
     declined_pulls_total: int
+    # Pulls whose holder's generations had changed (dropped and recomputed; kvferry.connector.fence).
+    fenced_pulls_total: int = 0
 
 
 class Accounting:
@@ -46,6 +48,7 @@ class Accounting:
         self.pulled_tokens_total = 0
         self.computed_tokens_total = 0
         self.declined_pulls_total = 0
+        self.fenced_pulls_total = 0
         self.retained_blocks = 0
         self._version = 0
 
@@ -102,6 +105,13 @@ class Accounting:
                     started = max(started, record.pull_started_at)
                 self._prefill_rates.append((computed, max(now - started, 1e-6)))
 
+    def set_fenced_pulls(self, total: int) -> None:
+        """The workers' count of fenced pulls (they keep it; the scheduler reads it for the stats)."""
+        with self._lock:
+            if total != self.fenced_pulls_total:
+                self.fenced_pulls_total = total
+                self._version += 1
+
     def set_retained_blocks(self, blocks: int) -> None:
         with self._lock:
             if blocks != self.retained_blocks:
@@ -123,6 +133,7 @@ class Accounting:
                 pulled_tokens_total=self.pulled_tokens_total,
                 computed_tokens_total=self.computed_tokens_total,
                 declined_pulls_total=self.declined_pulls_total,
+                fenced_pulls_total=self.fenced_pulls_total,
             )
 
 

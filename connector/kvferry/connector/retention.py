@@ -117,6 +117,8 @@ class RetainedEntry:
     release_at: float | None = None
     # Set when collected: freed after the registry confirmed the end (else at the hard cap).
     confirmed: bool = False
+    # The blocks' generations when retained (published with the record; kvferry.connector.generations).
+    block_generations: tuple[int, ...] = ()
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -194,6 +196,7 @@ class RetentionTable:
         block_ids: Sequence[int],
         num_tokens: int,
         block_digests: Sequence[bytes] = (),
+        block_generations: Sequence[int] = (),
     ) -> tuple[RetainedEntry, list[RetainedEntry]]:
         """Records a new retention. Returns it and the live turns of the same conversation (not
         newer) it supersedes here: they end once this one's publish is accepted."""
@@ -206,6 +209,7 @@ class RetentionTable:
             block_ids=tuple(block_ids),
             num_tokens=num_tokens,
             block_digests=tuple(block_digests),
+            block_generations=tuple(block_generations),
             created_at=now,
             last_used=now,
             last_contact=now,

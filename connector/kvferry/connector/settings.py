@@ -71,6 +71,15 @@ class KvferrySettings:
     # request receives by id so they form ascending runs (docs/coalesced-pulls.md). False keeps vLLM's
     # own block order and descriptors (for comparison).
     coalesce_pulls: bool = True
+    # Pull-time fencing (docs/connector.md#pull-time-fencing): every block carries a generation, bumped
+    # when a retained block goes back to vLLM's pool; retentions publish their blocks' generations, and
+    # a prefill reads them again from the holder after each pull of a retention, recomputing on any
+    # difference. Needs the engine core and its workers on one host. False: no generations published,
+    # pulls not checked.
+    fence_pulls: bool = True
+    # How long, microseconds, a worker waits for a pull's generation read right after the data arrived
+    # before it checks again at its next poll (a few microseconds on one host, tens over a network).
+    fence_wait_us: int = 2000
 
     def validate(self) -> None:
         problems: list[str] = []
@@ -98,6 +107,8 @@ class KvferrySettings:
             problems.append("sidecar_timeout_seconds must be > 0")
         if self.nixl_progress_delay_us < 0:
             problems.append("nixl_progress_delay_us must be >= 0")
+        if self.fence_wait_us < 0:
+            problems.append("fence_wait_us must be >= 0")
         if problems:
             raise SettingsError("invalid kvferry connector settings: " + "; ".join(problems))
 

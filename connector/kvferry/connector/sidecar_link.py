@@ -65,6 +65,8 @@ class RetentionReport:
     block_digests: tuple[bytes, ...]
     turn: int
     ttl_seconds: int
+    # One per block id (empty: the engine does not fence pulls).
+    block_generations: tuple[int, ...] = ()
 
     def to_proto(self) -> resources_pb2.Retention:
         return resources_pb2.Retention(
@@ -77,6 +79,7 @@ class RetentionReport:
             block_digests=list(self.block_digests),
             turn=self.turn,
             ttl_seconds=self.ttl_seconds,
+            block_generations=list(self.block_generations),
         )
 
 
@@ -424,6 +427,7 @@ def stats_to_proto(snapshot: StatsSnapshot) -> resources_pb2.EngineStats:
         retained_blocks=snapshot.retained_blocks,
         pulled_tokens_total=snapshot.pulled_tokens_total,
         computed_tokens_total=snapshot.computed_tokens_total,
+        fenced_pulls_total=snapshot.fenced_pulls_total,
     )
 
 

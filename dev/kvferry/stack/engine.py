@@ -127,6 +127,9 @@ class EngineProcess:
             "kv_buffer_device": "cpu",
             "kv_connector_extra_config": extra,
         }
+        if self.connector == "kvferry" and self.role == "prefill":
+            # A pull that fails (or that pull-time fencing drops) is recomputed, not failed.
+            config["kv_load_failure_policy"] = "recompute"
         if self.connector == "kvferry":
             settings = settings_to_extra_config(self.settings)
             settings.setdefault("kv_compatibility_hash", self.kv_compatibility_hash)
@@ -425,7 +428,11 @@ async def direct_turn(
         reusable = max_reusable_tokens(len(token_ids), previous.num_tokens, block_size)
         if reusable > 0:
             window = previous.read_window(time.monotonic(), read_window_seconds, time.time())
-            pull = Pull(previous.prefix(reusable), window=window)
+            pull = Pull(
+                previous.prefix(reusable),
+                window=window,
+                generations=previous.prefix_generations(reusable),
+            )
     done = await run_turn(
         prefill,
         decode,
@@ -444,6 +451,7 @@ async def direct_turn(
             block_size=block_size,
             # Without a registry the connector's hard cap bounds it; a minute is plenty here.
             lease_expire_time=time.time() + 60.0,
+            generations=done.decoded.retained_generations,
         )
     return DirectTurn(
         prefill=done.prefilled.result,

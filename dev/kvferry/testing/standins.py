@@ -16,8 +16,9 @@ Both log JSON lines (kvferry.testing.oracle reads them):
 - D ``retained`` / ``freed retained blocks`` (request_id, block_ids, generations, reason, confirmed),
   the same names and fields as the connector's lines, and ``kv read`` for every read of its memory
   (request_id, block_ids, held: whether that request still held every block);
-- P ``kv pull`` (remote engine and request, block_ids, content_ok: whether the KV read equals the KV of
-  the prompt's tokens, fenced, recomputed).
+- P ``kv pull`` (remote engine and request, block_ids, generations: the record's, generations_read,
+  content_ok: whether the KV read equals the KV of the prompt's tokens, fenced: the generations differ,
+  so the pull was dropped, recomputed).
 
 Run one with ``python -m kvferry.testing.standins --role decode --port N --sidecar HOST:PORT ...``.
 """
@@ -48,7 +49,7 @@ from kvferry.connector.retention import RetainedEntry, RetentionTable
 from kvferry.connector.sidecar_link import BackgroundLoop, SidecarLink
 from kvferry.pd import vllm_params
 from kvferry.pd.digest import block_digests
-from kvferry.pd.kvferry_params import ConversationMark, parse_mark
+from kvferry.pd.kvferry_params import BlockGenerations, ConversationMark, parse_mark
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 from kvferry.runtime.logs import JsonFormatter
 from kvferry.testing.standin_engine import (
@@ -309,7 +310,15 @@ class StandInEngine:
                     extra={"request_id": request_id, "remote_request_id": remote.request_id},
                 )
             else:
-                pulled = await self._pull(prompt, remote, request_id, deadline)
+                try:
+                    expected = BlockGenerations.from_params(params)
+                except ValueError as bad:  # as the connector: a pull it cannot check is declined
+                    log.info(
+                        "declined a pull: unusable generations, recomputing",
+                        extra={"request_id": request_id, "problem": str(bad)},
+                    )
+                else:
+                    pulled = await self._pull(prompt, remote, request_id, deadline, expected)
         self.accounting.on_matched(request_id, len(prompt), 0)
         first = standin_generate(prompt, 1)
         return JSONResponse(
@@ -347,9 +356,19 @@ class StandInEngine:
         )
 
     async def _pull(
-        self, prompt: list[int], remote: RemoteBlocks, request_id: str, deadline: float | None
+        self,
+        prompt: list[int],
+        remote: RemoteBlocks,
+        request_id: str,
+        deadline: float | None,
+        expected: BlockGenerations | None,
     ) -> int:
-        """Reads the retained blocks from D; returns the tokens reused (0: recomputed)."""
+        """Reads the retained blocks from D; returns the tokens reused (0: recomputed).
+
+        Pull-time fencing as the connector does it (kvferry.connector.fence): the generations read with
+        the blocks must equal the ones the record published (``expected``), else the pull is dropped and
+        the prompt recomputed. D answers contents and generations in one go, as the data READ followed
+        by the generation READ would see them."""
         block_size = self.settings.block_size
         reusable = min(remote.num_tokens or 0, len(prompt) - 1) // block_size
         block_ids = list(remote.block_ids[0][:reusable]) if remote.block_ids else []
@@ -381,20 +400,24 @@ class StandInEngine:
             )
             return 0
         read = answer.json()
-        expected = [d.hex() for d in block_digests(prompt[: reusable * block_size], block_size, salt=KV_HASH)]
-        content_ok = read["contents"] == expected
+        expected_contents = [
+            d.hex() for d in block_digests(prompt[: reusable * block_size], block_size, salt=KV_HASH)
+        ]
+        content_ok = read["contents"] == expected_contents
+        published = list(expected.values[: len(block_ids)]) if expected is not None else None
+        fenced = published is not None and read["generations"] != published
         log.info(
             "kv pull",
             extra={
                 **fields,
+                "generations": published,
                 "generations_read": read["generations"],
                 "content_ok": content_ok,
-                # The record carries no generations yet (fencing): nothing to compare with here.
-                "fenced": False,
-                "recomputed": False,
+                "fenced": fenced,
+                "recomputed": fenced,
             },
         )
-        return reusable * block_size
+        return 0 if fenced else reusable * block_size
 
     # -- D ---------------------------------------------------------------------------------------------
 
@@ -486,6 +509,8 @@ class StandInEngine:
             block_ids=blocks,
             num_tokens=num_tokens,
             block_digests=block_digests(tokens[:num_tokens], self.settings.block_size, salt=KV_HASH),
+            # Published with the record, as the connector's GenerationBook.publish does.
+            block_generations=[self.pool.generations[b] for b in blocks],
         )
         self.table.evict_over_budget()
         self.accounting.set_retained_blocks(self.table.held_blocks())

@@ -10,6 +10,8 @@ Wire forms (JSON, inside ``kv_transfer_params``)::
     decode, free the blocks at finish:    "kvferry": {"retain": false}
     prefill pulling a retention:          "kvferry_read_ms": 8500  (beside vLLM's remote_* keys; with the
                                           conversation mark when the turn has one)
+    the generations of the reused blocks: "kvferry_generations": [4503599627370497, ...]  (beside vLLM's
+                                          remote_block_ids, one per block)
     per-request pull options (tests):     "kvferry_pull": {"coalesce": false, "digest": true}
 """
 
@@ -40,8 +42,11 @@ from typing import Any
 #      machines disagree). P's connector turns it into its own monotonic deadline from the request's
 #      arrival and checks it when it schedules the pull and again when it posts the READ. Replaces
 #      "lease_expire_time", which the connector still honours from older clients when this key is absent.
+#   6: "kvferry_generations" [int, ...] on a prefill request that pulls a retention: the generations its
+#      record published, one per entry of remote_block_ids; P reads them again from D after the pull and
+#      recomputes on any difference (pull-time fencing). Absent: no check (earlier routers).
 #
-KVFERRY_PARAMS_VERSION: int = 5
+KVFERRY_PARAMS_VERSION: int = 6
 
 # The mark: which conversation a request belongs to, or that nothing will reuse it.
 MARK_KEY = "kvferry"
@@ -57,6 +62,10 @@ READ_MS_KEY = "kvferry_read_ms"
 LEASE_EXPIRE_KEY = "lease_expire_time"
 # Per-request pull options, beside the mark.
 PULL_OPTIONS_KEY = "kvferry_pull"
+# The published generations of the blocks a prefill pulls, beside vLLM's remote_block_ids (one per block).
+GENERATIONS_KEY = "kvferry_generations"
+# Generations are below 2**53 so that every JSON parser (IEEE doubles included) carries them exactly.
+MAX_GENERATION = 2**53 - 1
 
 _CONVERSATION_FIELDS = ("tenant", "conversation_id", "turn")
 
@@ -177,3 +186,30 @@ class PullOptions:
         if self.coalesce is not None:
             body["coalesce"] = self.coalesce
         return {PULL_OPTIONS_KEY: body}
+
+
+@dataclass(frozen=True)
+class BlockGenerations:
+    """``kv_transfer_params["kvferry_generations"]``: the generations a retention's record published for the
+    blocks a prefill pulls, in the order of vLLM's ``remote_block_ids`` (its first KV-cache group).
+
+    P's connector reads the holder's generations of the pulled blocks after the data arrived and drops the
+    pull (recomputing) when any differs: the holder bumps a block's generation before it can reuse it.
+    """
+
+    values: tuple[int, ...]
+
+    def to_params(self) -> dict[str, Any]:
+        return {GENERATIONS_KEY: list(self.values)}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> BlockGenerations | None:
+        """The generations in ``params``; None when absent. Raises ValueError when malformed."""
+        raw = (params or {}).get(GENERATIONS_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, list | tuple) or not all(
+            isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GENERATION for g in raw
+        ):
+            raise ValueError(f"{GENERATIONS_KEY} must be a list of integers in [0, 2**53), got {raw!r:.200}")
+        return cls(values=tuple(raw))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvferry.pd.kvferry_params import BlockGenerations
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 
 # Recommended read window (seconds): half the connector's default release_grace_seconds (30).
@@ -92,10 +93,23 @@ class RetainedKv:
     block_size: int
     # When the retention's lease ends, unix seconds (the holder's clock; an upper bound of the read window).
     lease_expire_time: float
+    # One per block id, as the holder published them (empty: the holder does not fence pulls).
+    block_generations: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.block_generations and len(self.block_generations) != len(self.block_ids):
+            raise ValueError(
+                f"{len(self.block_generations)} block generations for {len(self.block_ids)} block ids"
+            )
 
     @classmethod
     def from_decode_answer(
-        cls, handoff: KvHandoff | None, *, block_size: int, lease_expire_time: float
+        cls,
+        handoff: KvHandoff | None,
+        *,
+        block_size: int,
+        lease_expire_time: float,
+        generations: BlockGenerations | None = None,
     ) -> RetainedKv | None:
         """What a decode engine's answer offers for the next turn (None when it names no blocks)."""
         blocks = handoff.blocks if handoff is not None else None
@@ -110,6 +124,7 @@ class RetainedKv:
             nixl_port=blocks.port,
             block_size=block_size,
             lease_expire_time=lease_expire_time,
+            block_generations=generations.values if generations is not None else (),
         )
 
     def read_window(self, looked_up_at: float, window_seconds: float, now_wall: float) -> ReadWindow:
@@ -138,3 +153,10 @@ class RetainedKv:
             port=self.nixl_port,
             num_tokens=num_tokens,
         )
+
+    def prefix_generations(self, num_tokens: int) -> BlockGenerations | None:
+        """The published generations of :meth:`prefix`'s blocks (None when the holder published none: the
+        pull is then not checked)."""
+        if not self.block_generations:
+            return None
+        return BlockGenerations(self.block_generations[: num_tokens // self.block_size])

@@ -30,7 +30,7 @@ from kvferry.pd.engine_api import (
     Sampling,
     Usage,
 )
-from kvferry.pd.kvferry_params import ConversationMark, Mark, PullOptions
+from kvferry.pd.kvferry_params import BlockGenerations, ConversationMark, Mark, PullOptions
 from kvferry.pd.reuse import ReadWindow
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 
@@ -43,6 +43,8 @@ class Pull:
     # Until when P may start reading, opened when the retention was looked up. None: blocks vLLM holds on
     # its own (no lease, no kvferry deadline: vLLM's own expiry check guards them).
     window: ReadWindow | None = None
+    # The generations the retention published for ``blocks`` (P checks them after pulling; None: no check).
+    generations: BlockGenerations | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ class Decoded:
     # A non-streamed decode's returned params: the blocks D retained (vLLM streams carry none).
     retained: KvHandoff | None
     seconds: float
+    # The generations D published with the retained blocks (non-streamed decodes of fencing engines).
+    retained_generations: BlockGenerations | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -162,6 +166,7 @@ async def prefill(
             read_ms=read_ms,
             request_id=f"{turn.request_id}-p" if turn.request_id else None,
             pull_options=turn.pull_options,
+            generations=pull.generations if pull is not None else None,
         )
     )
     seconds = time.perf_counter() - started
@@ -189,6 +194,7 @@ async def decode(
     finish_reason = ""
     usage: Usage | None = None
     retained: KvHandoff | None = None
+    retained_generations: BlockGenerations | None = None
     if stream:
         # Closing the stream (here, or when our caller closes us) closes the HTTP request: vLLM aborts it.
         async with aclosing(engine.decode_stream(request)) as chunks:
@@ -201,6 +207,7 @@ async def decode(
     else:
         answer = await engine.decode(request)
         finish_reason, usage, retained = answer.finish_reason or "", answer.usage, answer.retained
+        retained_generations = answer.retained_generations
         token_ids.extend(answer.token_ids)
         texts.append(answer.text)
         yield DecodeChunk(answer.token_ids, answer.text, answer.finish_reason, answer.usage)
@@ -213,4 +220,5 @@ async def decode(
         usage=usage,
         retained=retained,
         seconds=time.perf_counter() - started,
+        retained_generations=retained_generations,
     )

@@ -10,6 +10,7 @@ import binascii
 import math
 
 from kvferry.pd.digest import DIGEST_BYTES
+from kvferry.pd.kvferry_params import MAX_GENERATION
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.keys import ConversationKey
 from kvferry.runtime.errors import InvalidArgument
@@ -115,6 +116,18 @@ def validate_retention_shape(retention: resources.Retention) -> ConversationKey:
             "block_ids; "
             "there is one digest per full block, so never more digests than blocks"
         )
+    if retention.block_generations and len(retention.block_generations) != len(retention.block_ids):
+        raise InvalidArgument(
+            f"retention has {len(retention.block_generations)} block_generations for "
+            f"{len(retention.block_ids)} block_ids; publish one per block, or none"
+        )
+    for index, generation in enumerate(retention.block_generations):
+        if generation > MAX_GENERATION:
+            raise InvalidArgument(
+                f"retention.block_generations[{index}] is {generation}; generations are at most 2**53 - 1 "
+                "so the JSON that carries them to prefill engines keeps them exact "
+                "(kvferry.connector.generations starts them below 2**52)"
+            )
     for index, digest in enumerate(retention.block_digests):
         if len(digest) != DIGEST_BYTES:
             raise InvalidArgument(

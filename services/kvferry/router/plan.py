@@ -109,8 +109,14 @@ def plan_turn(
             nixl_port=holder.nixl_port,
             block_size=holder.block_size,
             lease_expire_time=retention.expire_time,
+            block_generations=retention.block_generations,
         )
-        pull = Pull(retained.prefix(choice.pull_tokens), window=window)
+        pull = Pull(
+            retained.prefix(choice.pull_tokens),
+            window=window,
+            # P checks them after pulling: blocks D freed meanwhile cost a recompute, not a wrong answer.
+            generations=retained.prefix_generations(choice.pull_tokens),
+        )
     return TurnPlan(prefill=prefill, decode=decode, holder=holder, match=match, choice=choice, pull=pull)
 
 

@@ -45,6 +45,8 @@ class RetentionRecord:
     turn: int
     # Lease end, Unix seconds.
     expire_time: float
+    # One per block id (empty: the holder does not fence pulls); handed to P with the pull.
+    block_generations: tuple[int, ...] = ()
 
     @classmethod
     def from_proto(cls, r: resources_pb2.Retention) -> RetentionRecord:
@@ -58,6 +60,7 @@ class RetentionRecord:
             block_digests=tuple(r.block_digests),
             turn=r.turn,
             expire_time=r.expire_time.seconds + r.expire_time.nanos / 1e9,
+            block_generations=tuple(r.block_generations),
         )
 
 

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 from kvferry.runtime import errors
 from kvferry.runtime.errors import InvalidArgument
+from kvferry.sidecar.metrics import SidecarMetrics
 from kvferry.sidecar.registration import EngineRegistration
 from kvferry.sidecar.releases import ReleaseFanout
 from kvferry.sidecar.retentions import RetentionPublisher
@@ -28,11 +29,13 @@ class SidecarServicer(sidecar_grpc.SidecarServiceServicer):  # type: ignore[misc
         publisher: RetentionPublisher,
         fanout: ReleaseFanout,
         registration: EngineRegistration,
+        metrics: SidecarMetrics,
     ) -> None:
         self._engine_id = engine_id
         self._publisher = publisher
         self._fanout = fanout
         self._registration = registration
+        self._metrics = metrics
 
     @unary
     async def ReportRetention(
@@ -66,6 +69,7 @@ class SidecarServicer(sidecar_grpc.SidecarServiceServicer):  # type: ignore[misc
         self, request: sidecar_pb2.ReportEngineStatsRequest, context: grpc.aio.ServicerContext
     ) -> sidecar_pb2.ReportEngineStatsResponse:
         self._registration.update_stats(request.stats)
+        self._metrics.engine_stats(request.stats)
         return sidecar_pb2.ReportEngineStatsResponse()
 
     @streaming

@@ -104,6 +104,7 @@ class EngineStats(_message.Message):
     RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
     PULLED_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
     COMPUTED_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    FENCED_PULLS_TOTAL_FIELD_NUMBER: _builtins.int
     prefill_tokens_per_second: _builtins.float
     """Prefill throughput over recent prompts, in tokens per second."""
     transfer_bytes_per_second: _builtins.float
@@ -120,6 +121,10 @@ class EngineStats(_message.Message):
     """Tokens whose KV was pulled from a remote engine, since start."""
     computed_tokens_total: _builtins.int
     """Prompt tokens computed locally, since start."""
+    fenced_pulls_total: _builtins.int
+    """Pulls of a retention dropped after the data arrived because the holder's block generations had
+    changed (the engine recomputed instead), since start.
+    """
     def __init__(
         self,
         *,
@@ -131,10 +136,11 @@ class EngineStats(_message.Message):
         retained_blocks: _builtins.int = ...,
         pulled_tokens_total: _builtins.int = ...,
         computed_tokens_total: _builtins.int = ...,
+        fenced_pulls_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["computed_tokens_total", b"computed_tokens_total", "inflight_prefill_tokens", b"inflight_prefill_tokens", "kv_bytes_per_token", b"kv_bytes_per_token", "prefill_tokens_per_second", b"prefill_tokens_per_second", "pulled_tokens_total", b"pulled_tokens_total", "retained_blocks", b"retained_blocks", "running_requests", b"running_requests", "transfer_bytes_per_second", b"transfer_bytes_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["computed_tokens_total", b"computed_tokens_total", "fenced_pulls_total", b"fenced_pulls_total", "inflight_prefill_tokens", b"inflight_prefill_tokens", "kv_bytes_per_token", b"kv_bytes_per_token", "prefill_tokens_per_second", b"prefill_tokens_per_second", "pulled_tokens_total", b"pulled_tokens_total", "retained_blocks", b"retained_blocks", "running_requests", b"running_requests", "transfer_bytes_per_second", b"transfer_bytes_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -240,6 +246,7 @@ class Retention(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     PUBLISH_TIME_FIELD_NUMBER: _builtins.int
+    BLOCK_GENERATIONS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `tenants/{tenant}/conversations/{conversation_id}/retention`. Output only."""
     tenant: _builtins.str
@@ -272,6 +279,14 @@ class Retention(_message.Message):
     def publish_time(self) -> _timestamp_pb2.Timestamp:
         """When it was published. Output only."""
 
+    @_builtins.property
+    def block_generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """One generation per entry of `block_ids`, as the holding engine numbered its blocks when it
+        retained them; it bumps a block's generation before reusing it. A prefill that pulls the blocks
+        reads their generations again after the data and recomputes on any difference. Empty: the
+        engine does not fence pulls.
+        """
+
     def __init__(
         self,
         *,
@@ -287,10 +302,11 @@ class Retention(_message.Message):
         ttl_seconds: _builtins.int = ...,
         expire_time: _timestamp_pb2.Timestamp | None = ...,
         publish_time: _timestamp_pb2.Timestamp | None = ...,
+        block_generations: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time", "publish_time", b"publish_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_digests", b"block_digests", "block_ids", b"block_ids", "conversation_id", b"conversation_id", "engine_id", b"engine_id", "engine_request_id", b"engine_request_id", "expire_time", b"expire_time", "name", b"name", "num_tokens", b"num_tokens", "publish_time", b"publish_time", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_digests", b"block_digests", "block_generations", b"block_generations", "block_ids", b"block_ids", "conversation_id", b"conversation_id", "engine_id", b"engine_id", "engine_request_id", b"engine_request_id", "expire_time", b"expire_time", "name", b"name", "num_tokens", b"num_tokens", "publish_time", b"publish_time", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
