@@ -1,13 +1,15 @@
 """Retention events per engine: one etcd watch, fanned out to every WatchRetentions stream.
 
-The watch covers ``retention/`` (live records and tombstones) with previous values, so each
-event explains itself:
+The watch covers ``retention/`` (live records, renewals and tombstones) with previous values, so
+each event explains itself:
 
 - DELETE of a live key, with a tombstone PUT in the same revision: ENDED with the tombstone's
   reason (RELEASED, EVICTED, ENGINE_GONE);
 - DELETE of a live key without one: the lease ran out, ENDED with EXPIRED;
 - PUT over a live key held by another lease: the older turn ENDED with SUPERSEDED;
-- PUT over a live key under the same lease: RENEWED, with the new expiry.
+- PUT of a renewal key: RENEWED, with the new expiry (the retention without its blocks: a
+  renewal ships the same few bytes whatever the conversation's length);
+- PUT over a live key under the same lease (a registry from before immutable records): RENEWED.
 
 Events are routed by the engine named in the (previous) record. The watch resumes from the last
 revision it saw when etcd comes back, so no ending is lost across an outage. When etcd no longer
@@ -215,6 +217,18 @@ class RetentionEventHub:
             if event.type is EventType.PUT:
                 tombstones[(layout.conversation_of_tombstone(key), revision)] = decode_tombstone(kv.value)
             return
+        if key.startswith(layout.renewals):
+            if event.type is EventType.PUT:
+                renewed = decode_record(kv.value).retention
+                conversation = layout.conversation_of_renewal(key)
+                renewed.tenant = conversation.tenant
+                renewed.conversation_id = conversation.conversation_id
+                renewed.name = conversation.name
+                unspecified = resources.RELEASE_REASON_UNSPECIFIED
+                self._publish(
+                    RetentionEvent(registry.RETENTION_EVENT_TYPE_RENEWED, renewed, unspecified, 0.0, revision)
+                )
+            return  # its deletion goes with the record's, which says why
         if not key.startswith(layout.live_retentions) or prev_kv is None:
             return  # a first publish: nothing ended, nothing renewed
         previous = decode_record(prev_kv.value).retention

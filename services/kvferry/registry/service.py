@@ -134,6 +134,27 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
         )
 
     @unary
+    async def RenewRetentions(
+        self, request: registry.RenewRetentionsRequest, context: grpc.aio.ServicerContext
+    ) -> registry.RenewRetentionsResponse:
+        validation.renewal_batch(len(request.renewals))
+        wanted = [(renewal.tenant, renewal.conversation_id) for renewal in request.renewals]
+        outcomes = await self._retentions.renew_retentions(wanted)
+        response = registry.RenewRetentionsResponse()
+        revision = 0
+        for (tenant, conversation_id), outcome in zip(wanted, outcomes, strict=True):
+            answer = response.renewals.add(tenant=tenant, conversation_id=conversation_id)
+            if isinstance(outcome, errors.ServiceError):
+                answer.code = errors.STATUS[outcome.kind].grpc.value[0]
+                answer.message = outcome.message
+                continue
+            answer.expire_time.CopyFrom(outcome.retention.expire_time)
+            answer.ttl_seconds = outcome.retention.ttl_seconds
+            revision = max(revision, outcome.revision)
+        response.header.CopyFrom(_header(revision))
+        return response
+
+    @unary
     async def ReleaseRetention(
         self, request: registry.ReleaseRetentionRequest, context: grpc.aio.ServicerContext
     ) -> registry.ReleaseRetentionResponse:

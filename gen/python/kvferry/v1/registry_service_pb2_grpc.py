@@ -76,6 +76,11 @@ class RegistryServiceStub:
                 request_serializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionResponse.FromString,
                 _registered_method=True)
+        self.RenewRetentions = channel.unary_unary(
+                '/kvferry.v1.RegistryService/RenewRetentions',
+                request_serializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsResponse.FromString,
+                _registered_method=True)
         self.ReleaseRetention = channel.unary_unary(
                 '/kvferry.v1.RegistryService/ReleaseRetention',
                 request_serializer=kvferry_dot_v1_dot_registry__service__pb2.ReleaseRetentionRequest.SerializeToString,
@@ -154,6 +159,14 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewRetentions(self, request, context):
+        """Renews many retentions in one call (a client keeping several conversations alive); each
+        renewal succeeds or fails on its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseRetention(self, request, context):
         """Ends a retention at once; with `engine_request_id`, only if that request is still the live one.
         """
@@ -220,6 +233,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.RenewRetention,
                     request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionResponse.SerializeToString,
+            ),
+            'RenewRetentions': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewRetentions,
+                    request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsResponse.SerializeToString,
             ),
             'ReleaseRetention': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseRetention,
@@ -455,6 +473,33 @@ class RegistryService:
             '/kvferry.v1.RegistryService/RenewRetention',
             kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionRequest.SerializeToString,
             kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewRetentions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.RegistryService/RenewRetentions',
+            kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsRequest.SerializeToString,
+            kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

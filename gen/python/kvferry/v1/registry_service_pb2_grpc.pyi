@@ -51,6 +51,10 @@ class RegistryServiceStub:
     """Looks up a conversation's live retention."""
     RenewRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionRequest, _registry_service_pb2.RenewRetentionResponse]
     """Extends a retention's lease (heartbeat while the agent is busy)."""
+    RenewRetentions: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionsRequest, _registry_service_pb2.RenewRetentionsResponse]
+    """Renews many retentions in one call (a client keeping several conversations alive); each
+    renewal succeeds or fails on its own.
+    """
     ReleaseRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.ReleaseRetentionRequest, _registry_service_pb2.ReleaseRetentionResponse]
     """Ends a retention at once; with `engine_request_id`, only if that request is still the live one."""
     EndEngineRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.EndEngineRetentionRequest, _registry_service_pb2.EndEngineRetentionResponse]
@@ -85,6 +89,10 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """Looks up a conversation's live retention."""
     RenewRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionRequest, _registry_service_pb2.RenewRetentionResponse]  # type: ignore[assignment]
     """Extends a retention's lease (heartbeat while the agent is busy)."""
+    RenewRetentions: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionsRequest, _registry_service_pb2.RenewRetentionsResponse]  # type: ignore[assignment]
+    """Renews many retentions in one call (a client keeping several conversations alive); each
+    renewal succeeds or fails on its own.
+    """
     ReleaseRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.ReleaseRetentionRequest, _registry_service_pb2.ReleaseRetentionResponse]  # type: ignore[assignment]
     """Ends a retention at once; with `engine_request_id`, only if that request is still the live one."""
     EndEngineRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.EndEngineRetentionRequest, _registry_service_pb2.EndEngineRetentionResponse]  # type: ignore[assignment]
@@ -164,6 +172,16 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_service_pb2.RenewRetentionResponse, _abc.Awaitable[_registry_service_pb2.RenewRetentionResponse]]:
         """Extends a retention's lease (heartbeat while the agent is busy)."""
+
+    @_abc_1.abstractmethod
+    def RenewRetentions(
+        self,
+        request: _registry_service_pb2.RenewRetentionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_service_pb2.RenewRetentionsResponse, _abc.Awaitable[_registry_service_pb2.RenewRetentionsResponse]]:
+        """Renews many retentions in one call (a client keeping several conversations alive); each
+        renewal succeeds or fails on its own.
+        """
 
     @_abc_1.abstractmethod
     def ReleaseRetention(
