@@ -1,4 +1,4 @@
-"""The registry's own errors: etcd's two ways of failing. The rest are the kit's
+"""The registry's own errors: etcd's ways of failing. The rest are the kit's
 (``kvferry.runtime.errors``), which also turns them into statuses."""
 
 from __future__ import annotations
@@ -12,3 +12,8 @@ class EtcdUnavailable(Unavailable):
 
 class EtcdFailure(Internal):
     """etcd answered with an error the registry does not expect (a bug or a misconfigured etcd)."""
+
+
+class EtcdNoSpace(EtcdUnavailable):
+    """etcd refused a write for its space quota (the NOSPACE alarm is raised): no write succeeds
+    until space is freed and the alarm disarmed."""

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import aetcd
 import grpc
 from aetcd import rpc
-from kvferry.registry.errors import EtcdFailure, EtcdUnavailable
+from kvferry.registry.errors import EtcdFailure, EtcdNoSpace, EtcdUnavailable
 from kvferry.runtime.backoff import BackoffPolicy
 from kvferry.runtime.errors import ServiceError
 
@@ -501,6 +501,19 @@ async def _ignore_rewind(seen_revision: int, revision: int) -> None:
     pass
 
 
+# How etcd words a write refused for its space quota (RESOURCE_EXHAUSTED).
+_NOSPACE_DETAIL = "database space exceeded"
+
+
+@dataclass(frozen=True)
+class EtcdStatus:
+    """What one etcd member says of itself: its database size, and the space in use in it."""
+
+    db_size: int
+    db_size_in_use: int
+    revision: int
+
+
 class EtcdGateway:
     """etcd's KV, Lease and Watch calls with deadlines, typed values and registry errors.
 
@@ -531,6 +544,7 @@ class EtcdGateway:
         self._kv: Any = None
         self._lease: Any = None
         self._watch: Any = None
+        self._maintenance: Any = None
         self._keepalives: list[_KeepAliveStream] = []
         self._next_keepalive = 0
 
@@ -544,6 +558,7 @@ class EtcdGateway:
         self._kv = rpc.KVStub(self._client.channel)
         self._lease = rpc.LeaseStub(self._client.channel)
         self._watch = rpc.WatchStub(self._client.channel)
+        self._maintenance = rpc.MaintenanceStub(self._client.channel)
         self._keepalives = [
             _KeepAliveStream(self._lease, self._describe) for _ in range(self.KEEPALIVE_STREAMS)
         ]
@@ -562,6 +577,13 @@ class EtcdGateway:
 
     def _translate(self, error: grpc.aio.AioRpcError, what: str) -> Exception:
         code = error.code()
+        if _NOSPACE_DETAIL in (error.details() or ""):
+            return EtcdNoSpace(
+                f"etcd at {self.endpoints_text} refused {what}: it is out of space (NOSPACE alarm: its "
+                "database reached --quota-backend-bytes) and refuses every write until an operator frees "
+                "space: compact, defragment (etcdctl defrag) and disarm the alarm (etcdctl alarm disarm). "
+                "Reads still work; the registry reports NOT_SERVING meanwhile"
+            )
         if code in _UNAVAILABLE_CODES:
             return EtcdUnavailable(
                 f"etcd at {self.endpoints_text} did not answer {what} within "
@@ -674,6 +696,17 @@ class EtcdGateway:
             if isinstance(error, EtcdFailure) and "compacted" in str(error):
                 return
             raise self._failed("compact", error) from None
+
+    async def alarms(self) -> list[str]:
+        """etcd's raised alarms, by name (``NOSPACE``: out of quota, every write refused)."""
+        request = rpc.AlarmRequest(action=rpc.AlarmRequest.GET, memberID=0, alarm=rpc.AlarmType.NONE)
+        response = await self._call("alarm", "an alarm query", self._maintenance.Alarm, request)
+        return sorted({rpc.AlarmType.Name(member.alarm) for member in response.alarms})
+
+    async def status(self) -> EtcdStatus:
+        """The answering member's status (database size, space in use)."""
+        response = await self._call("status", "a status query", self._maintenance.Status, rpc.StatusRequest())
+        return EtcdStatus(int(response.dbSize), int(response.dbSizeInUse), int(response.header.revision))
 
     # --- leases -----------------------------------------------------------------------------
 
