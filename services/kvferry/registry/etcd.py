@@ -194,6 +194,19 @@ class Txn:
                 keys |= operation.written_keys()
         return keys
 
+    def request_bytes(self) -> int:
+        """About what it weighs on the wire (keys and values): etcd refuses requests past
+        ``--max-request-bytes`` (1.5 MiB by default)."""
+        size = sum(len(compare.key) for compare in self.compare)
+        for operation in (*self.success, *self.failure):
+            if isinstance(operation, Put):
+                size += len(operation.key) + len(operation.value)
+            elif isinstance(operation, Txn):
+                size += operation.request_bytes()
+            else:
+                size += len(operation.key)
+        return size
+
 
 Op = Get | Put | Delete | Txn
 
@@ -503,6 +516,8 @@ async def _ignore_rewind(seen_revision: int, revision: int) -> None:
 
 # How etcd words a write refused for its space quota (RESOURCE_EXHAUSTED).
 _NOSPACE_DETAIL = "database space exceeded"
+# How gRPC words a request past the server's limit (RESOURCE_EXHAUSTED, not an outage).
+_TOO_LARGE_DETAIL = "larger than max"
 
 
 @dataclass(frozen=True)
@@ -577,6 +592,11 @@ class EtcdGateway:
 
     def _translate(self, error: grpc.aio.AioRpcError, what: str) -> Exception:
         code = error.code()
+        if _TOO_LARGE_DETAIL in (error.details() or ""):
+            return EtcdFailure(
+                f"etcd at {self.endpoints_text} refused {what} as too large ({error.details()}); keep "
+                "requests under etcd's --max-request-bytes"
+            )
         if _NOSPACE_DETAIL in (error.details() or ""):
             return EtcdNoSpace(
                 f"etcd at {self.endpoints_text} refused {what}: it is out of space (NOSPACE alarm: its "
