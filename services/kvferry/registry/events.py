@@ -218,7 +218,9 @@ class RetentionEventHub:
                 tombstones[(layout.conversation_of_tombstone(key), revision)] = decode_tombstone(kv.value)
             return
         if key.startswith(layout.renewals):
-            if event.type is EventType.PUT:
+            # Written under the record's own lease by a publish (no previous value, or the older
+            # turn's under another lease) and rewritten by each renewal (same lease): RENEWED.
+            if event.type is EventType.PUT and prev_kv is not None and prev_kv.lease == kv.lease:
                 renewed = decode_record(kv.value).retention
                 conversation = layout.conversation_of_renewal(key)
                 renewed.tenant = conversation.tenant

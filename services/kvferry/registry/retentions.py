@@ -56,6 +56,7 @@ from kvferry.registry.records import (
     encode_record,
     encode_renewal,
     encode_tombstone,
+    renewal_summary,
 )
 from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.runtime.errors import Aborted, FailedPrecondition, NotFound, ServiceError
@@ -309,9 +310,8 @@ class RetentionStore:
             Put(live_key, record, lease.id),
             Put(index_key, encode_incarnation(incarnation), lease.id),
         ]
-        if live_kv is not None:
-            # The older turn's renewal goes with it (it names the older lease: never read as ours).
-            operations.append(Delete(self.layout.renewal(conversation)))
+        # The renewal key starts with the record (replacing an older turn's): renewals read it alone.
+        operations.append(Put(renewal_key, encode_renewal(stored, incarnation), lease.id))
         committed = await self._writes.txn(
             [
                 LeaseIs(engine_key, incarnation),
@@ -444,32 +444,45 @@ class RetentionStore:
     async def renew_retention(self, tenant: str, conversation_id: str) -> FoundRetention:
         """Extends the retention's lease and records the new expiry (watchers see RENEWED).
 
-        The record itself is never rewritten: the renewal writes the new expiry to the record's
-        renewal key (no blocks), so it costs the same whatever the conversation's length. An
-        expired record is not renewed (NOT_FOUND) but ended. One round trip (a keep-alive and a
-        guarded put, sent together) when this registry knows the record; a read first otherwise.
+        The record itself is never read nor rewritten: a renewal reads and writes the record's
+        small renewal key (holder, turn, expiry; no blocks), guarded by the record's lease, so it
+        costs the same whatever the conversation's length. An expired record is not renewed
+        (NOT_FOUND) but ended. One round trip (a keep-alive and a guarded put, sent together) when
+        this registry knows the retention; a small read first otherwise.
         """
         conversation = validation.conversation_key(tenant, conversation_id)
         live_key = self.layout.live(conversation)
         cached = self._cache.get(live_key)
-        # A renewal elsewhere only moves the expiry later: unexpired in the cache is unexpired in etcd.
-        if cached is not None and not is_expired(cached.stored.retention, self._clock.time()):
-            renewed = await self._renew_once(conversation, cached.stored, cached.lease, cached.mod_revision)
-            if renewed is not None:
-                return renewed
+        if cached is not None:
+            current = (
+                cached.renewal if cached.renewal is not None else renewal_summary(cached.stored.retention)
+            )
+            # A renewal elsewhere only moves the expiry later: unexpired here is unexpired in etcd.
+            if not is_expired(current, self._clock.time()):
+                state = StoredRetention(current, cached.stored.engine_incarnation)
+                renewed = await self._renew_once(conversation, state, cached.lease)
+                if renewed is not None:
+                    return renewed
         self._cache.drop(live_key)
         for _ in range(_TXN_ATTEMPTS):
-            kv, renewal = await self._get_live(conversation)
-            if kv is None:
+            live, renewal = await self._renewal_state(conversation)
+            if live is None:
                 raise _no_retention(conversation)
-            stored = with_renewal(decode_record(kv.value), kv.lease, renewal)
-            if is_expired(stored.retention, self._clock.time()):
+            if renewal is not None and renewal.lease == live.lease:
+                state = decode_record(renewal.value)
+            else:  # a record from before renewal keys were written at publish: read it once
+                record_kv = await self.etcd.get(live_key)
+                if record_kv is None or record_kv.lease != live.lease:
+                    continue
+                record = decode_record(record_kv.value)
+                state = StoredRetention(renewal_summary(record.retention), record.engine_incarnation)
+            if is_expired(state.retention, self._clock.time()):
                 renewal_revision = renewal.mod_revision if renewal is not None else 0
-                record = _LiveRecord(stored, kv.lease, kv.mod_revision, renewal_revision, 0)
-                if await self._end_expired(conversation, record):
+                expired = _LiveRecord(state, live.lease, live.mod_revision, renewal_revision, 0)
+                if await self._end_expired(conversation, expired):
                     raise _no_retention(conversation)
                 continue
-            renewed = await self._renew_once(conversation, stored, kv.lease, kv.mod_revision)
+            renewed = await self._renew_once(conversation, state, live.lease)
             if renewed is None:
                 raise NotFound(
                     f"conversation {conversation_id} of tenant {tenant} has no retention to renew: it was "
@@ -505,28 +518,35 @@ class RetentionStore:
         )
         return read.range(0).first, read.range(1).first
 
+    async def _renewal_state(self, conversation: ConversationKey) -> tuple[KeyValue | None, KeyValue | None]:
+        """The record's key (its lease and revision, not its value) and its renewal, read together."""
+        read = await self._reads.txn(
+            [], [Get(self.layout.live(conversation), keys_only=True), Get(self.layout.renewal(conversation))]
+        )
+        return read.range(0).first, read.range(1).first
+
     async def _renew_once(
-        self, conversation: ConversationKey, stored: StoredRetention, lease: int, mod_revision: int
+        self, conversation: ConversationKey, state: StoredRetention, lease: int
     ) -> FoundRetention | None:
         """Renews ``lease`` and writes the new expiry to the renewal key if the record still holds
-        the conversation; else None.
+        the conversation; else None. ``state`` is the renewal summary (``records.renewal_summary``).
 
         The guard is the record's lease: whoever ended the record (expiry included) deleted it first.
         """
         live_key = self.layout.live(conversation)
-        retention = resources.Retention()
-        retention.CopyFrom(stored.retention)
+        summary = resources.Retention()
+        summary.CopyFrom(state.retention)
         # A keep-alive restores the granted TTL; the renewal says so.
-        retention.expire_time.CopyFrom(to_timestamp(self._clock.time() + retention.ttl_seconds))
-        engine_key = self.layout.engine(retention.engine_id)
+        summary.expire_time.CopyFrom(to_timestamp(self._clock.time() + summary.ttl_seconds))
+        engine_key = self.layout.engine(summary.engine_id)
         renewal, update = await asyncio.gather(
             self.etcd.keep_alive_once(lease),
             self._writes.txn(
-                [LeaseIs(live_key, lease), LeaseIs(engine_key, stored.engine_incarnation)],
+                [LeaseIs(live_key, lease), LeaseIs(engine_key, state.engine_incarnation)],
                 [
                     Put(
                         self.layout.renewal(conversation),
-                        encode_renewal(retention, stored.engine_incarnation),
+                        encode_renewal(summary, state.engine_incarnation),
                         lease,
                     )
                 ],
@@ -542,10 +562,12 @@ class RetentionStore:
         if not update.succeeded:
             return None
         self._metrics.lease_renewed(LEASE_RETENTION)
-        renewed = StoredRetention(retention, stored.engine_incarnation)
-        # The record is unchanged (same revision); the cache keeps its latest known expiry.
-        self._cache.put(live_key, renewed, lease, mod_revision, retention.ByteSize())
-        return FoundRetention(retention, update.revision)
+        self._cache.renewed(live_key, summary)
+        answer = resources.Retention()
+        answer.CopyFrom(summary)
+        answer.tenant, answer.conversation_id = conversation.tenant, conversation.conversation_id
+        answer.name = conversation.name
+        return FoundRetention(answer, update.revision)
 
     # --- release ----------------------------------------------------------------------------
 
