@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import math
 import random
 import re
@@ -115,6 +116,11 @@ async def scale(
     with cpu.measure(publish_cpu):
         await asyncio.gather(*(publisher(worker) for worker in range(32)))
     publish_seconds = time.monotonic() - started
+    if publish_seconds > ttl / 3:
+        print(
+            f"scale: publishing took {publish_seconds:.0f}s, over TTL/3: the first ones may expire",
+            flush=True,
+        )
     loaded = await etcd_metrics(etcd_endpoint) if metrics else {}
     print(
         f"scale: published {count} in {publish_seconds:.0f}s ({publish_errors} errors); etcd {loaded}",
@@ -131,6 +137,7 @@ async def scale(
     lateness: list[float] = []
     renewed = 0
     renew_errors = 0
+    error_kinds: collections.Counter[str] = collections.Counter()
     samples: list[dict[str, float]] = []
 
     async def scheduler() -> None:
@@ -159,11 +166,14 @@ async def scale(
             )
             try:
                 response = await workload.stub(worker).RenewRetentions(request, timeout=30)
-                failed = sum(1 for renewal in response.renewals if renewal.code)
-                renewed += len(conversations) - failed
-                renew_errors += failed
-            except Exception:
+                failed = [renewal for renewal in response.renewals if renewal.code]
+                renewed += len(conversations) - len(failed)
+                renew_errors += len(failed)
+                for renewal in failed:
+                    error_kinds[f"code {renewal.code}: {renewal.message[:80]}"] += 1
+            except Exception as error:
                 renew_errors += len(conversations)
+                error_kinds[f"call: {str(error)[:120]}"] += len(conversations)
             finally:
                 due.task_done()
 
@@ -188,14 +198,20 @@ async def scale(
 
     # Lookups of random live retentions: closed loop, 16 clients.
     latencies: list[float] = []
+    misses = 0
     lookup_end = loop.time() + args.scale_lookups
     chooser = random.Random(5)
 
     async def looker(client: int) -> None:
+        nonlocal misses
         while loop.time() < lookup_end:
             request = api.GetRetentionRequest(tenant=workload.tenant, conversation_id=chooser.choice(names))
             sent = time.perf_counter()
-            await workload.stub(client).GetRetention(request, timeout=10)
+            try:
+                await workload.stub(client).GetRetention(request, timeout=10)
+            except Exception:
+                misses += 1  # expired (renewals fell behind) or failed: not a latency sample
+                continue
             latencies.append(time.perf_counter() - sent)
 
     await asyncio.gather(*(looker(client) for client in range(16)))
@@ -223,6 +239,7 @@ async def scale(
         "required_renew_rate": count / period,
         "achieved_renew_rate": rate,
         "renew_errors": renew_errors,
+        "renew_error_kinds": dict(error_kinds.most_common(5)),
         "renew_lateness_p99_s": percentile(ordered_lateness, 0.99),
         "renew_cpu": renew_cpu,
         "cpu_seconds_per_renewal": cpu_per_renewal,
@@ -236,6 +253,7 @@ async def scale(
         "etcd_db_in_use_bytes_per_retention": db_per_retention,
         "etcd_over_time": samples,
         "lookups": len(latencies),
+        "lookup_misses": misses,
         "lookup_p50_ms": percentile(ordered_lookups, 0.5) * 1e3,
         "lookup_p99_ms": percentile(ordered_lookups, 0.99) * 1e3,
         "projection": {
@@ -256,12 +274,14 @@ def scale_line(result: dict[str, Any]) -> str:
         f"scale: {result['retentions']} live (tokens {result['tokens_min_median_max']}), published at "
         f"{result['publish_rate']:.0f}/s; renewals needed {result['required_renew_rate']:.0f}/s, reached "
         f"{result['achieved_renew_rate']:.0f}/s in batches of {result['renew_batch']} (errors "
-        f"{result['renew_errors']}, lateness p99 {result['renew_lateness_p99_s']:.2f}s); etcd WAL "
+        f"{result['renew_errors']} {result['renew_error_kinds'] or ''}, "
+        f"lateness p99 {result['renew_lateness_p99_s']:.2f}s); etcd WAL "
         f"{result['etcd_wal_bytes_per_second'] / 1e3:.1f} KB/s = "
         f"{result['etcd_wal_bytes_per_renewal']:.0f} B/renewal; "
         f"etcd DB before/loaded/end {result['etcd_db_bytes_before_loaded_end']} "
         f"({result['etcd_db_in_use_bytes_per_retention'] / 1e3:.1f} KB in use per retention); lookups "
-        f"p50 {result['lookup_p50_ms']:.2f} ms p99 {result['lookup_p99_ms']:.2f} ms; "
+        f"p50 {result['lookup_p50_ms']:.2f} ms p99 {result['lookup_p99_ms']:.2f} ms "
+        f"({result['lookup_misses']} missed); "
         f"cpu {result['renew_cpu']}\n"
         f"projection to {projection['retentions']:,} (renewals at TTL/3: "
         f"{projection['renewals_per_second']:.0f}/s): cpu cores {cores}; etcd WAL "
