@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from kvferry.registry import validation
@@ -45,6 +45,7 @@ from kvferry.registry.etcd import (
     Op,
     Put,
     TxnResult,
+    prefix_end,
 )
 from kvferry.registry.keys import ConversationKey, KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
@@ -68,6 +69,8 @@ log = logging.getLogger(__name__)
 
 # Optimistic transactions retry this often before answering ABORTED.
 _TXN_ATTEMPTS = 4
+# Records per snapshot read (a 128k-token record is ~170 KB: a page stays under ~35 MB).
+SNAPSHOT_PAGE = 200
 # Records kept in memory to answer lookups and renewals in one etcd round trip.
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 # How long an engine request its engine ended stays unpublishable. A publish of it can only be in
@@ -624,6 +627,34 @@ class RetentionStore:
                 return committed.revision
             kv, renewal = committed.range(0).first, committed.range(1).first
         raise Aborted(f"conversation {conversation_id} changed concurrently while releasing; retry")
+
+    # --- every live retention ---------------------------------------------------------------
+
+    async def snapshot(
+        self, page_size: int = SNAPSHOT_PAGE
+    ) -> AsyncIterator[tuple[list[resources.Retention], int]]:
+        """Every live record with its latest expiry, in pages, each with the revision it was read at.
+
+        Pages are separate reads: a change meanwhile may or may not show; a watch opened before the
+        snapshot tells what changed since (WatchAllRetentions).
+        """
+        expiries: dict[bytes, KeyValue] = {}
+        renewals = self.layout.renewals
+        async for page in self.etcd.scan(renewals, prefix_end(renewals), page_size=SNAPSHOT_PAGE * 10):
+            for kv in page.kvs:
+                expiries[kv.key[len(renewals) :]] = kv
+        live = self.layout.live_retentions
+        async for page in self.etcd.scan(live, prefix_end(live), page_size=page_size):
+            retentions = []
+            for kv in page.kvs:
+                try:
+                    stored = decode_record(kv.value)
+                except ValueError as error:  # includes protobuf's DecodeError
+                    log.error("undecodable retention record skipped", extra={"error": str(error)})
+                    continue
+                renewal = expiries.get(kv.key[len(live) :])
+                retentions.append(with_renewal(stored, kv.lease, renewal).retention)
+            yield retentions, page.revision
 
     # --- an engine ending its own retention ----------------------------------------------------
 

@@ -251,6 +251,17 @@ class GrpcRegistry:
             if not page_token:
                 return engines
 
+    async def watch_all_retentions(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]:
+        """WatchAllRetentions: the snapshot, SYNCED, then every change (feeds ``RetentionIndex``)."""
+        call = self._stub.WatchAllRetentions(registry_pb2.WatchAllRetentionsRequest())
+        try:
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "WatchAllRetentions") from None
+        finally:
+            call.cancel()
+
     async def watch_engines(self) -> AsyncIterator[EngineEvent]:
         call = self._stub.WatchEngines(registry_pb2.WatchEnginesRequest())
         try:

@@ -61,6 +61,14 @@ class _RetentionEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Re
     """The retention's lease was renewed; `retention.expire_time` is the new end."""
     RETENTION_EVENT_TYPE_ENDED: _RetentionEventType.ValueType  # 2
     """The retention ended; free its blocks after the grace period."""
+    RETENTION_EVENT_TYPE_PUBLISHED: _RetentionEventType.ValueType  # 3
+    """WatchAllRetentions only: a live retention (`retention` is the whole record): one per live
+    retention in the snapshot, then one per publish.
+    """
+    RETENTION_EVENT_TYPE_SYNCED: _RetentionEventType.ValueType  # 4
+    """WatchAllRetentions only: the snapshot is complete; every retention live at `header.revision`
+    was sent.
+    """
 
 class RetentionEventType(_RetentionEventType, metaclass=_RetentionEventTypeEnumTypeWrapper):
     """What happened to a retention."""
@@ -71,6 +79,14 @@ RETENTION_EVENT_TYPE_RENEWED: RetentionEventType.ValueType  # 1
 """The retention's lease was renewed; `retention.expire_time` is the new end."""
 RETENTION_EVENT_TYPE_ENDED: RetentionEventType.ValueType  # 2
 """The retention ended; free its blocks after the grace period."""
+RETENTION_EVENT_TYPE_PUBLISHED: RetentionEventType.ValueType  # 3
+"""WatchAllRetentions only: a live retention (`retention` is the whole record): one per live
+retention in the snapshot, then one per publish.
+"""
+RETENTION_EVENT_TYPE_SYNCED: RetentionEventType.ValueType  # 4
+"""WatchAllRetentions only: the snapshot is complete; every retention live at `header.revision`
+was sent.
+"""
 Global___RetentionEventType: _TypeAlias = RetentionEventType  # noqa: Y015
 
 @_typing.final
@@ -805,6 +821,23 @@ class WatchRetentionsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchRetentionsRequest: _TypeAlias = WatchRetentionsRequest  # noqa: Y015
+
+@_typing.final
+class WatchAllRetentionsRequest(_message.Message):
+    """Request for WatchAllRetentions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchAllRetentionsRequest: _TypeAlias = WatchAllRetentionsRequest  # noqa: Y015
 
 @_typing.final
 class WatchRetentionsResponse(_message.Message):

@@ -96,6 +96,11 @@ class RegistryServiceStub:
                 request_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.FromString,
                 _registered_method=True)
+        self.WatchAllRetentions = channel.unary_stream(
+                '/kvferry.v1.RegistryService/WatchAllRetentions',
+                request_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer:
@@ -191,6 +196,15 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchAllRetentions(self, request, context):
+        """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
+        and end of any engine: what a router keeps its local retention index from. A stream cut off
+        (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -252,6 +266,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
             'WatchRetentions': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchRetentions,
                     request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.SerializeToString,
+            ),
+            'WatchAllRetentions': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchAllRetentions,
+                    request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.SerializeToString,
             ),
     }
@@ -580,6 +599,33 @@ class RegistryService:
             target,
             '/kvferry.v1.RegistryService/WatchRetentions',
             kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsRequest.SerializeToString,
+            kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchAllRetentions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvferry.v1.RegistryService/WatchAllRetentions',
+            kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsRequest.SerializeToString,
             kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.FromString,
             options,
             channel_credentials,

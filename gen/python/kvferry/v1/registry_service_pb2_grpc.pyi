@@ -65,6 +65,11 @@ class RegistryServiceStub:
     """
     WatchRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]
     """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+    WatchAllRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]
+    """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
+    and end of any engine: what a router keeps its local retention index from. A stream cut off
+    (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
+    """
 
 @_typing.type_check_only
 class RegistryServiceAsyncStub(RegistryServiceStub):
@@ -103,6 +108,11 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """
     WatchRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]  # type: ignore[assignment]
     """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+    WatchAllRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]  # type: ignore[assignment]
+    """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
+    and end of any engine: what a router keeps its local retention index from. A stream cut off
+    (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
+    """
 
 class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     """The KV-metadata registry: engines and the KV they retain, each alive under an etcd lease.
@@ -210,5 +220,16 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_registry_service_pb2.WatchRetentionsResponse], _abc.AsyncIterator[_registry_service_pb2.WatchRetentionsResponse]]:
         """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+
+    @_abc_1.abstractmethod
+    def WatchAllRetentions(
+        self,
+        request: _registry_service_pb2.WatchAllRetentionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_registry_service_pb2.WatchRetentionsResponse], _abc.AsyncIterator[_registry_service_pb2.WatchRetentionsResponse]]:
+        """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
+        and end of any engine: what a router keeps its local retention index from. A stream cut off
+        (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
+        """
 
 def add_RegistryServiceServicer_to_server(servicer: RegistryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
