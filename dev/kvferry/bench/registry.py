@@ -282,6 +282,9 @@ class Workload:
     def stub(self, client: int) -> Any:
         return self.stubs[client % len(self.stubs)]
 
+    def channel(self, client: int) -> Any:
+        return self._channels[client % len(self._channels)]
+
     async def start(self) -> None:
         from kvferry.v1 import registry_service_pb2 as api
         from kvferry.v1 import resources_pb2 as resources

@@ -12,11 +12,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
+import gc
 import math
+import os
 import random
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 _METRICS = {
@@ -216,6 +220,7 @@ async def scale(
 
     await asyncio.gather(*(looker(client) for client in range(16)))
     ordered_lookups, ordered_lateness = sorted(latencies), sorted(lateness)
+    index = await _index_figures(workload, names)
 
     rate = renewed / renew_seconds
     wal_per_second = (renew_after.get("wal_bytes", 0) - renew_before.get("wal_bytes", 0)) / renew_seconds
@@ -256,19 +261,64 @@ async def scale(
         "lookup_misses": misses,
         "lookup_p50_ms": percentile(ordered_lookups, 0.5) * 1e3,
         "lookup_p99_ms": percentile(ordered_lookups, 0.99) * 1e3,
+        "router_index": index,
         "projection": {
             "retentions": PROJECTED_RETENTIONS,
             "renewals_per_second": needed_rate,
             "cpu_cores": {name: per * needed_rate for name, per in cpu_per_renewal.items()},
             "etcd_wal_bytes_per_second": needed_rate * (wal_per_second / rate if rate else float("nan")),
             "etcd_db_bytes": PROJECTED_RETENTIONS * db_per_retention,
+            "router_index_bytes": PROJECTED_RETENTIONS * index["bytes_per_retention"],
         },
     }
     return result
 
 
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def _index_figures(workload: Any, names: list[str]) -> dict[str, Any]:
+    """A router's retention index fed by WatchAllRetentions: time to sync, memory per retention
+    (resident-set growth of this process), and in-process lookup latency."""
+    from kvferry.router.registry_client import GrpcRegistry
+    from kvferry.router.retention_index import RetentionIndex
+
+    client = GrpcRegistry(workload.channel(0), timeout_seconds=60)
+    gc.collect()
+    before = _rss_bytes()
+    index = RetentionIndex(client.watch_all_retentions)
+    started = time.monotonic()
+    task = asyncio.create_task(index.run())
+    try:
+        await asyncio.wait_for(index.ready.wait(), 600)
+        sync_seconds = time.monotonic() - started
+        gc.collect()
+        grown = _rss_bytes() - before
+        chooser = random.Random(9)
+        samples: list[float] = []
+        now = time.time()
+        for _ in range(100_000):
+            name = chooser.choice(names)
+            sent = time.perf_counter_ns()
+            index.get(workload.tenant, name, now)
+            samples.append((time.perf_counter_ns() - sent) / 1e6)
+        samples.sort()
+        return {
+            "entries": len(index),
+            "sync_seconds": sync_seconds,
+            "bytes_per_retention": grown / max(1, len(index)),
+            "lookup_p50_ms": samples[len(samples) // 2],
+            "lookup_p99_ms": samples[int(len(samples) * 0.99)],
+        }
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def scale_line(result: dict[str, Any]) -> str:
-    projection = result["projection"]
+    projection, index = result["projection"], result["router_index"]
     cores = " ".join(f"{name}={value:.2f}" for name, value in projection["cpu_cores"].items())
     return (
         f"scale: {result['retentions']} live (tokens {result['tokens_min_median_max']}), published at "
@@ -283,8 +333,12 @@ def scale_line(result: dict[str, Any]) -> str:
         f"p50 {result['lookup_p50_ms']:.2f} ms p99 {result['lookup_p99_ms']:.2f} ms "
         f"({result['lookup_misses']} missed); "
         f"cpu {result['renew_cpu']}\n"
+        f"router index: {index['entries']} synced in {index['sync_seconds']:.1f}s, "
+        f"{index['bytes_per_retention'] / 1e3:.1f} KB per retention, lookup p50 "
+        f"{index['lookup_p50_ms'] * 1e3:.1f} us p99 {index['lookup_p99_ms'] * 1e3:.1f} us\n"
         f"projection to {projection['retentions']:,} (renewals at TTL/3: "
         f"{projection['renewals_per_second']:.0f}/s): cpu cores {cores}; etcd WAL "
         f"{projection['etcd_wal_bytes_per_second'] / 1e6:.1f} MB/s; "
-        f"etcd DB {projection['etcd_db_bytes'] / 1e9:.1f} GB"
+        f"etcd DB {projection['etcd_db_bytes'] / 1e9:.1f} GB; router index "
+        f"{projection['router_index_bytes'] / 1e9:.1f} GB per replica"
     )
