@@ -89,13 +89,14 @@ async def scale(
     metrics = bool(etcd_endpoint)
     before = await etcd_metrics(etcd_endpoint) if metrics else {}
 
-    queue = list(range(count))
+    # Published in the order renewals come round, so none waits longer than TTL/3 for its first.
+    queue = collections.deque(range(count))
     publish_errors = 0
 
     async def publisher(worker: int) -> None:
         nonlocal publish_errors
         while queue:
-            index = queue.pop()
+            index = queue.popleft()
             blocks = sizes[index] // block_size
             retention = resources.Retention(
                 tenant=workload.tenant,
