@@ -1,4 +1,4 @@
-"""The registry's own errors: etcd's two ways of failing, and a conversation's turn already in flight. The
+"""The registry's own errors: etcd's ways of failing, and a conversation's turn already in flight. The
 rest are the kit's (``kvferry.runtime.errors``), which also turns them into statuses."""
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ class EtcdUnavailable(Unavailable):
 
 class EtcdFailure(Internal):
     """etcd answered with an error the registry does not expect (a bug or a misconfigured etcd)."""
+
+
+class EtcdNoSpace(EtcdUnavailable):
+    """etcd refused a write for its space quota (the NOSPACE alarm is raised): no write succeeds
+    until space is freed and the alarm disarmed."""
 
 
 class TurnInFlight(Aborted):

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 from kvferry.registry import validation
 from kvferry.registry.engines import EngineStore
-from kvferry.registry.events import RetentionEvent, RetentionEventHub
+from kvferry.registry.events import ALL_ENGINES, RetentionEvent, RetentionEventHub
 from kvferry.registry.retentions import RetentionStore
 from kvferry.registry.turns import TurnStore
 from kvferry.runtime import errors
@@ -143,6 +143,27 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
         )
 
     @unary
+    async def RenewRetentions(
+        self, request: registry.RenewRetentionsRequest, context: grpc.aio.ServicerContext
+    ) -> registry.RenewRetentionsResponse:
+        validation.renewal_batch(len(request.renewals))
+        wanted = [(renewal.tenant, renewal.conversation_id) for renewal in request.renewals]
+        outcomes = await self._retentions.renew_retentions(wanted)
+        response = registry.RenewRetentionsResponse()
+        revision = 0
+        for (tenant, conversation_id), outcome in zip(wanted, outcomes, strict=True):
+            answer = response.renewals.add(tenant=tenant, conversation_id=conversation_id)
+            if isinstance(outcome, errors.ServiceError):
+                answer.code = errors.STATUS[outcome.kind].grpc.value[0]
+                answer.message = outcome.message
+                continue
+            answer.expire_time.CopyFrom(outcome.retention.expire_time)
+            answer.ttl_seconds = outcome.retention.ttl_seconds
+            revision = max(revision, outcome.revision)
+        response.header.CopyFrom(_header(revision))
+        return response
+
+    @unary
     async def ReleaseRetention(
         self, request: registry.ReleaseRetentionRequest, context: grpc.aio.ServicerContext
     ) -> registry.ReleaseRetentionResponse:
@@ -163,6 +184,29 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
             request.reason,
         )
         return registry.EndEngineRetentionResponse(header=_header(end.revision), ended=end.ended)
+
+    @streaming
+    async def WatchAllRetentions(
+        self, request: registry.WatchAllRetentionsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[registry.WatchRetentionsResponse]:
+        # Subscribed before the snapshot is read, so nothing that happens meanwhile is missed (what
+        # the snapshot already shows comes again as an event: the client judges by revision).
+        async with self._hub.subscribe(ALL_ENGINES) as subscription:
+            await context.send_initial_metadata(())
+            revision = 0
+            async for page, page_revision in self._retentions.snapshot():
+                revision = max(revision, page_revision)
+                for retention in page:
+                    yield registry.WatchRetentionsResponse(
+                        header=_header(page_revision),
+                        type=registry.RETENTION_EVENT_TYPE_PUBLISHED,
+                        retention=retention,
+                    )
+            yield registry.WatchRetentionsResponse(
+                header=_header(revision), type=registry.RETENTION_EVENT_TYPE_SYNCED
+            )
+            async for event in subscription.events():
+                yield _retention_event(event)
 
     @streaming
     async def WatchRetentions(

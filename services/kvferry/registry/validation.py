@@ -21,6 +21,8 @@ from kvferry.v1 import resources_pb2 as resources
 MAX_RECORD_BYTES = 1024 * 1024
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
+# Renewals one RenewRetentions call may carry.
+MAX_RENEWAL_BATCH = 1000
 
 _VALID_ROLES = (resources.ENGINE_ROLE_PREFILL, resources.ENGINE_ROLE_DECODE, resources.ENGINE_ROLE_BOTH)
 
@@ -217,3 +219,13 @@ def decode_page_token(token: str) -> str:
     if check_id("page_token", engine_id) is not None:
         raise InvalidArgument("page_token is not one this registry issued; list again without it")
     return engine_id
+
+
+def renewal_batch(count: int) -> None:
+    """A RenewRetentions call carries 1..MAX_RENEWAL_BATCH renewals."""
+    if not 0 < count <= MAX_RENEWAL_BATCH:
+        raise InvalidArgument(
+            f"renewals carries {count} conversations; send 1 to {MAX_RENEWAL_BATCH} per call "
+            "(split larger sets into several calls)",
+            param="renewals",
+        )

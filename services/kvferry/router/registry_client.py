@@ -3,13 +3,16 @@ the engine table kept from the registry's engine watch.
 
 Every call carries a deadline. A registry that does not answer raises :class:`RegistryUnavailable`;
 the turn logic then serves by recompute (rule 7 of docs/design.md) instead of failing the turn.
+
+Renewals that arrive together (many conversations kept alive through one router) go to the
+registry as one ``RenewRetentions`` call (:class:`RenewalBatcher`); a lone one goes out at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -115,12 +118,68 @@ class RegistryApi(EngineSource, Protocol):
         ...
 
 
+Renewal = tuple[str, str]
+# What one renewal came to: the new lease end, None (nothing live to renew), or the error to raise.
+RenewalOutcome = float | None | Exception
+# Renewals one RenewRetentions call carries (the registry's limit).
+MAX_RENEWAL_BATCH = 1000
+
+
+class RenewalBatcher:
+    """Concurrent renewals sent as one call: while a call is in flight, new renewals queue, and the
+    next call carries them all (up to ``max_batch``). A lone renewal goes out at once, unchanged,
+    so an idle router pays no delay.
+    """
+
+    def __init__(
+        self,
+        send_one: Callable[[Renewal], Awaitable[float | None]],
+        send_many: Callable[[Sequence[Renewal]], Awaitable[list[RenewalOutcome]]],
+        max_batch: int = MAX_RENEWAL_BATCH,
+    ) -> None:
+        self._send_one = send_one
+        self._send_many = send_many
+        self._max_batch = max_batch
+        self._pending: list[tuple[Renewal, asyncio.Future[float | None]]] = []
+        self._drainer: asyncio.Task[None] | None = None
+
+    async def renew(self, tenant: str, conversation_id: str) -> float | None:
+        future: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
+        self._pending.append(((tenant, conversation_id), future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain(), name="registry-renewal-batcher")
+        return await future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
+            await self._send(batch)
+
+    async def _send(self, batch: list[tuple[Renewal, asyncio.Future[float | None]]]) -> None:
+        outcomes: list[RenewalOutcome]
+        try:
+            if len(batch) == 1:
+                outcomes = [await self._send_one(batch[0][0])]
+            else:
+                outcomes = await self._send_many([renewal for renewal, _ in batch])
+        except Exception as error:
+            outcomes = [error] * len(batch)
+        for (_, future), outcome in zip(batch, outcomes, strict=True):
+            if future.done():
+                continue  # its caller gave up
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+
 class GrpcRegistry:
     """:class:`RegistryApi` over the registry's gRPC API."""
 
     def __init__(self, channel: grpc.aio.Channel, *, timeout_seconds: float) -> None:
         self._stub = registry_grpc.RegistryServiceStub(channel)
         self._timeout = timeout_seconds
+        self._renewals = RenewalBatcher(self._renew_one, self._renew_many)
 
     @staticmethod
     def _fail(error: grpc.aio.AioRpcError, what: str) -> Exception:
@@ -147,6 +206,39 @@ class GrpcRegistry:
         return RetentionRecord.from_proto(response.retention)
 
     async def renew_retention(self, tenant: str, conversation_id: str) -> float | None:
+        return await self._renewals.renew(tenant, conversation_id)
+
+    async def _renew_many(self, renewals: Sequence[Renewal]) -> list[RenewalOutcome]:
+        request = registry_pb2.RenewRetentionsRequest(
+            renewals=[
+                registry_pb2.RenewRetentionRequest(tenant=tenant, conversation_id=conversation_id)
+                for tenant, conversation_id in renewals
+            ]
+        )
+        try:
+            response = await self._stub.RenewRetentions(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "RenewRetentions") from None
+        outcomes: list[RenewalOutcome] = []
+        for answer in response.renewals:
+            code = grpc.StatusCode.OK
+            for status in grpc.StatusCode:
+                if status.value[0] == answer.code:
+                    code = status
+            if code == grpc.StatusCode.OK:
+                outcomes.append(answer.expire_time.seconds + answer.expire_time.nanos / 1e9)
+            elif code == grpc.StatusCode.NOT_FOUND:
+                outcomes.append(None)
+            elif code in _UNREACHABLE:
+                outcomes.append(RegistryUnavailable(f"registry did not renew: {code.name} {answer.message}"))
+            elif code == grpc.StatusCode.INVALID_ARGUMENT:
+                outcomes.append(InvalidArgument(answer.message))
+            else:
+                outcomes.append(Internal(f"registry failed RenewRetentions: {code.name} {answer.message}"))
+        return outcomes
+
+    async def _renew_one(self, renewal: Renewal) -> float | None:
+        tenant, conversation_id = renewal
         try:
             response = await self._stub.RenewRetention(
                 registry_pb2.RenewRetentionRequest(tenant=tenant, conversation_id=conversation_id),
@@ -219,6 +311,17 @@ class GrpcRegistry:
             page_token = response.next_page_token
             if not page_token:
                 return engines
+
+    async def watch_all_retentions(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]:
+        """WatchAllRetentions: the snapshot, SYNCED, then every change (feeds ``RetentionIndex``)."""
+        call = self._stub.WatchAllRetentions(registry_pb2.WatchAllRetentionsRequest())
+        try:
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "WatchAllRetentions") from None
+        finally:
+            call.cancel()
 
     async def watch_engines(self) -> AsyncIterator[EngineEvent]:
         call = self._stub.WatchEngines(registry_pb2.WatchEnginesRequest())

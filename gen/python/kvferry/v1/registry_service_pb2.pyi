@@ -61,6 +61,14 @@ class _RetentionEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Re
     """The retention's lease was renewed; `retention.expire_time` is the new end."""
     RETENTION_EVENT_TYPE_ENDED: _RetentionEventType.ValueType  # 2
     """The retention ended; free its blocks after the grace period."""
+    RETENTION_EVENT_TYPE_PUBLISHED: _RetentionEventType.ValueType  # 3
+    """WatchAllRetentions only: a live retention (`retention` is the whole record): one per live
+    retention in the snapshot, then one per publish.
+    """
+    RETENTION_EVENT_TYPE_SYNCED: _RetentionEventType.ValueType  # 4
+    """WatchAllRetentions only: the snapshot is complete; every retention live at `header.revision`
+    was sent.
+    """
 
 class RetentionEventType(_RetentionEventType, metaclass=_RetentionEventTypeEnumTypeWrapper):
     """What happened to a retention."""
@@ -71,6 +79,14 @@ RETENTION_EVENT_TYPE_RENEWED: RetentionEventType.ValueType  # 1
 """The retention's lease was renewed; `retention.expire_time` is the new end."""
 RETENTION_EVENT_TYPE_ENDED: RetentionEventType.ValueType  # 2
 """The retention ended; free its blocks after the grace period."""
+RETENTION_EVENT_TYPE_PUBLISHED: RetentionEventType.ValueType  # 3
+"""WatchAllRetentions only: a live retention (`retention` is the whole record): one per live
+retention in the snapshot, then one per publish.
+"""
+RETENTION_EVENT_TYPE_SYNCED: RetentionEventType.ValueType  # 4
+"""WatchAllRetentions only: the snapshot is complete; every retention live at `header.revision`
+was sent.
+"""
 Global___RetentionEventType: _TypeAlias = RetentionEventType  # noqa: Y015
 
 @_typing.final
@@ -560,6 +576,106 @@ class RenewRetentionResponse(_message.Message):
 Global___RenewRetentionResponse: _TypeAlias = RenewRetentionResponse  # noqa: Y015
 
 @_typing.final
+class RenewRetentionsRequest(_message.Message):
+    """Request for RenewRetentions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RENEWALS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def renewals(self) -> _containers.RepeatedCompositeFieldContainer[Global___RenewRetentionRequest]:
+        """The conversations to renew (at most 1000), each as in RenewRetention."""
+
+    def __init__(
+        self,
+        *,
+        renewals: _abc.Iterable[Global___RenewRetentionRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["renewals", b"renewals"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewRetentionsRequest: _TypeAlias = RenewRetentionsRequest  # noqa: Y015
+
+@_typing.final
+class RetentionRenewal(_message.Message):
+    """The outcome of one renewal of RenewRetentions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """Conversation renewed."""
+    ttl_seconds: _builtins.int
+    """Lease length, in seconds (when `code` is 0)."""
+    code: _builtins.int
+    """0 when renewed; else the gRPC status code RenewRetention would have answered (NOT_FOUND:
+    nothing to renew, recompute).
+    """
+    message: _builtins.str
+    """What went wrong, when `code` is not 0."""
+    @_builtins.property
+    def expire_time(self) -> _timestamp_pb2.Timestamp:
+        """New end of the lease (when `code` is 0)."""
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        expire_time: _timestamp_pb2.Timestamp | None = ...,
+        ttl_seconds: _builtins.int = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "conversation_id", b"conversation_id", "expire_time", b"expire_time", "message", b"message", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetentionRenewal: _TypeAlias = RetentionRenewal  # noqa: Y015
+
+@_typing.final
+class RenewRetentionsResponse(_message.Message):
+    """Response for RenewRetentions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    RENEWALS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> _resources_pb2.ResponseHeader:
+        """Registry metadata (the highest revision among the renewals)."""
+
+    @_builtins.property
+    def renewals(self) -> _containers.RepeatedCompositeFieldContainer[Global___RetentionRenewal]:
+        """One outcome per requested renewal, in the request's order."""
+
+    def __init__(
+        self,
+        *,
+        header: _resources_pb2.ResponseHeader | None = ...,
+        renewals: _abc.Iterable[Global___RetentionRenewal] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "renewals", b"renewals"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewRetentionsResponse: _TypeAlias = RenewRetentionsResponse  # noqa: Y015
+
+@_typing.final
 class ReleaseRetentionRequest(_message.Message):
     """Request for ReleaseRetention."""
 
@@ -711,6 +827,23 @@ class WatchRetentionsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchRetentionsRequest: _TypeAlias = WatchRetentionsRequest  # noqa: Y015
+
+@_typing.final
+class WatchAllRetentionsRequest(_message.Message):
+    """Request for WatchAllRetentions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchAllRetentionsRequest: _TypeAlias = WatchAllRetentionsRequest  # noqa: Y015
 
 @_typing.final
 class WatchRetentionsResponse(_message.Message):
