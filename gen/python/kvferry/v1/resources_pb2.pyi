@@ -104,6 +104,7 @@ class EngineStats(_message.Message):
     RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
     PULLED_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
     COMPUTED_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    PEER_PULL_RATES_FIELD_NUMBER: _builtins.int
     prefill_tokens_per_second: _builtins.float
     """Prefill throughput over recent prompts, in tokens per second."""
     transfer_bytes_per_second: _builtins.float
@@ -120,6 +121,12 @@ class EngineStats(_message.Message):
     """Tokens whose KV was pulled from a remote engine, since start."""
     computed_tokens_total: _builtins.int
     """Prompt tokens computed locally, since start."""
+    @_builtins.property
+    def peer_pull_rates(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerPullRate]:
+        """KV pull throughput from each engine this one pulled from recently (the transport differs per
+        peer: another GPU over NVLink, the same GPU, another host).
+        """
+
     def __init__(
         self,
         *,
@@ -131,14 +138,47 @@ class EngineStats(_message.Message):
         retained_blocks: _builtins.int = ...,
         pulled_tokens_total: _builtins.int = ...,
         computed_tokens_total: _builtins.int = ...,
+        peer_pull_rates: _abc.Iterable[Global___PeerPullRate] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["computed_tokens_total", b"computed_tokens_total", "inflight_prefill_tokens", b"inflight_prefill_tokens", "kv_bytes_per_token", b"kv_bytes_per_token", "prefill_tokens_per_second", b"prefill_tokens_per_second", "pulled_tokens_total", b"pulled_tokens_total", "retained_blocks", b"retained_blocks", "running_requests", b"running_requests", "transfer_bytes_per_second", b"transfer_bytes_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["computed_tokens_total", b"computed_tokens_total", "inflight_prefill_tokens", b"inflight_prefill_tokens", "kv_bytes_per_token", b"kv_bytes_per_token", "peer_pull_rates", b"peer_pull_rates", "prefill_tokens_per_second", b"prefill_tokens_per_second", "pulled_tokens_total", b"pulled_tokens_total", "retained_blocks", b"retained_blocks", "running_requests", b"running_requests", "transfer_bytes_per_second", b"transfer_bytes_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EngineStats: _TypeAlias = EngineStats  # noqa: Y015
+
+@_typing.final
+class PeerPullRate(_message.Message):
+    """The KV pull throughput one engine measured reading from one peer engine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    PULLS_FIELD_NUMBER: _builtins.int
+    peer_engine_id: _builtins.str
+    """The engine the KV was read from."""
+    bytes_per_second: _builtins.float
+    """Bytes pulled over the time the pulls took (posting, transfer and completion included), over the
+    most recent pulls from that peer.
+    """
+    pulls: _builtins.int
+    """How many pulls the figure covers."""
+    def __init__(
+        self,
+        *,
+        peer_engine_id: _builtins.str = ...,
+        bytes_per_second: _builtins.float = ...,
+        pulls: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_second", b"bytes_per_second", "peer_engine_id", b"peer_engine_id", "pulls", b"pulls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerPullRate: _TypeAlias = PeerPullRate  # noqa: Y015
 
 @_typing.final
 class Engine(_message.Message):
