@@ -159,6 +159,8 @@ class EngineRegistration:
         # The highest revision seen before the registry's revisions went back; 0: no rewind pending.
         self._rewind_evidence = 0
         self._stats: resources_pb2.EngineStats | None = None
+        # The stats the last heartbeat carried.
+        self._stats_sent: resources_pb2.EngineStats | None = None
         self._wake = asyncio.Event()
         self._pulse = asyncio.Event()
         self._outage_logged = False
@@ -174,8 +176,11 @@ class EngineRegistration:
         return max(self.granted_ttl_seconds, 1) / 3.0
 
     def update_stats(self, stats: resources_pb2.EngineStats) -> None:
-        """The connector's latest rates; the next heartbeat carries them."""
+        """The connector's latest rates; the next heartbeat carries them, at once when a rate the
+        router decides on changed (the connector reports those early, when they moved)."""
         self._stats = stats
+        if self.phase is Phase.REGISTERED and _decision_rates(stats) != _decision_rates(self._stats_sent):
+            self._wake.set()
 
     def poke(self) -> None:
         """Wakes the loop early (the engine's state changed)."""
@@ -310,7 +315,9 @@ class EngineRegistration:
                     f"etcd went back in time (this sidecar saw revision {self._rewind_evidence})"
                 )
             try:
-                await self._registry.heartbeat_engine(self.identity.engine_id, self._stats, self.incarnation)
+                stats = self._stats
+                await self._registry.heartbeat_engine(self.identity.engine_id, stats, self.incarnation)
+                self._stats_sent = stats
             except RegistryError as err:
                 if err.kind is ErrorKind.NOT_FOUND:
                     return self._lost(err.message)
@@ -379,3 +386,11 @@ class EngineRegistration:
         pulse, self._pulse = self._pulse, asyncio.Event()
         pulse.set()
         self._on_change()
+
+
+def _decision_rates(stats: resources_pb2.EngineStats | None) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """The rates the router's pull-or-recompute choice reads."""
+    if stats is None:
+        return 0.0, ()
+    peers = tuple((p.peer_engine_id, p.bytes_per_second) for p in stats.peer_pull_rates)
+    return stats.prefill_tokens_per_second, peers
