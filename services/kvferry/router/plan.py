@@ -7,7 +7,8 @@ engine table and the load this router has in flight) and decides in three steps:
    serves the model (rule 3); the prompt's digest chain, salted with the holder's KV compatibility hash, gives
    the longest block-aligned prefix the retention holds.
 2. **Choose** pull or recompute: a prefill engine that can read the holder's KV layout, then the cost model
-   (:func:`kvferry.router.cost.choose_reuse`) over its measured rates and the retention's lease.
+   (:func:`kvferry.router.cost.choose_reuse`) over its measured rates (its prefill rate, and the pull rate
+   it measured reading from the holder) and the retention's lease.
 3. **Pick engines**: prefill by load (the compatible one when a prefix matched), decode by affinity to the
    holder, else by load. Engines in ``exclude`` (failed this turn) are used only when no other can serve.
 """
@@ -150,7 +151,7 @@ def _choose(
         lease_seconds_left=min(retention.expire_time - now, settings.read_window_seconds),
         rates=RateInputs(
             prefill_tokens_per_second=prefill.stats.prefill_tokens_per_second,
-            transfer_bytes_per_second=prefill.stats.transfer_bytes_per_second,
+            pull_bytes_per_second=prefill.stats.peer_pull_rates.get(holder.engine_id, 0.0),
             kv_bytes_per_token=prefill.stats.kv_bytes_per_token or holder.stats.kv_bytes_per_token,
             run_blocks=mean_run_blocks(retention.block_ids[: match.blocks]),
         ),
