@@ -5,7 +5,7 @@
 # Here (in a worktree):   tools/gpu/device_carry.sh stage CHECKOUT WHEEL_DIR...
 #   puts this worktree's files (tracked and untracked-not-ignored) as CHECKOUT/.gpu-carry/src.tar.gz and the
 #   wheels of WHEEL_DIR... (shared/gpu/fetch-wheels.sh's folders c1, c2, ..., or any folder of wheels) in
-#   CHECKOUT/.gpu-carry/wN folders of at most ~56 MB, each wheel over that split into NAME.whl.part-N files.
+#   CHECKOUT/.gpu-carry/wN folders of at most 60 MB, each wheel over that split into NAME.whl.part-N files.
 #   CHECKOUT/.git/info/exclude must ignore /.gpu-carry/ (so nothing of it is ever committed there).
 # There, one call per folder, within a warm machine's idle window (what is under /tmp stays between calls):
 #   run(command="bash .gpu-carry/device.sh take", carry=[".gpu-carry/wN"])     for every folder but the last;
@@ -33,20 +33,26 @@ stage() {
     local whl=${first%.part-0}
     cat "$whl".part-* >"$whl" && rm "$whl".part-*
   done
-  limit=56000000; n=0; used=$limit
-  for f in $(ls -S "$carry/all"); do
-    local size
-    size=$(stat -c %s "$carry/all/$f")
-    if [ "$size" -gt "$limit" ]; then
-      split -b $limit -d -a 1 "$carry/all/$f" "$carry/all/$f.part-"
-      for p in "$carry/all/$f".part-*; do n=$((n + 1)); mkdir -p "$carry/w$n"; mv "$p" "$carry/w$n/"; used=$limit; done
-      rm "$carry/all/$f"
-      continue
-    fi
-    if [ $((used + size)) -gt "$limit" ]; then n=$((n + 1)); used=0; mkdir -p "$carry/w$n"; fi
-    mv "$carry/all/$f" "$carry/w$n/"
-    used=$((used + size))
+  # Wheels over the limit are split into parts; then first-fit decreasing into as few folders as will do.
+  limit=60000000
+  for f in "$carry"/all/*; do
+    [ "$(stat -c %s "$f")" -gt $limit ] && split -b $limit -d -a 1 "$f" "$f.part-" && rm "$f"
   done
+  python3 - "$carry" $limit <<'PACK'
+import sys
+from pathlib import Path
+
+carry, limit = Path(sys.argv[1]), int(sys.argv[2])
+folders: list[int] = []
+for f in sorted((carry / "all").iterdir(), key=lambda f: -f.stat().st_size):
+    size = f.stat().st_size
+    n = next((i for i, used in enumerate(folders) if used + size <= limit), len(folders))
+    if n == len(folders):
+        folders.append(0)
+    folders[n] += size
+    (carry / f"w{n + 1}").mkdir(exist_ok=True)
+    f.rename(carry / f"w{n + 1}" / f.name)
+PACK
   rmdir "$carry/all"
   du -sh "$carry"/w* "$carry/src.tar.gz" | sort -V
 }
