@@ -62,8 +62,28 @@ def _pull(
     return measured
 
 
+def _handshake(accounting: Accounting, *peers: str) -> None:
+    """A first pull from each peer (no sample: it waits for the NIXL handshake)."""
+    for peer in peers:
+        assert not _pull(accounting, f"handshake-{peer}", peer, 100, -10.0, 5.0)
+
+
+def test_the_first_pull_from_a_peer_waits_for_the_handshake_and_gives_no_rate() -> None:
+    accounting = Accounting(kv_bytes_per_token=1000)
+    assert not _pull(accounting, "r1", "d1", 2000, 0.0, 1.4)
+    assert accounting.snapshot().peer_pull_rates == ()
+    assert accounting.snapshot().pulled_tokens_total == 2000
+    assert _pull(accounting, "r2", "d1", 4000, 2.0, 0.008)
+    (rate,) = accounting.snapshot().peer_pull_rates
+    assert rate.bytes_per_second == pytest.approx(4000 * 1000 / 0.008) and rate.pulls == 1
+    # Another peer has its own handshake.
+    assert not _pull(accounting, "r3", "d2", 100, 3.0, 1.0)
+    assert [p.peer_engine_id for p in accounting.snapshot().peer_pull_rates] == ["d1"]
+
+
 def test_pull_rates_are_kept_per_peer_engine() -> None:
     accounting = Accounting(kv_bytes_per_token=1000)
+    _handshake(accounting, "d-same-gpu", "d-other-gpu")
     # The same GPU: 100 tokens (100 kB) in 0.2 s; another GPU: the same in 1 ms.
     assert _pull(accounting, "r1", "d-same-gpu", 100, 0.0, 0.2)
     assert _pull(accounting, "r2", "d-other-gpu", 100, 1.0, 0.001)
@@ -77,6 +97,7 @@ def test_pull_rates_are_kept_per_peer_engine() -> None:
 
 def test_a_peer_rate_follows_its_recent_pulls_and_failed_pulls_give_none() -> None:
     accounting = Accounting(kv_bytes_per_token=1)
+    _handshake(accounting, "d1", "d2")
     for i in range(PEER_WINDOW):
         _pull(accounting, f"slow{i}", "d1", 1000, float(i), 1.0)
     for i in range(PEER_WINDOW):
@@ -93,6 +114,7 @@ def test_rates_moved_reports_new_and_changed_rates_only() -> None:
     accounting = Accounting(kv_bytes_per_token=1000)
     empty = accounting.snapshot()
     assert not rates_moved(None, empty)
+    _handshake(accounting, "d1")
     _pull(accounting, "r1", "d1", 100, 0.0, 0.2)
     first = accounting.snapshot()
     assert rates_moved(None, first) and rates_moved(empty, first)

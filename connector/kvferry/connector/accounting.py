@@ -7,7 +7,10 @@ The rates are what the engine really got, so the router can stop trusting a prof
 for this machine: the prefill rate counts only compute (from when the pulled prefix was in, not from
 when the pull started), and pull rates are kept per peer engine, because the transport differs per
 pair (another GPU over NVLink, the same GPU through UCX's host path, another host): one figure over
-all peers would hide a pair 600x slower than the rest. :func:`rates_moved` says when the figures
+all peers would hide a pair 600x slower than the rest. The first pull from each peer is no sample: it
+waits for NIXL's handshake with that peer (1.3 s on one H200 against a 6 ms transfer, docs/calibration.md),
+a cost paid once that would price every later pull as 200x slower than it is and keep the router from
+ever pulling again. :func:`rates_moved` says when the figures
 changed enough to report them at once instead of at the next stats interval.
 """
 
@@ -45,6 +48,8 @@ class _RequestRecord:
     pull_done_at: float | None = None
     pull_done: bool = False
     pull_failed: bool = False
+    # The first pull from its peer: it waited for the NIXL handshake, so it is no rate sample.
+    handshake: bool = False
     first_scheduled_at: float | None = None
 
 
@@ -80,6 +85,8 @@ class Accounting:
         self._prefill_rates: deque[tuple[int, float]] = deque(maxlen=window)
         self._transfer_rates: deque[tuple[int, float]] = deque(maxlen=window)
         self._peer_rates: OrderedDict[str, deque[tuple[int, float]]] = OrderedDict()
+        # Peers a pull has started from (the handshake is behind it).
+        self._peers_pulled: set[str] = set()
         self.pulled_tokens_total = 0
         self.computed_tokens_total = 0
         self.declined_pulls_total = 0
@@ -114,6 +121,9 @@ class Accounting:
                 record.external_tokens = external_tokens
                 record.peer_engine_id = peer_engine_id
                 record.pull_started_at = now
+                if peer_engine_id:
+                    record.handshake = peer_engine_id not in self._peers_pulled
+                    self._peers_pulled.add(peer_engine_id)
 
     def on_received(self, request_id: str, now: float, *, failed: bool) -> bool:
         """A pull ended; True when it gave a new rate sample."""
@@ -125,7 +135,7 @@ class Accounting:
             record.pull_done_at = now
             record.pull_failed = failed
             self._version += 1
-            if failed or record.external_tokens <= 0:
+            if failed or record.external_tokens <= 0 or record.handshake:
                 return False
             sample = (
                 record.external_tokens * self.kv_bytes_per_token,
