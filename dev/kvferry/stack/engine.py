@@ -77,6 +77,8 @@ class EngineProcess:
     model_dir: Path = DEFAULT_MODEL_DIR
     served_model_name: str = DEFAULT_MODEL_NAME
     connector: ConnectorKind = "kvferry"
+    # Where vLLM loads KvferryConnector from (tools/gpu/vllm_pull_proof_connector on vLLM 0.25).
+    connector_module: str = "kvferry.connector.connector"
     settings: KvferrySettings = field(default_factory=KvferrySettings)
     # vLLM NixlConnector keys merged into kv_connector_extra_config (e.g. kv_recompute_threshold).
     nixl_extra_config: Mapping[str, Any] = field(default_factory=dict)
@@ -151,7 +153,7 @@ class EngineProcess:
             settings.setdefault("kv_compatibility_hash", self.kv_compatibility_hash)
             extra["kvferry"] = settings
             config["kv_connector"] = "KvferryConnector"
-            config["kv_connector_module_path"] = "kvferry.connector.connector"
+            config["kv_connector_module_path"] = self.connector_module
         else:
             config["kv_connector"] = "NixlConnector"
         return config
