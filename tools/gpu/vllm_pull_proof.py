@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
-for _root in ("connector", "services", "pd", "gen/python"):
+for _root in ("connector", "services", "pd", "dev", "gen/python"):
     if str(REPO / _root) not in sys.path:
         sys.path.insert(0, str(REPO / _root))
 
@@ -59,30 +59,9 @@ from kvferry.pd.reuse import RetainedKv, max_reusable_tokens  # noqa: E402
 from kvferry.pd.sequence import EngineTurn, Prefilled, Pull  # noqa: E402
 from kvferry.stack.child_process import child_command  # noqa: E402
 from kvferry.stack.engine import gpu_engine_environment  # noqa: E402
+from kvferry.stack.gpu import QWEN3_8B_SHAPE  # noqa: E402
 
 MODEL_NAME = "proof"
-# The Qwen3-8B shape of shared/gpu/qwen3-8b-config.json (36 layers, 8 KV heads x 128: 144 KiB/token).
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-}
 MODES = ("off", "vllm", "kvferry")
 
 
@@ -157,7 +136,7 @@ def model_dir(device: str, out: Path) -> Path:
         return REPO / "deploy" / "models" / "tiny-qwen3"
     path = out / "model-qwen3-8b"
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(QWEN3_8B, indent=2))
+    (path / "config.json").write_text(json.dumps(QWEN3_8B_SHAPE, indent=2))
     return path
 
 
@@ -229,7 +208,7 @@ def engine_env(args: argparse.Namespace, engine: Engine, index: int) -> dict[str
     env = dict(os.environ)
     path = [
         str(REPO / "tools" / "gpu"),
-        *(str(REPO / p) for p in ("connector", "services", "pd", "gen/python")),
+        *(str(REPO / p) for p in ("connector", "services", "pd", "dev", "gen/python")),
     ]
     env["PYTHONPATH"] = os.pathsep.join([*path, *filter(None, [env.get("PYTHONPATH")])])
     env.update(
