@@ -9,7 +9,8 @@ measured rate (compute only, attention included at the prompt lengths it saw) pr
 the pull rate it measured reading from *this* holder (posting, transfer and completion included)
 prices a pull. A profile calibrated on another machine can be wrong by orders of magnitude (two
 processes on one GPU pull through UCX's host path at 0.5 GB/s where NVLink gives 300): the first pull
-measures the pair, the connector reports it at once, and the next turn follows the measurement.
+after NIXL's handshake with a holder measures the pair (the handshake pull itself is no sample), the
+connector reports it at once, and the next turn follows the measurement.
 
 Below ``kv_recompute_threshold`` tokens the engines themselves recompute, so the router does too; a
 lease that may end before the pull finishes (plus a safety margin) also means recompute (rule 3 of
