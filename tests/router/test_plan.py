@@ -397,8 +397,67 @@ def _plan_with(
 
 def test_engine_rates_measured_by_the_prefill_engine_win() -> None:
     slow = EngineInfo(
-        "p1", P, "http://p1", "h", 1, "m", SALT, BS, 4096, EngineStats(transfer_bytes_per_second=1e7)
+        "p1", P, "http://p1", "h", 1, "m", SALT, BS, 4096, EngineStats(peer_pull_rates={"d1": 1e7})
     )
     plan = _plan_with(retention(), engines=[slow, engine("d1", D)])
     assert plan.choice.reuse is Reuse.RECOMPUTE and "cheaper" in plan.choice.reason
+    assert "pull rate: measured" in plan.choice.reason
     assert math.isfinite(plan.choice.estimated_pull_seconds)
+
+
+def test_a_rate_measured_from_another_peer_does_not_price_this_holder() -> None:
+    # p1 pulls slowly from d2 (say, the same GPU); d1 is another pair: the profile still prices it.
+    measured = EngineInfo(
+        "p1", P, "http://p1", "h", 1, "m", SALT, BS, 4096, EngineStats(peer_pull_rates={"d2": 1e7})
+    )
+    plan = _plan_with(retention(), engines=[measured, engine("d1", D), engine("d2", D)])
+    assert plan.choice.reuse is Reuse.PULL and "pull rate: profile" in plan.choice.reason
+
+
+def _stats_proto(**peer_rates: float) -> resources_pb2.EngineStats:
+    return resources_pb2.EngineStats(
+        kv_bytes_per_token=10_000,
+        peer_pull_rates=[
+            resources_pb2.PeerPullRate(peer_engine_id=peer, bytes_per_second=rate, pulls=1)
+            for peer, rate in peer_rates.items()
+        ],
+    )
+
+
+def _registered(
+    engine_id: str, role: resources_pb2.EngineRole.ValueType, stats: resources_pb2.EngineStats
+) -> EngineInfo:
+    return EngineInfo.from_proto(
+        resources_pb2.Engine(
+            engine_id=engine_id,
+            role=role,
+            http_endpoint=f"http://{engine_id}",
+            nixl_host="10.0.0.1",
+            nixl_port=5600,
+            model="m",
+            kv_compatibility_hash=SALT,
+            block_size=BS,
+            max_model_len=4096,
+            stats=stats,
+        )
+    )
+
+
+def test_the_choice_flips_to_recompute_once_a_slow_pull_was_measured() -> None:
+    """The profile promises fast pulls; the pair really pulls at 5 MB/s. The first reuse pulls (the
+    one slow turn a wrong profile costs); the prefill engine's report of that pull, as the registry's
+    watch delivers it, turns the next turn of the same size into a recompute; a transport that got
+    fast again turns it back."""
+    table = EngineTable([_registered("p1", P, _stats_proto()), _registered("d1", D, _stats_proto())])
+
+    def choose() -> Reuse:
+        return plan_turn(
+            PROMPT, retention(), model="m", engines=table, load=LoadTracker(), settings=SETTINGS, now=NOW
+        ).choice.reuse
+
+    assert choose() is Reuse.PULL
+    # 160 tokens x 10 kB at 5 MB/s: 0.32 s, where recomputing them takes 0.16 s at the profile's rate.
+    table.upsert(_registered("p1", P, _stats_proto(d1=5e6)))
+    assert choose() is Reuse.RECOMPUTE
+    table.upsert(_registered("p1", P, _stats_proto(d1=1e10)))
+    assert choose() is Reuse.PULL

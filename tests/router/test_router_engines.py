@@ -231,6 +231,31 @@ async def test_openai_client_multi_turn_reuse_shows_in_engine_counters(routed: R
     assert pulled_total(after) - pulled_total(before) == sum(pulled)
 
 
+async def test_the_prefill_engine_reports_what_its_pulls_and_prefills_measured(routed: Routed) -> None:
+    """connector -> sidecar -> registry -> router: after a turn that pulled, the router's engine table
+    holds the pull rate P measured reading from D (per peer) and P's prefill rate."""
+    prefill_id, decode_id = routed.pair.prefill.engine_id, routed.pair.decode.engine_id
+    conv = f"rates-{uuid.uuid4().hex[:8]}"
+    messages = [("system", SYSTEM), ("user", "What is a dataclass?")]
+    pulled = 0
+    for turn in range(3):
+        text, _, summary = await generate(routed.stub(), chat(conv, routed.pair.model, messages))
+        pulled += summary.pulled_tokens
+        messages += [("assistant", text), ("user", f"And then ({turn})?")]
+    assert pulled > 0
+
+    def measured() -> bool:
+        engine = routed.routers[0].engines.get(prefill_id)
+        return engine is not None and decode_id in engine.stats.peer_pull_rates
+
+    # Reported at once when measured; well within one stats interval plus a heartbeat.
+    await until(measured, 15)
+    engine = routed.routers[0].engines.get(prefill_id)
+    assert engine is not None
+    assert engine.stats.peer_pull_rates[decode_id] > 0
+    assert engine.stats.prefill_tokens_per_second > 0
+
+
 async def test_two_replicas_alternate_turns_with_reuse_and_outputs_equal_a_recompute(routed: Routed) -> None:
     model = routed.pair.model
     conv = f"alt-{uuid.uuid4().hex[:8]}"

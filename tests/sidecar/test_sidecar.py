@@ -16,13 +16,14 @@ import pytest
 from grpc_health.v1 import health_pb2
 from kvferry.sidecar.app import HEALTH_ENGINE, HEALTH_REGISTRY
 from kvferry.sidecar.metrics import SidecarMetrics
-from kvferry.sidecar.registration import Phase
+from kvferry.sidecar.registration import Phase, RegistrationSettings
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
 from kvferry.v1 import sidecar_service_pb2 as sidecar_pb2
 
 from tests.fixtures.registry import RegistryHandle, unique
 from tests.fixtures.sidecar import (
+    TEST_BACKOFF,
     TEST_BLOCK_SIZE,
     TEST_KV_CAPACITY_BLOCKS,
     TEST_KV_HASH,
@@ -147,6 +148,45 @@ async def test_heartbeats_keep_the_engine_registered_past_its_ttl(
     assert _sample(sidecar, "kvferry_sidecar_last_heartbeat_timestamp_seconds") == pytest.approx(
         registration.last_heartbeat_time
     )
+
+
+async def test_a_changed_rate_reaches_the_registry_at_once_other_stats_wait_for_the_heartbeat(
+    registry: RegistryHandle, sidecar_factory: SidecarFactory, stand_in_engine_factory: StandInEngineFactory
+) -> None:
+    """The router's next turn must already follow a pull that turned out slow: a report whose
+    pull or prefill rates changed is heartbeated at once, not at the next interval (here 20 s)."""
+    sidecar = await _started(
+        sidecar_factory,
+        stand_in_engine_factory,
+        registration=RegistrationSettings(ttl_seconds=60, backoff=TEST_BACKOFF),
+    )
+    stub = sidecar.stub()
+    load_only = resources_pb2.EngineStats(retained_blocks=7)
+    await stub.ReportEngineStats(sidecar_pb2.ReportEngineStatsRequest(stats=load_only), timeout=5)
+    slow_pull = resources_pb2.EngineStats(
+        retained_blocks=7,
+        peer_pull_rates=[resources_pb2.PeerPullRate(peer_engine_id="d1", bytes_per_second=5e8, pulls=1)],
+    )
+    await stub.ReportEngineStats(sidecar_pb2.ReportEngineStatsRequest(stats=slow_pull), timeout=5)
+    async with asyncio.timeout(5):
+        while True:
+            stored = await find_engine(registry.stub(), sidecar.engine_id)
+            if stored is not None and stored.stats.peer_pull_rates:
+                break
+            await asyncio.sleep(0.05)
+    assert list(stored.stats.peer_pull_rates) == list(slow_pull.peer_pull_rates)
+    renewals = _sample(sidecar, "kvferry_lease_renewals_total", kind="engine")
+    # Load counters alone wait for the next heartbeat.
+    await stub.ReportEngineStats(
+        sidecar_pb2.ReportEngineStatsRequest(
+            stats=resources_pb2.EngineStats(retained_blocks=9, peer_pull_rates=slow_pull.peer_pull_rates)
+        ),
+        timeout=5,
+    )
+    await asyncio.sleep(1.0)
+    assert _sample(sidecar, "kvferry_lease_renewals_total", kind="engine") == renewals
+    stored = await find_engine(registry.stub(), sidecar.engine_id)
+    assert stored is not None and stored.stats.retained_blocks == 7
 
 
 def _sample(sidecar: SidecarHandle, name: str, **labels: str) -> float:

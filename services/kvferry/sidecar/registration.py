@@ -168,6 +168,8 @@ class EngineRegistration:
         # registration, or by the next heartbeat when it came (or changed) after it.
         self.release_grace_seconds = 0.0
         self._grace_unpublished = False
+        # The stats the last heartbeat carried.
+        self._stats_sent: resources_pb2.EngineStats | None = None
         self._wake = asyncio.Event()
         self._pulse = asyncio.Event()
         self._outage_logged = False
@@ -183,8 +185,11 @@ class EngineRegistration:
         return max(self.granted_ttl_seconds, 1) / 3.0
 
     def update_stats(self, stats: resources_pb2.EngineStats) -> None:
-        """The connector's latest rates; the next heartbeat carries them."""
+        """The connector's latest rates; the next heartbeat carries them, at once when a rate the
+        router decides on changed (the connector reports those early, when they moved)."""
         self._stats = stats
+        if self.phase is Phase.REGISTERED and _decision_rates(stats) != _decision_rates(self._stats_sent):
+            self._wake.set()
 
     def set_release_grace(self, seconds: float) -> None:
         """The engine's release grace, as its connector says it (on every link to this sidecar). A
@@ -345,9 +350,11 @@ class EngineRegistration:
                 )
             grace = self.release_grace_seconds if self._grace_unpublished else 0.0
             try:
+                stats = self._stats
                 await self._registry.heartbeat_engine(
-                    self.identity.engine_id, self._stats, self.incarnation, release_grace_seconds=grace
+                    self.identity.engine_id, stats, self.incarnation, release_grace_seconds=grace
                 )
+                self._stats_sent = stats
             except RegistryError as err:
                 if err.kind is ErrorKind.NOT_FOUND:
                     return self._lost(err.message)
@@ -420,3 +427,11 @@ class EngineRegistration:
         pulse, self._pulse = self._pulse, asyncio.Event()
         pulse.set()
         self._on_change()
+
+
+def _decision_rates(stats: resources_pb2.EngineStats | None) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """The rates the router's pull-or-recompute choice reads."""
+    if stats is None:
+        return 0.0, ()
+    peers = tuple((p.peer_engine_id, p.bytes_per_second) for p in stats.peer_pull_rates)
+    return stats.prefill_tokens_per_second, peers
