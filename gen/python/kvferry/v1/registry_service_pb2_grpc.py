@@ -96,6 +96,16 @@ class RegistryServiceStub:
                 request_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.FromString,
                 _registered_method=True)
+        self.BeginTurn = channel.unary_unary(
+                '/kvferry.v1.RegistryService/BeginTurn',
+                request_serializer=kvferry_dot_v1_dot_registry__service__pb2.BeginTurnRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.BeginTurnResponse.FromString,
+                _registered_method=True)
+        self.EndTurn = channel.unary_unary(
+                '/kvferry.v1.RegistryService/EndTurn',
+                request_serializer=kvferry_dot_v1_dot_registry__service__pb2.EndTurnRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.EndTurnResponse.FromString,
+                _registered_method=True)
         self.WatchAllRetentions = channel.unary_stream(
                 '/kvferry.v1.RegistryService/WatchAllRetentions',
                 request_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsRequest.SerializeToString,
@@ -196,6 +206,24 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginTurn(self, request, context):
+        """Marks a turn of a conversation in flight, so that no other turn of it runs meanwhile, whichever
+        router serves it; the same `request_id` again keeps the mark alive. The mark lives under a short
+        lease of its own (`ttl_seconds`): a router that dies frees it within that. ABORTED when another turn
+        of the conversation is in flight; the message names it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndTurn(self, request, context):
+        """Clears a turn's mark, only if that turn holds it (a later turn's mark is left alone). Succeeds
+        whether or not it was held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchAllRetentions(self, request, context):
         """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
         and end of any engine: what a router keeps its local retention index from. A stream cut off
@@ -267,6 +295,16 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.WatchRetentions,
                     request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.SerializeToString,
+            ),
+            'BeginTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginTurn,
+                    request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.BeginTurnRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_registry__service__pb2.BeginTurnResponse.SerializeToString,
+            ),
+            'EndTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndTurn,
+                    request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.EndTurnRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_registry__service__pb2.EndTurnResponse.SerializeToString,
             ),
             'WatchAllRetentions': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchAllRetentions,
@@ -600,6 +638,60 @@ class RegistryService:
             '/kvferry.v1.RegistryService/WatchRetentions',
             kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsRequest.SerializeToString,
             kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.RegistryService/BeginTurn',
+            kvferry_dot_v1_dot_registry__service__pb2.BeginTurnRequest.SerializeToString,
+            kvferry_dot_v1_dot_registry__service__pb2.BeginTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.RegistryService/EndTurn',
+            kvferry_dot_v1_dot_registry__service__pb2.EndTurnRequest.SerializeToString,
+            kvferry_dot_v1_dot_registry__service__pb2.EndTurnResponse.FromString,
             options,
             channel_credentials,
             insecure,

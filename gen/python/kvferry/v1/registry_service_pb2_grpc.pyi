@@ -65,6 +65,16 @@ class RegistryServiceStub:
     """
     WatchRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]
     """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+    BeginTurn: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.BeginTurnRequest, _registry_service_pb2.BeginTurnResponse]
+    """Marks a turn of a conversation in flight, so that no other turn of it runs meanwhile, whichever
+    router serves it; the same `request_id` again keeps the mark alive. The mark lives under a short
+    lease of its own (`ttl_seconds`): a router that dies frees it within that. ABORTED when another turn
+    of the conversation is in flight; the message names it.
+    """
+    EndTurn: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.EndTurnRequest, _registry_service_pb2.EndTurnResponse]
+    """Clears a turn's mark, only if that turn holds it (a later turn's mark is left alone). Succeeds
+    whether or not it was held.
+    """
     WatchAllRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]
     """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
     and end of any engine: what a router keeps its local retention index from. A stream cut off
@@ -108,6 +118,16 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """
     WatchRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]  # type: ignore[assignment]
     """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+    BeginTurn: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.BeginTurnRequest, _registry_service_pb2.BeginTurnResponse]  # type: ignore[assignment]
+    """Marks a turn of a conversation in flight, so that no other turn of it runs meanwhile, whichever
+    router serves it; the same `request_id` again keeps the mark alive. The mark lives under a short
+    lease of its own (`ttl_seconds`): a router that dies frees it within that. ABORTED when another turn
+    of the conversation is in flight; the message names it.
+    """
+    EndTurn: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.EndTurnRequest, _registry_service_pb2.EndTurnResponse]  # type: ignore[assignment]
+    """Clears a turn's mark, only if that turn holds it (a later turn's mark is left alone). Succeeds
+    whether or not it was held.
+    """
     WatchAllRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]  # type: ignore[assignment]
     """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
     and end of any engine: what a router keeps its local retention index from. A stream cut off
@@ -220,6 +240,28 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_registry_service_pb2.WatchRetentionsResponse], _abc.AsyncIterator[_registry_service_pb2.WatchRetentionsResponse]]:
         """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+
+    @_abc_1.abstractmethod
+    def BeginTurn(
+        self,
+        request: _registry_service_pb2.BeginTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_service_pb2.BeginTurnResponse, _abc.Awaitable[_registry_service_pb2.BeginTurnResponse]]:
+        """Marks a turn of a conversation in flight, so that no other turn of it runs meanwhile, whichever
+        router serves it; the same `request_id` again keeps the mark alive. The mark lives under a short
+        lease of its own (`ttl_seconds`): a router that dies frees it within that. ABORTED when another turn
+        of the conversation is in flight; the message names it.
+        """
+
+    @_abc_1.abstractmethod
+    def EndTurn(
+        self,
+        request: _registry_service_pb2.EndTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_service_pb2.EndTurnResponse, _abc.Awaitable[_registry_service_pb2.EndTurnResponse]]:
+        """Clears a turn's mark, only if that turn holds it (a later turn's mark is left alone). Succeeds
+        whether or not it was held.
+        """
 
     @_abc_1.abstractmethod
     def WatchAllRetentions(
