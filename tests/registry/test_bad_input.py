@@ -52,6 +52,15 @@ def _negative_block(item: resources.Retention) -> None:
     item.block_ids[0] = -1
 
 
+def _a_generation_missing(item: resources.Retention) -> None:
+    item.block_generations.extend([7] * (len(item.block_ids) - 1))
+
+
+def _a_generation_too_large(item: resources.Retention) -> None:
+    item.block_generations.extend([7] * len(item.block_ids))
+    item.block_generations[-1] = 2**53
+
+
 PUBLISH_CASES: list[tuple[str, RetentionEdit, grpc.StatusCode, str]] = [
     ("empty tenant", _set("tenant", ""), INVALID, "tenant is required"),
     ("oversized tenant", _set("tenant", TOO_LONG), INVALID, "at most"),
@@ -69,6 +78,8 @@ PUBLISH_CASES: list[tuple[str, RetentionEdit, grpc.StatusCode, str]] = [
     ("a digest too many", _extra_digest, INVALID, "one digest each"),
     ("more digests than blocks", _more_digests_than_blocks, INVALID, "never more digests than blocks"),
     ("digest of the wrong size", _short_digest, INVALID, "digests are 16 bytes"),
+    ("a block generation missing", _a_generation_missing, INVALID, "one per block, or none"),
+    ("a block generation too large", _a_generation_too_large, INVALID, "at most 2**53 - 1"),
     ("negative ttl", _set("ttl_seconds", -1), INVALID, "positive number"),
     ("ttl above the cap", _set("ttl_seconds", 3601), INVALID, "at most 3600"),
     (

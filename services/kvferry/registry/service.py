@@ -1,5 +1,5 @@
-"""The gRPC RegistryService: thin handlers over the engine store, the retention store and the
-retention event hub (the reaper runs beside them, started by ``server``).
+"""The gRPC RegistryService: thin handlers over the engine store, the retention store, the turn store and
+the retention event hub (the reaper runs beside them, started by ``server``).
 
 Each handler translates messages; errors become statuses through the kit's table
 (``kvferry.runtime.errors``). Watch streams send their initial metadata once the watch is in place,
@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator
 import grpc
 from kvferry.registry import validation
 from kvferry.registry.engines import EngineStore
-from kvferry.registry.events import RetentionEvent, RetentionEventHub
+from kvferry.registry.events import ALL_ENGINES, RetentionEvent, RetentionEventHub
 from kvferry.registry.retentions import RetentionStore
+from kvferry.registry.turns import TurnStore
 from kvferry.runtime import errors
 from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as registry
@@ -40,10 +41,13 @@ def _retention_event(event: RetentionEvent) -> registry.WatchRetentionsResponse:
 
 
 class RegistryServicer(registry_grpc.RegistryServiceServicer):
-    def __init__(self, engines: EngineStore, retentions: RetentionStore, hub: RetentionEventHub) -> None:
+    def __init__(
+        self, engines: EngineStore, retentions: RetentionStore, hub: RetentionEventHub, turns: TurnStore
+    ) -> None:
         self._engines = engines
         self._retentions = retentions
         self._hub = hub
+        self._turns = turns
 
     @unary
     async def RegisterEngine(
@@ -68,7 +72,12 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
         self, request: registry.HeartbeatEngineRequest, context: grpc.aio.ServicerContext
     ) -> registry.HeartbeatEngineResponse:
         stats = request.stats if request.HasField("stats") else None
-        renewal = await self._engines.heartbeat_engine(request.engine_id, stats, request.incarnation)
+        renewal = await self._engines.heartbeat_engine(
+            request.engine_id,
+            stats,
+            request.incarnation,
+            release_grace_seconds=request.release_grace_seconds,
+        )
         return registry.HeartbeatEngineResponse(
             header=_header(renewal.revision), ttl_seconds=renewal.ttl_seconds
         )
@@ -134,6 +143,27 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
         )
 
     @unary
+    async def RenewRetentions(
+        self, request: registry.RenewRetentionsRequest, context: grpc.aio.ServicerContext
+    ) -> registry.RenewRetentionsResponse:
+        validation.renewal_batch(len(request.renewals))
+        wanted = [(renewal.tenant, renewal.conversation_id) for renewal in request.renewals]
+        outcomes = await self._retentions.renew_retentions(wanted)
+        response = registry.RenewRetentionsResponse()
+        revision = 0
+        for (tenant, conversation_id), outcome in zip(wanted, outcomes, strict=True):
+            answer = response.renewals.add(tenant=tenant, conversation_id=conversation_id)
+            if isinstance(outcome, errors.ServiceError):
+                answer.code = errors.STATUS[outcome.kind].grpc.value[0]
+                answer.message = outcome.message
+                continue
+            answer.expire_time.CopyFrom(outcome.retention.expire_time)
+            answer.ttl_seconds = outcome.retention.ttl_seconds
+            revision = max(revision, outcome.revision)
+        response.header.CopyFrom(_header(revision))
+        return response
+
+    @unary
     async def ReleaseRetention(
         self, request: registry.ReleaseRetentionRequest, context: grpc.aio.ServicerContext
     ) -> registry.ReleaseRetentionResponse:
@@ -156,6 +186,29 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
         return registry.EndEngineRetentionResponse(header=_header(end.revision), ended=end.ended)
 
     @streaming
+    async def WatchAllRetentions(
+        self, request: registry.WatchAllRetentionsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[registry.WatchRetentionsResponse]:
+        # Subscribed before the snapshot is read, so nothing that happens meanwhile is missed (what
+        # the snapshot already shows comes again as an event: the client judges by revision).
+        async with self._hub.subscribe(ALL_ENGINES) as subscription:
+            await context.send_initial_metadata(())
+            revision = 0
+            async for page, page_revision in self._retentions.snapshot():
+                revision = max(revision, page_revision)
+                for retention in page:
+                    yield registry.WatchRetentionsResponse(
+                        header=_header(page_revision),
+                        type=registry.RETENTION_EVENT_TYPE_PUBLISHED,
+                        retention=retention,
+                    )
+            yield registry.WatchRetentionsResponse(
+                header=_header(revision), type=registry.RETENTION_EVENT_TYPE_SYNCED
+            )
+            async for event in subscription.events():
+                yield _retention_event(event)
+
+    @streaming
     async def WatchRetentions(
         self, request: registry.WatchRetentionsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[registry.WatchRetentionsResponse]:
@@ -164,3 +217,24 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
             await context.send_initial_metadata(())
             async for event in subscription.events():
                 yield _retention_event(event)
+
+    @unary
+    async def BeginTurn(
+        self, request: registry.BeginTurnRequest, context: grpc.aio.ServicerContext
+    ) -> registry.BeginTurnResponse:
+        begun = await self._turns.begin_turn(
+            request.tenant, request.conversation_id, request.request_id, request.holder, request.ttl_seconds
+        )
+        return registry.BeginTurnResponse(
+            header=_header(begun.revision),
+            ttl_seconds=begun.ttl_seconds,
+            retained_turn=begun.retained_turn,
+            turn=begun.turn,
+        )
+
+    @unary
+    async def EndTurn(
+        self, request: registry.EndTurnRequest, context: grpc.aio.ServicerContext
+    ) -> registry.EndTurnResponse:
+        ended = await self._turns.end_turn(request.tenant, request.conversation_id, request.request_id)
+        return registry.EndTurnResponse(header=_header(ended.revision), ended=ended.ended)

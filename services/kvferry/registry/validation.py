@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 
 from kvferry.pd.digest import DIGEST_BYTES
+from kvferry.pd.kvferry_params import MAX_GENERATION
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.keys import ConversationKey
 from kvferry.runtime.errors import InvalidArgument
@@ -19,6 +21,8 @@ from kvferry.v1 import resources_pb2 as resources
 MAX_RECORD_BYTES = 1024 * 1024
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
+# Renewals one RenewRetentions call may carry.
+MAX_RENEWAL_BATCH = 1000
 
 _VALID_ROLES = (resources.ENGINE_ROLE_PREFILL, resources.ENGINE_ROLE_DECODE, resources.ENGINE_ROLE_BOTH)
 
@@ -60,6 +64,10 @@ def retention_ttl(requested: int, policy: TtlPolicy) -> int:
     )
 
 
+def turn_ttl(requested: int, policy: TtlPolicy) -> int:
+    return resolve_ttl("turn", requested, policy.default_turn_ttl_seconds, policy.max_turn_ttl_seconds)
+
+
 def validate_engine(engine: resources.Engine) -> None:
     require_id("engine.engine_id", engine.engine_id)
     if engine.role not in _VALID_ROLES:
@@ -80,6 +88,15 @@ def validate_engine(engine: resources.Engine) -> None:
         )
     if engine.max_model_len < 0:
         raise InvalidArgument(f"engine.max_model_len is {engine.max_model_len}; it cannot be negative")
+    release_grace(engine.release_grace_seconds, "engine.release_grace_seconds")
+
+
+def release_grace(seconds: float, name: str) -> None:
+    """A release grace is a finite number of seconds, 0 meaning not known."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgument(
+            f"{name} is {seconds}; give the engine connector's release_grace_seconds (> 0), or 0 if not known"
+        )
 
 
 def validate_retention_shape(retention: resources.Retention) -> ConversationKey:
@@ -101,6 +118,18 @@ def validate_retention_shape(retention: resources.Retention) -> ConversationKey:
             "block_ids; "
             "there is one digest per full block, so never more digests than blocks"
         )
+    if retention.block_generations and len(retention.block_generations) != len(retention.block_ids):
+        raise InvalidArgument(
+            f"retention has {len(retention.block_generations)} block_generations for "
+            f"{len(retention.block_ids)} block_ids; publish one per block, or none"
+        )
+    for index, generation in enumerate(retention.block_generations):
+        if generation > MAX_GENERATION:
+            raise InvalidArgument(
+                f"retention.block_generations[{index}] is {generation}; generations are at most 2**53 - 1 "
+                "so the JSON that carries them to prefill engines keeps them exact "
+                "(kvferry.connector.generations starts them below 2**52)"
+            )
     for index, digest in enumerate(retention.block_digests):
         if len(digest) != DIGEST_BYTES:
             raise InvalidArgument(
@@ -190,3 +219,13 @@ def decode_page_token(token: str) -> str:
     if check_id("page_token", engine_id) is not None:
         raise InvalidArgument("page_token is not one this registry issued; list again without it")
     return engine_id
+
+
+def renewal_batch(count: int) -> None:
+    """A RenewRetentions call carries 1..MAX_RENEWAL_BATCH renewals."""
+    if not 0 < count <= MAX_RENEWAL_BATCH:
+        raise InvalidArgument(
+            f"renewals carries {count} conversations; send 1 to {MAX_RENEWAL_BATCH} per call "
+            "(split larger sets into several calls)",
+            param="renewals",
+        )

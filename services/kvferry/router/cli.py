@@ -113,10 +113,26 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
     flags.add(
         "--read-window",
         "KVFERRY_ROUTER_READ_WINDOW",
-        "a prefill may start reading a retention at most this long after the router hands it out, "
-        "seconds; keep it below the decode engines' release_grace_seconds",
+        "a prefill may start reading a retention at most this long after the router looked it up, "
+        "seconds; at most half of --min-release-grace",
         type=float,
         default=_DEFAULTS.read_window_seconds,
+    )
+    flags.add(
+        "--min-release-grace",
+        "KVFERRY_ROUTER_MIN_RELEASE_GRACE",
+        "the shortest release_grace_seconds of the decode engines' connectors, seconds; the router "
+        "refuses to start when --read-window is more than half of it",
+        type=float,
+        default=_DEFAULTS.min_release_grace_seconds,
+    )
+    flags.add(
+        "--turn-mark-lease",
+        "KVFERRY_ROUTER_TURN_MARK_LEASE",
+        "lease of a turn's mark in the registry (one turn in flight per conversation), renewed while the "
+        "turn runs, seconds: how long a conversation stays held after its router died",
+        type=int,
+        default=_DEFAULTS.turn_mark_seconds,
     )
     flags.add(
         "--engine-connect-timeout",
@@ -173,6 +189,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_attempts=args.max_attempts,
         publish_wait_seconds=args.publish_wait,
         read_window_seconds=args.read_window,
+        min_release_grace_seconds=args.min_release_grace,
+        turn_mark_seconds=args.turn_mark_lease,
         engine_connect_timeout_seconds=args.engine_connect_timeout,
         engine_read_timeout_seconds=args.engine_read_timeout,
         engine_max_connections=args.engine_max_connections,

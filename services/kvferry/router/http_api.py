@@ -97,6 +97,8 @@ _OPENAI_ERROR_TYPES = {
     ErrorKind.PERMISSION_DENIED: "permission_error",
     ErrorKind.INVALID_ARGUMENT: "invalid_request_error",
     ErrorKind.NOT_FOUND: "not_found_error",
+    # Another turn of the conversation is in flight (409): OpenAI's clients retry 409 with backoff.
+    ErrorKind.ABORTED: "conflict_error",
     ErrorKind.UNAVAILABLE: "service_unavailable",
     ErrorKind.DEADLINE_EXCEEDED: "timeout",
     ErrorKind.INTERNAL: "internal_error",

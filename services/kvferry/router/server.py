@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import re
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from typing import Literal
 import grpc
 import uvicorn
 from kvferry.pd.engine_client import HttpTimeouts
-from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, max_read_window, read_window_fits
 from kvferry.router.calibration import CPU_DEFAULT, GPU_PROFILES, CostProfile
 from kvferry.router.cost import CostSettings
 from kvferry.router.engine_clients import EngineClients
@@ -65,9 +67,16 @@ class RouterConfig:
     default_max_tokens: int = 256
     max_attempts: int = 2
     publish_wait_seconds: float = 2.0
-    # A prefill may start reading a handed-out retention at most this long after; keep it below the
-    # decode engines' release_grace_seconds.
+    # A prefill may start reading a retention at most this long after the router looked it up.
     read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
+    # The shortest release grace of the decode engines this router serves (their connectors'
+    # release_grace_seconds, 30 by default): the read window must be safely under it (at most half) or
+    # the router refuses to start. Each engine also publishes its own; retentions of an engine whose
+    # grace is too short for the window are recomputed, never pulled.
+    min_release_grace_seconds: float = 30.0
+    # The lease of a turn's mark in the registry (one turn in flight per conversation), renewed every
+    # third of it while the turn runs: how long a conversation stays held after its router died.
+    turn_mark_seconds: int = 5
     # Engine HTTP: connect timeout, per-read timeout (a stalled stream fails after it), pool size.
     engine_connect_timeout_seconds: float = 3.0
     engine_read_timeout_seconds: float = 120.0
@@ -84,6 +93,34 @@ class RouterConfig:
 
 COST_PROFILES = ("cpu", *sorted(GPU_PROFILES))
 REUSE_POLICIES = ("cost", "always", "never")
+
+
+def router_holder() -> str:
+    """This router as its turns' marks name it: host:pid (as an id: [A-Za-z0-9._:-])."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:96] or "router"
+    return f"{host}:{os.getpid()}"
+
+
+def check_read_window(config: RouterConfig) -> None:
+    """Refuses a read window that is not safely under the engines' minimum release grace (ValueError)."""
+    window, grace = config.read_window_seconds, config.min_release_grace_seconds
+    if not grace > 0:
+        raise ValueError(
+            f"--min-release-grace is {grace:g} s; give the shortest release_grace_seconds of your decode "
+            "engines' connectors (> 0: without a grace a retention ended just after its lookup could be "
+            "freed while a prefill reads it)"
+        )
+    if not window > 0:
+        raise ValueError(
+            f"--read-window is {window:g} s; it must be > 0 (use --reuse-policy never to not pull)"
+        )
+    if not read_window_fits(window, grace):
+        raise ValueError(
+            f"--read-window {window:g} s is not safely under the engines' release grace "
+            f"(--min-release-grace {grace:g} s): a read window may be at most half of it, "
+            f"{max_read_window(grace):g} s. Lower --read-window, or raise the engines' release_grace_seconds "
+            "and --min-release-grace with it"
+        )
 
 
 def cost_profile(name: str) -> CostProfile:
@@ -181,6 +218,7 @@ async def start_router(
     ``api_keys`` overrides the keys named in ``config`` (tests pass a table directly);
     ``span_exporter`` (e.g. an ``InMemorySpanExporter``) turns tracing on for tests.
     """
+    check_read_window(config)
     keys = api_keys if api_keys is not None else api_keys_from_config(config)
     grpc_host, _ = _split_host_port(config.grpc_listen)
     http_host, http_port = _split_host_port(config.http_listen)
@@ -203,7 +241,12 @@ async def start_router(
         )
         host.on_stop("engine clients", clients.aclose)
         watcher = EngineWatcher(
-            registry, engines, load, resync_seconds=config.engine_resync_seconds, on_left=clients.forget
+            registry,
+            engines,
+            load,
+            resync_seconds=config.engine_resync_seconds,
+            on_left=clients.forget,
+            read_window_seconds=config.read_window_seconds,
         )
         runner = TurnRunner(
             engines=engines,
@@ -221,6 +264,8 @@ async def start_router(
                 max_attempts=config.max_attempts,
                 publish_wait_seconds=config.publish_wait_seconds,
                 read_window_seconds=config.read_window_seconds,
+                turn_mark_seconds=config.turn_mark_seconds,
+                holder=router_holder(),
             ),
             telemetry=TurnTelemetry(provider, metrics),
         )

@@ -116,7 +116,9 @@ class Sidecar:
         self.publisher = RetentionPublisher(
             identity.engine_id, self.registry, self.registration, self.fanout, self.metrics
         )
-        self._servicer = SidecarServicer(identity.engine_id, self.publisher, self.fanout, self.registration)
+        self._servicer = SidecarServicer(
+            identity.engine_id, self.publisher, self.fanout, self.registration, self.metrics
+        )
         self._health: health.aio.HealthServicer | None = None
         self.address = ""
         self.metrics_port: int | None = None

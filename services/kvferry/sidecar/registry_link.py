@@ -81,7 +81,12 @@ class RegistryApi(Protocol):
     ) -> registry_pb2.RegisterEngineResponse: ...
 
     async def heartbeat_engine(
-        self, engine_id: str, stats: resources_pb2.EngineStats | None, incarnation: int = 0
+        self,
+        engine_id: str,
+        stats: resources_pb2.EngineStats | None,
+        incarnation: int = 0,
+        *,
+        release_grace_seconds: float = 0.0,
     ) -> registry_pb2.HeartbeatEngineResponse: ...
 
     async def deregister_engine(self, engine_id: str) -> None: ...
@@ -199,10 +204,18 @@ class GrpcRegistry:
         return response
 
     async def heartbeat_engine(
-        self, engine_id: str, stats: resources_pb2.EngineStats | None, incarnation: int = 0
+        self,
+        engine_id: str,
+        stats: resources_pb2.EngineStats | None,
+        incarnation: int = 0,
+        *,
+        release_grace_seconds: float = 0.0,
     ) -> registry_pb2.HeartbeatEngineResponse:
         request = registry_pb2.HeartbeatEngineRequest(
-            engine_id=engine_id, stats=stats, incarnation=incarnation
+            engine_id=engine_id,
+            stats=stats,
+            incarnation=incarnation,
+            release_grace_seconds=release_grace_seconds,
         )
         response: registry_pb2.HeartbeatEngineResponse = await self._call(
             "heartbeat_engine", self._stub.HeartbeatEngine, request
