@@ -439,6 +439,7 @@ def _registered(
             block_size=BS,
             max_model_len=4096,
             stats=stats,
+            release_grace_seconds=30.0,
         )
     )
 
@@ -452,7 +453,14 @@ def test_the_choice_flips_to_recompute_once_a_slow_pull_was_measured() -> None:
 
     def choose() -> Reuse:
         return plan_turn(
-            PROMPT, retention(), model="m", engines=table, load=LoadTracker(), settings=SETTINGS, now=NOW
+            PROMPT,
+            retention(),
+            model="m",
+            engines=table,
+            load=LoadTracker(),
+            settings=SETTINGS,
+            window=window_of(retention()),
+            now=NOW,
         ).choice.reuse
 
     assert choose() is Reuse.PULL
