@@ -155,9 +155,15 @@ async def test_affinity_keeps_conversations_on_their_decode_engine_and_load_spre
 
 async def test_decode_engine_killed_mid_conversation_costs_only_a_recompute(three: ThreeEngines) -> None:
     model = three.pair.model
-    conv = f"kill-{uuid.uuid4().hex[:6]}"
     history: list[tuple[str, str]] = [("system", SYSTEM), ("user", "Explain iterators.")]
-    text, _, first = await generate(three.stub(), chat(conv, model, history))
+    # A conversation the extra engine holds. A new conversation goes to the less loaded decode engine,
+    # which depends on what the module's earlier tests left retained; each one placed on the other
+    # engine adds to its load, so a few new conversations reach the extra engine.
+    for _ in range(6):
+        conv = f"kill-{uuid.uuid4().hex[:6]}"
+        text, _, first = await generate(three.stub(), chat(conv, model, history))
+        if first.decode_engine_id == EXTRA_DECODE_ID:
+            break
     assert first.decode_engine_id == EXTRA_DECODE_ID and first.turn == 1
     # Kill the engine that holds the conversation (its whole process group, no goodbye).
     assert three.extra.pid is not None
