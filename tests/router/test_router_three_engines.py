@@ -117,6 +117,18 @@ async def three(
                 )
             )
             linked |= {s.decode_engine_id for _, _, s in results if s.turn == 1}
+        # ...and their release grace (said on the connector's watch) must have reached the router: without
+        # it the router recomputes instead of pulling.
+        deadline = asyncio.get_running_loop().time() + 30
+        graces: dict[str, float] = {}
+        while not all(grace > 0 for grace in graces.values()) or len(graces) < len(linked):
+            assert asyncio.get_running_loop().time() < deadline, f"release graces never published: {graces}"
+            graces = {
+                engine.engine_id: engine.release_grace_seconds
+                for engine in router.engines.all()
+                if engine.engine_id in linked
+            }
+            await asyncio.sleep(0.05)
         yield three
     finally:
         if router is not None:
