@@ -9,6 +9,7 @@ so a client that awaits ``call.initial_metadata()`` knows later changes will rea
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import grpc
 from kvferry.registry import validation
@@ -31,8 +32,14 @@ unary = errors.unary("registry")
 streaming = errors.streaming("registry")
 
 
-def _retention_event(event: RetentionEvent) -> registry.WatchRetentionsResponse:
-    response = registry.WatchRetentionsResponse(
+# The two watch responses carry the same fields.
+_EventResponse = TypeVar(
+    "_EventResponse", registry.WatchRetentionsResponse, registry.WatchAllRetentionsResponse
+)
+
+
+def _retention_event(event: RetentionEvent, response_type: type[_EventResponse]) -> _EventResponse:
+    response = response_type(
         header=_header(event.revision), type=event.type, retention=event.retention, reason=event.reason
     )
     if event.type == registry.RETENTION_EVENT_TYPE_ENDED:
@@ -188,7 +195,7 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
     @streaming
     async def WatchAllRetentions(
         self, request: registry.WatchAllRetentionsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[registry.WatchRetentionsResponse]:
+    ) -> AsyncIterator[registry.WatchAllRetentionsResponse]:
         # Subscribed before the snapshot is read, so nothing that happens meanwhile is missed (what
         # the snapshot already shows comes again as an event: the client judges by revision).
         async with self._hub.subscribe(ALL_ENGINES) as subscription:
@@ -197,16 +204,16 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
             async for page, page_revision in self._retentions.snapshot():
                 revision = max(revision, page_revision)
                 for retention in page:
-                    yield registry.WatchRetentionsResponse(
+                    yield registry.WatchAllRetentionsResponse(
                         header=_header(page_revision),
                         type=registry.RETENTION_EVENT_TYPE_PUBLISHED,
                         retention=retention,
                     )
-            yield registry.WatchRetentionsResponse(
+            yield registry.WatchAllRetentionsResponse(
                 header=_header(revision), type=registry.RETENTION_EVENT_TYPE_SYNCED
             )
             async for event in subscription.events():
-                yield _retention_event(event)
+                yield _retention_event(event, registry.WatchAllRetentionsResponse)
 
     @streaming
     async def WatchRetentions(
@@ -216,7 +223,7 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
         async with self._hub.subscribe(engine_id) as subscription:
             await context.send_initial_metadata(())
             async for event in subscription.events():
-                yield _retention_event(event)
+                yield _retention_event(event, registry.WatchRetentionsResponse)
 
     @unary
     async def BeginTurn(
