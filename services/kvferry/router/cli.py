@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from kvferry.router.server import COST_PROFILES, REUSE_POLICIES, RouterConfig, R
 from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
 from kvferry.runtime.host import run_service
 from kvferry.runtime.logs import setup_logging
+from kvferry.runtime.tls import add_tls_flags, tls_from_args
 
 _DEFAULTS = RouterConfig(registry_address="127.0.0.1:50051")
 
@@ -170,6 +172,7 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         default="uvloop",
         choices=("uvloop", "asyncio"),
     )
+    add_tls_flags(flags)
     add_telemetry_flags(flags)
 
 
@@ -199,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         startup_sync_seconds=3.0,
         metrics_address=args.metrics_address or None,
         otlp_endpoint=args.otlp_endpoint or None,
+        registry_tls=tls_from_args(args),
     )
 
 
@@ -218,6 +222,10 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        print(f"kvferry router: error: {error}", file=sys.stderr)
+        return 2
     # A bad tenants file or cost profile, or an address in use, is refused at start: exit 2, one line.
     return run_service("router", lambda: _start(config), loop_factory=_loop_factory(args.event_loop))

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import grpc
 import uvicorn
 from kvferry.pd.engine_client import HttpTimeouts
 from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, max_read_window, read_window_fits
@@ -32,6 +31,7 @@ from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
 from kvferry.router.tenants import ApiKeys, load_tenants, parse_key_pairs
 from kvferry.router.turns import TurnRunner, TurnSettings
 from kvferry.runtime.host import ServiceHost
+from kvferry.runtime.tls import TlsFiles, open_channel
 from kvferry.runtime.tracing import TracingServerInterceptor, tracing_client_interceptors
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -89,6 +89,8 @@ class RouterConfig:
     metrics_address: str | None = None
     # OTLP/gRPC collector for traces; None: tracing off (trace context still passes through).
     otlp_endpoint: str | None = None
+    # Mutual TLS to the registry (this router's certificate names the role ``router``); None: plaintext.
+    registry_tls: TlsFiles | None = None
 
 
 COST_PROFILES = ("cpu", *sorted(GPU_PROFILES))
@@ -226,8 +228,8 @@ async def start_router(
     host = ServiceHost("router", grace_seconds=_GRACE_SECONDS)
     async with host.starting():
         provider = host.setup_tracing("kvferry-router", config.otlp_endpoint, span_exporter)
-        channel = grpc.aio.insecure_channel(
-            config.registry_address, interceptors=tracing_client_interceptors(provider)
+        channel = open_channel(
+            config.registry_address, config.registry_tls, interceptors=tracing_client_interceptors(provider)
         )
         host.on_stop("registry channel", channel.close)
         registry = GrpcRegistry(channel, timeout_seconds=config.registry_timeout_seconds)

@@ -77,6 +77,7 @@ class Sidecar:
                 timeout_seconds=config.registry_timeout_seconds,
                 interceptors=tracing_client_interceptors(self._tracer_provider),
                 on_error=self.metrics.registry_error,
+                tls=config.registry_tls,
             )
             self.host.on_stop("registry channel", grpc_registry.close)
             registry = grpc_registry
