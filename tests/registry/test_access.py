@@ -259,13 +259,20 @@ async def test_the_router_acts_for_tenants_but_cannot_register_engines(tls: Tls)
     finally:
         await channel.close()
     assert found is not None and found.engine_id == engine_id
-    key = {"tenant": tenant, "conversation_id": conversation}
-    await router.RenewRetention(registry.RenewRetentionRequest(**key), timeout=5)
-    await router.BeginTurn(registry.BeginTurnRequest(**key, request_id="r1", holder="router:1"), timeout=5)
-    await router.EndTurn(registry.EndTurnRequest(**key, request_id="r1"), timeout=5)
+    await router.RenewRetention(
+        registry.RenewRetentionRequest(tenant=tenant, conversation_id=conversation), timeout=5
+    )
+    begin = registry.BeginTurnRequest(
+        tenant=tenant, conversation_id=conversation, request_id="r1", holder="router:1"
+    )
+    await router.BeginTurn(begin, timeout=5)
+    end = registry.EndTurnRequest(tenant=tenant, conversation_id=conversation, request_id="r1")
+    await router.EndTurn(end, timeout=5)
     listed = await router.ListEngines(registry.ListEnginesRequest(), timeout=5)
     assert engine_id in {item.engine_id for item in listed.engines}
-    await router.ReleaseRetention(registry.ReleaseRetentionRequest(**key), timeout=5)
+    await router.ReleaseRetention(
+        registry.ReleaseRetentionRequest(tenant=tenant, conversation_id=conversation), timeout=5
+    )
 
 
 async def test_an_admin_lists_everything_but_does_not_act_for_tenants(tls: Tls) -> None:
