@@ -164,6 +164,28 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         type=int,
         default=_DEFAULTS.max_body_bytes,
     )
+    flags.add(
+        "--max-turns-per-tenant",
+        "KVFERRY_ROUTER_MAX_TURNS_PER_TENANT",
+        "turns one tenant may have in flight on this router; past it RESOURCE_EXHAUSTED / 429 with "
+        "Retry-After (0: no cap)",
+        type=int,
+        default=_DEFAULTS.max_turns_per_tenant,
+    )
+    flags.add(
+        "--max-concurrent-streams",
+        "KVFERRY_MAX_CONCURRENT_STREAMS",
+        "gRPC calls one client connection may have open at once; more wait for one to end",
+        type=int,
+        default=_DEFAULTS.max_concurrent_streams,
+    )
+    flags.add(
+        "--max-http-connections",
+        "KVFERRY_ROUTER_MAX_HTTP_CONNECTIONS",
+        "HTTP connections and requests served at once; past it 503",
+        type=int,
+        default=_DEFAULTS.max_http_connections,
+    )
     add_log_level_flag(flags)
     flags.add(
         "--event-loop",
@@ -198,6 +220,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         engine_read_timeout_seconds=args.engine_read_timeout,
         engine_max_connections=args.engine_max_connections,
         max_body_bytes=args.max_body_bytes,
+        max_turns_per_tenant=args.max_turns_per_tenant,
+        max_concurrent_streams=args.max_concurrent_streams,
+        max_http_connections=args.max_http_connections,
         # The service starts even with the registry away and syncs when it comes.
         startup_sync_seconds=3.0,
         metrics_address=args.metrics_address or None,

@@ -25,6 +25,7 @@ from kvferry.router.engine_clients import EngineClients
 from kvferry.router.engines import EngineTable, LoadTracker
 from kvferry.router.grpc_api import SERVICE_NAME, RouterServicer
 from kvferry.router.http_api import HttpApi
+from kvferry.router.limits import TenantLimits, TenantLimitSettings
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.observe import TurnTelemetry
 from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
@@ -82,6 +83,12 @@ class RouterConfig:
     engine_read_timeout_seconds: float = 120.0
     engine_max_connections: int = 512
     max_body_bytes: int = 32 * 1024 * 1024
+    # Turns one tenant may have in flight on this router (gRPC and HTTP together); past it
+    # RESOURCE_EXHAUSTED / 429 with Retry-After. 0: no cap.
+    max_turns_per_tenant: int = 0
+    # Calls one gRPC connection may have open at once; HTTP connections served at once (past it: 503).
+    max_concurrent_streams: int = 1000
+    max_http_connections: int = 4096
     engine_resync_seconds: float = 30.0
     # start_router waits this long for the first engine table (0: don't wait).
     startup_sync_seconds: float = 10.0
@@ -182,6 +189,7 @@ class RunningRouter:
         engines: EngineTable,
         watcher: EngineWatcher,
         metrics: RouterMetrics,
+        tenant_limits: TenantLimits,
     ) -> None:
         self.host = host
         self.grpc_address = grpc_address
@@ -190,6 +198,7 @@ class RunningRouter:
         self.engines = engines
         self.watcher = watcher
         self.metrics = metrics
+        self.tenant_limits = tenant_limits
 
     @property
     def grpc_host(self) -> str:
@@ -268,6 +277,7 @@ async def start_router(
                 read_window_seconds=config.read_window_seconds,
                 turn_mark_seconds=config.turn_mark_seconds,
                 holder=router_holder(),
+                tenant_limits=TenantLimitSettings(max_concurrent_turns=config.max_turns_per_tenant),
             ),
             telemetry=TurnTelemetry(provider, metrics),
         )
@@ -286,6 +296,7 @@ async def start_router(
             config.grpc_listen,
             [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)],
             interceptors=[TracingServerInterceptor(provider, rpc_seconds=metrics.rpc_seconds)],
+            options=[("grpc.max_concurrent_streams", config.max_concurrent_streams)],
         )
         if config.metrics_address:
             await host.serve_metrics(metrics.registry, config.metrics_address)
@@ -297,7 +308,7 @@ async def start_router(
             max_body_bytes=config.max_body_bytes,
             metrics_registry=metrics.registry,
         ).app()
-        http_port = await _serve_http(host, app, http_host, http_port)
+        http_port = await _serve_http(host, app, http_host, http_port, config.max_http_connections)
     grpc_address = f"{grpc_host}:{grpc_endpoint.port}"
     log.info(
         "router serving",
@@ -316,10 +327,13 @@ async def start_router(
         engines=engines,
         watcher=watcher,
         metrics=metrics,
+        tenant_limits=runner.tenant_limits,
     )
 
 
-async def _serve_http(host: ServiceHost, app: Starlette, address: str, port: int) -> int:
+async def _serve_http(
+    host: ServiceHost, app: Starlette, address: str, port: int, max_connections: int
+) -> int:
     """Serves the OpenAI-compatible API with uvicorn until the host stops; returns the bound port."""
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
     # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle).
@@ -346,6 +360,8 @@ async def _serve_http(host: ServiceHost, app: Starlette, address: str, port: int
             server_header=False,
             date_header=False,
             timeout_graceful_shutdown=_GRACE_SECONDS,
+            # Past it uvicorn answers 503 at once instead of taking more memory and sockets.
+            limit_concurrency=max_connections,
         )
     )
     serving = host.spawn(server.serve(sockets=[sock]), "http")
