@@ -12,7 +12,7 @@ import os
 import re
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -55,7 +55,8 @@ class RouterConfig:
     http_listen: str = "127.0.0.1:0"
     # API keys: a tenants file (JSON or TOML) and/or KEY=TENANT pairs.
     tenants_file: Path | None = None
-    api_keys: str = ""
+    # Secret (KEY=TENANT pairs): never in a repr.
+    api_keys: str = field(default="", repr=False)
     # Registry calls' deadline, seconds.
     registry_timeout_seconds: float = 2.0
     # Cost model: profile name ("cpu" or a GPU_PROFILES key), the engines' kv_recompute_threshold,
