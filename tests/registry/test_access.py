@@ -4,6 +4,8 @@ the deployment's CA is never served."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -345,3 +347,46 @@ async def test_the_sidecars_link_publishes_under_its_incarnation(tls: Tls) -> No
         assert found.retention.engine_id == engine_id
     finally:
         await link.close()
+
+
+async def test_the_registry_speaks_mutual_tls_to_etcd(tmp_path: Path) -> None:
+    """etcd with --client-cert-auth: the registry reaches it with --etcd-tls-* and serves; without a
+    certificate etcd refuses it."""
+    pki = TestPki(tmp_path / "pki")
+    etcd = EtcdProcess(tmp_path / "etcd", tls=pki.issue("etcd", common_name="etcd"), die_with_parent=True)
+    await asyncio.to_thread(etcd.start)
+    base = RegistryConfig(
+        listen_address="127.0.0.1:0",
+        etcd_endpoints=(etcd.endpoint,),
+        etcd_timeout_seconds=1.0,
+        key_prefix=f"/kvferry-etcd-tls-{uuid.uuid4().hex[:8]}/",
+        ttl=TEST_TTLS,
+        history_seconds=0,
+    )
+    try:
+        running = await create_registry(
+            dataclasses.replace(base, etcd_tls=pki.issue("registry-etcd", common_name="registry"))
+        )
+        try:
+            async with grpc.aio.insecure_channel(running.address) as channel:
+                stub = registry_grpc.RegistryServiceStub(channel)
+                engine_id = unique("engine")
+                await _register(stub, engine_id)
+                listed = await stub.ListEngines(registry.ListEnginesRequest(), timeout=5)
+                assert engine_id in {item.engine_id for item in listed.engines}
+        finally:
+            await running.stop(grace_seconds=0.2)
+        plaintext = await create_registry(base)
+        try:
+            async with grpc.aio.insecure_channel(plaintext.address) as channel:
+                await _denied(
+                    lambda: registry_grpc.RegistryServiceStub(channel).ListEngines(
+                        registry.ListEnginesRequest(), timeout=5
+                    ),
+                    code=grpc.StatusCode.UNAVAILABLE,
+                    says="etcd",
+                )
+        finally:
+            await plaintext.stop(grace_seconds=0.2)
+    finally:
+        await asyncio.to_thread(etcd.stop)

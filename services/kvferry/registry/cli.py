@@ -90,6 +90,7 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         default=_DEFAULTS.max_concurrent_streams,
     )
     add_tls_flags(flags)
+    add_tls_flags(flags, peer="etcd", prefix="etcd-tls")
     add_log_level_flag(flags)
     add_telemetry_flags(flags)
 
@@ -112,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> RegistryConfig:
         metrics_address=args.metrics_address or None,
         otlp_endpoint=args.otlp_endpoint or None,
         tls=tls_from_args(args),
+        etcd_tls=tls_from_args(args, "etcd-tls"),
         max_concurrent_streams=args.max_concurrent_streams,
     )
 

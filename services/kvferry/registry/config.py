@@ -54,6 +54,8 @@ class RegistryConfig:
     # Mutual TLS on the gRPC port, with each caller's role checked (kvferry.registry.access); None:
     # plaintext, every caller served alike (the local stack).
     tls: TlsFiles | None = None
+    # Mutual TLS to etcd (etcd's --client-cert-auth); None: plaintext.
+    etcd_tls: TlsFiles | None = None
     # Concurrent streams (calls) one client connection may have open; more wait for one to end.
     max_concurrent_streams: int = 1000
 

@@ -205,7 +205,11 @@ async def create_registry(
         if tracer_provider is None:
             tracer_provider = host.setup_tracing("kvferry-registry", config.otlp_endpoint)
         etcd = EtcdGateway(
-            EtcdSettings(endpoints=config.etcd_endpoints, timeout_seconds=config.etcd_timeout_seconds),
+            EtcdSettings(
+                endpoints=config.etcd_endpoints,
+                timeout_seconds=config.etcd_timeout_seconds,
+                tls=config.etcd_tls,
+            ),
             on_error=metrics.etcd_error,
         )
         await etcd.connect()

@@ -55,29 +55,37 @@ class TlsFiles:
         return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in stats)
 
 
-def add_tls_flags(flags: EnvFlags) -> None:
-    """``--tls-cert``, ``--tls-key``, ``--tls-ca``: all three turn mutual TLS on, none leaves it off."""
-    tls = flags.group("TLS (all three or none; none: plaintext)")
+def add_tls_flags(flags: EnvFlags, *, peer: str = "", prefix: str = "tls") -> None:
+    """``--tls-cert``, ``--tls-key``, ``--tls-ca`` (env ``KVFERRY_TLS_*``): all three turn mutual TLS on,
+    none leaves it off. ``prefix`` names another set (``etcd-tls``: ``--etcd-tls-*``, ``KVFERRY_ETCD_TLS_*``)
+    for the connection to ``peer``."""
+    env = "KVFERRY_" + prefix.upper().replace("-", "_")
+    towards = f" to {peer}" if peer else ""
+    tls = flags.group(f"TLS{towards} (all three or none; none: plaintext)")
     tls.add(
-        "--tls-cert",
-        "KVFERRY_TLS_CERT",
-        "PEM certificate (chain) this process presents; it names its role (docs/security.md)",
+        f"--{prefix}-cert",
+        f"{env}_CERT",
+        f"PEM certificate (chain) this process presents{towards}; it names its role (docs/security.md)",
     )
-    tls.add("--tls-key", "KVFERRY_TLS_KEY", "PEM private key of --tls-cert")
-    tls.add("--tls-ca", "KVFERRY_TLS_CA", "PEM CA certificate(s) the peers' certificates must chain to")
+    tls.add(f"--{prefix}-key", f"{env}_KEY", f"PEM private key of --{prefix}-cert")
+    tls.add(f"--{prefix}-ca", f"{env}_CA", "PEM CA certificate(s) the peers' certificates must chain to")
 
 
-def tls_from_args(args: Any) -> TlsFiles | None:
-    """The TLS files the flags name; None when none is set. ValueError when only some are."""
-    given = {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-ca": args.tls_ca}
+def tls_from_args(args: Any, prefix: str = "tls") -> TlsFiles | None:
+    """The TLS files the flags of :func:`add_tls_flags` name; None when none is set. ValueError when only
+    some are, or one cannot be read."""
+    attribute = prefix.replace("-", "_")
+    given = {f"--{prefix}-{part}": getattr(args, f"{attribute}_{part}") for part in ("cert", "key", "ca")}
     if not any(given.values()):
         return None
     missing = [flag for flag, value in given.items() if not value]
     if missing:
         raise ValueError(
-            f"TLS needs --tls-cert, --tls-key and --tls-ca together; missing {', '.join(missing)}"
+            f"TLS needs --{prefix}-cert, --{prefix}-key and --{prefix}-ca together; "
+            f"missing {', '.join(missing)}"
         )
-    files = TlsFiles(Path(args.tls_cert), Path(args.tls_key), Path(args.tls_ca))
+    cert, key, ca = given.values()
+    files = TlsFiles(Path(cert), Path(key), Path(ca))
     files.check()
     return files
 
