@@ -7,16 +7,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import pytest_asyncio
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.server import Registry, create_registry
 from kvferry.router.registry_client import GrpcRegistry as RouterRegistry
+from kvferry.router.server import RouterConfig, start_router
 from kvferry.runtime.errors import ErrorKind
 from kvferry.runtime.tls import TlsFiles, open_channel
 from kvferry.sidecar.registry_link import GrpcRegistry as SidecarRegistry
@@ -25,9 +28,12 @@ from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2 as resources
+from kvferry.v1 import router_service_pb2 as router_pb2
+from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
 from tests.fixtures.certificates import TestPki, engine_uri
 from tests.fixtures.registry import TEST_TTLS, unique
+from tests.fixtures.router import router_api_keys
 from tests.registry.builders import engine, retention
 
 ROUTER_URI = "spiffe://cluster.local/ns/kvferry-test/kvferry/router"
@@ -390,3 +396,57 @@ async def test_the_registry_speaks_mutual_tls_to_etcd(tmp_path: Path) -> None:
             await plaintext.stop(grace_seconds=0.2)
     finally:
         await asyncio.to_thread(etcd.stop)
+
+
+async def test_the_router_serves_agents_over_tls_and_calls_the_registry_as_router(
+    tls: Tls, tmp_path: Path
+) -> None:
+    """The router's certificate: HTTPS and gRPC over TLS for agents (no client certificate asked: API keys
+    authenticate them), mutual TLS to the registry as `router` (it lists and watches the engines)."""
+    engine_id = unique("engine")
+    await _register(tls.as_engine(engine_id), engine_id)
+    router_tls = tls.pki.issue("router-server", uris=[ROUTER_URI])
+    router = await start_router(
+        RouterConfig(registry_address=tls.running.address, tls=router_tls, startup_sync_seconds=5.0),
+        api_keys=router_api_keys(),
+    )
+    try:
+        assert router.http_url.startswith("https://")
+        deadline = asyncio.get_running_loop().time() + 5
+        while engine_id not in {item.engine_id for item in router.engines.all()}:
+            assert asyncio.get_running_loop().time() < deadline, "the router never listed the engine"
+            await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(tls.pki.ca))) as http:
+            acme = {"Authorization": "Bearer key-acme"}
+            models = await http.get(router.http_url + "/v1/models", headers=acme)
+        assert models.status_code == 200
+        agent = grpc.ssl_channel_credentials(root_certificates=tls.pki.ca.read_bytes())
+        async with grpc.aio.secure_channel(router.grpc_address, agent) as channel:
+            await _denied(
+                lambda: anext(
+                    aiter(
+                        router_grpc.RouterServiceStub(channel).Generate(
+                            router_pb2.GenerateRequest(conversation_id="c", model="nope"),
+                            metadata=(("authorization", "Bearer key-acme"),),
+                            timeout=5,
+                        )
+                    )
+                ),
+                # Answered by the router's servicer: the call got through TLS.
+                code=grpc.StatusCode.INVALID_ARGUMENT,
+                says="the prompt is missing",
+            )
+        async with grpc.aio.insecure_channel(router.grpc_address) as plaintext:
+            await _denied(
+                lambda: anext(
+                    aiter(
+                        router_grpc.RouterServiceStub(plaintext).Generate(
+                            router_pb2.GenerateRequest(conversation_id="c", model="nope"), timeout=5
+                        )
+                    )
+                ),
+                code=grpc.StatusCode.UNAVAILABLE,
+                says="",
+            )
+    finally:
+        await router.stop(grace_seconds=0.2)

@@ -227,7 +227,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         startup_sync_seconds=3.0,
         metrics_address=args.metrics_address or None,
         otlp_endpoint=args.otlp_endpoint or None,
-        registry_tls=tls_from_args(args),
+        tls=tls_from_args(args),
     )
 
 

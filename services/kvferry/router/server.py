@@ -32,7 +32,7 @@ from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
 from kvferry.router.tenants import ApiKeys, load_tenants, parse_key_pairs
 from kvferry.router.turns import TurnRunner, TurnSettings
 from kvferry.runtime.host import ServiceHost
-from kvferry.runtime.tls import TlsFiles, open_channel
+from kvferry.runtime.tls import TlsFiles, open_channel, server_credentials
 from kvferry.runtime.tracing import TracingServerInterceptor, tracing_client_interceptors
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -97,8 +97,10 @@ class RouterConfig:
     metrics_address: str | None = None
     # OTLP/gRPC collector for traces; None: tracing off (trace context still passes through).
     otlp_endpoint: str | None = None
-    # Mutual TLS to the registry (this router's certificate names the role ``router``); None: plaintext.
-    registry_tls: TlsFiles | None = None
+    # The router's certificate: it serves agents over TLS with it (gRPC and HTTPS; API keys authenticate
+    # them, no client certificate is asked) and calls the registry over mutual TLS with it (the certificate
+    # names the role ``router``: docs/security.md). None: plaintext everywhere.
+    tls: TlsFiles | None = None
 
 
 COST_PROFILES = ("cpu", *sorted(GPU_PROFILES))
@@ -191,8 +193,10 @@ class RunningRouter:
         watcher: EngineWatcher,
         metrics: RouterMetrics,
         tenant_limits: TenantLimits,
+        https: bool = False,
     ) -> None:
         self.host = host
+        self.https = https
         self.grpc_address = grpc_address
         self.http_host = http_host
         self.http_port = http_port
@@ -211,7 +215,7 @@ class RunningRouter:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.http_host}:{self.http_port}"
+        return f"{'https' if self.https else 'http'}://{self.http_host}:{self.http_port}"
 
     async def stop(self, grace_seconds: float | None = None) -> None:
         """Stops taking calls (in-flight ones get ``grace_seconds``, 2 s by default), then closes."""
@@ -239,7 +243,7 @@ async def start_router(
     async with host.starting():
         provider = host.setup_tracing("kvferry-router", config.otlp_endpoint, span_exporter)
         channel = open_channel(
-            config.registry_address, config.registry_tls, interceptors=tracing_client_interceptors(provider)
+            config.registry_address, config.tls, interceptors=tracing_client_interceptors(provider)
         )
         host.on_stop("registry channel", channel.close)
         registry = GrpcRegistry(channel, timeout_seconds=config.registry_timeout_seconds)
@@ -298,6 +302,9 @@ async def start_router(
             [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)],
             interceptors=[TracingServerInterceptor(provider, rpc_seconds=metrics.rpc_seconds)],
             options=[("grpc.max_concurrent_streams", config.max_concurrent_streams)],
+            credentials=(
+                server_credentials(config.tls, client_certificates=False) if config.tls is not None else None
+            ),
         )
         if config.metrics_address:
             await host.serve_metrics(metrics.registry, config.metrics_address)
@@ -309,13 +316,16 @@ async def start_router(
             max_body_bytes=config.max_body_bytes,
             metrics_registry=metrics.registry,
         ).app()
-        http_port = await _serve_http(host, app, http_host, http_port, config.max_http_connections)
+        http_port = await _serve_http(
+            host, app, http_host, http_port, config.max_http_connections, config.tls
+        )
     grpc_address = f"{grpc_host}:{grpc_endpoint.port}"
+    router_http_url = f"{'https' if config.tls else 'http'}://{http_host}:{http_port}"
     log.info(
         "router serving",
         extra={
             "grpc": grpc_address,
-            "http": f"http://{http_host}:{http_port}",
+            "http": router_http_url,
             "registry": config.registry_address,
             "engines": len(engines),
         },
@@ -329,11 +339,12 @@ async def start_router(
         watcher=watcher,
         metrics=metrics,
         tenant_limits=runner.tenant_limits,
+        https=config.tls is not None,
     )
 
 
 async def _serve_http(
-    host: ServiceHost, app: Starlette, address: str, port: int, max_connections: int
+    host: ServiceHost, app: Starlette, address: str, port: int, max_connections: int, tls: TlsFiles | None
 ) -> int:
     """Serves the OpenAI-compatible API with uvicorn until the host stops; returns the bound port."""
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
@@ -363,6 +374,9 @@ async def _serve_http(
             timeout_graceful_shutdown=_GRACE_SECONDS,
             # Past it uvicorn answers 503 at once instead of taking more memory and sockets.
             limit_concurrency=max_connections,
+            # HTTPS with the router's certificate (read at start; the gRPC port reloads it).
+            ssl_certfile=str(tls.cert) if tls is not None else None,
+            ssl_keyfile=str(tls.key) if tls is not None else None,
         )
     )
     serving = host.spawn(server.serve(sockets=[sock]), "http")

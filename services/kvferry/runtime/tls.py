@@ -125,10 +125,13 @@ class ReloadingCertificates:
             return configuration
 
 
-def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
-    """Server credentials requiring a client certificate from ``files.ca``, reloaded when the files change."""
+def server_credentials(files: TlsFiles, *, client_certificates: bool = True) -> grpc.ServerCredentials:
+    """Server credentials, reloaded when the files change, requiring a client certificate from ``files.ca``
+    (``client_certificates`` False: none asked, for agents that authenticate with API keys)."""
     fetcher = ReloadingCertificates(files)
-    return grpc.dynamic_ssl_server_credentials(fetcher.initial, fetcher, require_client_authentication=True)
+    return grpc.dynamic_ssl_server_credentials(
+        fetcher.initial, fetcher, require_client_authentication=client_certificates
+    )
 
 
 def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
