@@ -408,6 +408,12 @@ class PublishRetentionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RETENTION_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.int
+    """The engine's registration this publish belongs to (RegisterEngineResponse.incarnation): when set,
+    a publish from another incarnation (a sidecar that missed its engine's re-registration) is
+    FAILED_PRECONDITION. Required of engine identities under mutual TLS.
+    """
     @_builtins.property
     def retention(self) -> _resources_pb2.Retention:
         """The retention; output-only fields are ignored."""
@@ -416,10 +422,11 @@ class PublishRetentionRequest(_message.Message):
         self,
         *,
         retention: _resources_pb2.Retention | None = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "retention", b"retention"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
