@@ -1,10 +1,12 @@
-"""Builds the test model's tokenizer: byte-level BPE trained locally with `tokenizers`.
+"""Builds the bench model's tokenizer (deploy/models/bench-qwen3): byte-level BPE trained with `tokenizers`.
 
-    python deploy/models/build_tokenizer.py [--out deploy/models/tiny-qwen3]
+    python deploy/models/build_tokenizer.py [--out deploy/models/bench-qwen3]
 
 The corpus is text that ships with Python itself (a fixed list of standard-library modules), so
 nothing is downloaded. The vocabulary size matches the model's config.json; the special tokens
 and the chat template follow Qwen's ChatML layout, so chat requests work against the model.
+`kvferry bench multiturn` builds its prompts from this tokenizer's ids (kvferry.bench.multiturn_workload).
+The test model (deploy/models/tiny-qwen3) has Qwen3's real tokenizer instead (kvferry.stack.tiny_model).
 Outputs: tokenizer.json and tokenizer_config.json (committed; rerun only to change them).
 """
 
@@ -78,7 +80,7 @@ def build(out: Path, vocab_size: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=HERE / "tiny-qwen3")
+    parser.add_argument("--out", type=Path, default=HERE / "bench-qwen3")
     args = parser.parse_args()
     config = json.loads((args.out / "config.json").read_text())
     build(args.out, int(config["vocab_size"]))

@@ -275,3 +275,42 @@ async def test_pulls_coalesce_by_default(engine_pair: EnginePair) -> None:
     for pull in (d_to_p, p_to_d):
         assert pull["coalesced"] and "fallback_reason" not in pull.event
         assert pull["nixl_descriptors"] == pull.regions * pull["block_runs_sorted"]
+
+
+async def test_pulled_blocks_keep_their_places_while_p_computes_the_rest(engine_pair: EnginePair) -> None:
+    """Regression: once P's pull is done vLLM admits the request again, the pulled blocks first in
+    its list and the blocks for the rest of the prompt after them. Without prefix caching nothing
+    marks the pulled blocks as filled; the connector sorted them in with the new ones, so P computed
+    the rest of the prompt (and handed D) KV in the wrong places whenever a new block had a lower id.
+    """
+    pair = engine_pair
+    ((prompt, turn),) = await _first_turns(pair, conversations=1, max_tokens=16)
+    assert turn.retained is not None
+    reusable = max_reusable_tokens(len(prompt), turn.retained.num_tokens, pair.block_size)
+    assert reusable > 0
+    # P computes the whole prompt once and D reads it: P frees those blocks to the front of its free
+    # queue, highest id first, so the pull below gets the high ids and the rest of the prompt low ones.
+    none = PullOptions()
+    scratch = await _prefill(pair, prompt, reuse=None, mark=None, options=none, request_id=_id("scratch"))
+    await _decode(pair, prompt, scratch, max_tokens=1, request_id=_id("scratch-d"), cache_salt=_id("salt"))
+    # A step on P: it frees what D has read.
+    await _post(pair.prefill, {"model": pair.model, "prompt": [1, 2, 3], "max_tokens": 1}, _id("step"))
+
+    request_id = _id("keep")
+    handoff = await _prefill(
+        pair,
+        prompt,
+        reuse=turn.retained.prefix(reusable),
+        mark=ConversationMark("tests", _id("keep"), 2),
+        options=KVFERRY_PULL,
+        request_id=request_id,
+    )
+    await _decode(pair, prompt, handoff, max_tokens=1, request_id=_id("keep-d"))
+    pull = _pull_of(pair.prefill, request_id)
+    assert handoff.blocks is not None and pull["blocks"] == reusable // pair.block_size
+    (prompt_blocks,) = handoff.blocks.block_ids
+    pulled, computed = list(prompt_blocks[: pull["blocks"]]), list(prompt_blocks[pull["blocks"] :])
+    assert pulled == pull["local_block_ids"], f"P moved the blocks it pulled: now {prompt_blocks}"
+    assert computed and min(computed) < max(pulled), (
+        f"the setup should give P's own blocks lower ids than the pulled ones: {prompt_blocks}"
+    )

@@ -161,3 +161,27 @@ def test_sort_fresh_tail_stops_at_blocks_holding_data() -> None:
     null_tail = [_Block(0, is_null=True), _Block(7), _Block(6)]
     vi.sort_fresh_tail(null_tail)
     assert [b.block_id for b in null_tail] == [0, 6, 7]
+
+
+def test_order_new_blocks_leaves_the_blocks_of_computed_tokens_in_place() -> None:
+    # After a pull vLLM admits the request again: the pulled blocks (no hash without prefix
+    # caching) first, then the blocks for the rest of the prompt, here with lower ids.
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    pool = _block_pool(32)
+    pool.enable_caching = False
+    pool.free_blocks(reversed(pool.get_new_blocks(6)))
+    pulled = pool.get_new_blocks(4)
+    table = [*pulled, *pool.get_new_blocks(2)]
+    assert [b.block_id for b in table] == [6, 5, 4, 3, 2, 1]
+    blocks = KVCacheBlocks((table,))
+    assert vi.order_new_blocks(blocks, filled_blocks=4) == 2
+    assert [b.block_id for b in table] == [6, 5, 4, 3, 1, 2]
+    assert vi.order_new_blocks(blocks, filled_blocks=6) == 0
+
+
+def test_sort_fresh_tail_keeps_the_first_blocks() -> None:
+    table = [_Block(9), _Block(5), _Block(8), _Block(4)]
+    assert vi.sort_fresh_tail(table, keep=2) == 2
+    assert [b.block_id for b in table] == [9, 5, 4, 8]
+    assert vi.sort_fresh_tail(table, keep=4) == 0

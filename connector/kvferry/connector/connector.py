@@ -330,8 +330,11 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         if coalesce:
             # Before vLLM reads the block ids: vLLM's free queue hands recently freed blocks out in
             # reverse, so a prompt's blocks (which another engine may pull later) and the blocks a
-            # pull fills are sorted into ascending runs, which coalesce with each other.
-            vllm_internals.order_new_blocks(blocks)
+            # pull fills are sorted into ascending runs, which coalesce with each other. Once a pull
+            # is done vLLM admits the request again, its received blocks first in the list: those
+            # (the computed tokens' blocks) keep their places.
+            filled_blocks = -(-request.num_computed_tokens // self.block_size)
+            vllm_internals.order_new_blocks(blocks, filled_blocks=filled_blocks)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         peer = (request.kv_transfer_params or {}).get(vllm_params.REMOTE_ENGINE_ID)
         self.accounting.on_allocated(

@@ -84,6 +84,9 @@ class PullRecord:
     digest: bool = False
     # vLLM's listed destination rows, in vLLM's order (kept only for digests).
     destination_rows: npt.NDArray[np.uint64] | None = None
+    # The blocks the pull filled, in the order of the request's tokens (logged with digests: tests
+    # check that they still hold those tokens' places afterwards).
+    local_block_ids: tuple[int, ...] = ()
     memory_type: str = ""
     fallback_reason: str | None = None
     nixl_descriptors: int | None = None
@@ -120,6 +123,7 @@ class PullRecord:
             out["fallback_reason"] = self.fallback_reason
         if self.received_digest:
             out["digest"] = self.received_digest
+            out["local_block_ids"] = list(self.local_block_ids)
         return out
 
 
@@ -374,6 +378,7 @@ class PullCoalescer:
             started=0.0,
             plan_seconds=0.0,
             digest=bool(context and context.digest),
+            local_block_ids=tuple(context.local_block_ids) if context is not None else (),
             fallback_reason=None if wanted else "off",
         )
 

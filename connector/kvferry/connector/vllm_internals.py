@@ -27,7 +27,10 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
    own lists, which it reads again afterwards) before anything is written into the new blocks; it
    sorts those fresh blocks by id (:func:`order_new_blocks`), so that prompts and pulls occupy
    ascending runs whatever order vLLM's free queue handed the blocks out in. Blocks that carry a
-   prefix-cache hash (vLLM hashes blocks it computes at allocation when caching is on) never move.
+   prefix-cache hash (vLLM hashes blocks it computes at allocation when caching is on) never move,
+   nor do the blocks of the request's computed tokens (``Request.num_computed_tokens``): vLLM admits
+   a request again once its pull is done, with the pulled blocks still first in its list, and
+   without prefix caching nothing else tells those filled blocks from the new ones.
 8. A failed pull: a pull whose read window closed before its READ was posted is failed the way vLLM
    fails an expired read of its own (``_handle_failed_transfer`` into ``_recv_failures``, without
    counting a transport failure): the scheduler sees it in ``failed_recving`` and recomputes.
@@ -363,30 +366,32 @@ def pull_block_ids(meta: Any) -> tuple[list[int], list[int]]:
 # -- 7. Ordering the blocks a pull fills ----------------------------------------------------------
 
 
-def order_new_blocks(blocks: Any) -> int:
+def order_new_blocks(blocks: Any, *, filled_blocks: int = 0) -> int:
     """Sorts by id the fresh blocks at the end of a request's block list (in place).
 
     ``blocks`` is the ``KVCacheBlocks`` vLLM passes to ``update_state_after_alloc``; its lists
     are the scheduler's own, so the request's block table (and every block id vLLM derives from
-    it later) follows. Returns how many blocks were reordered (0: single group only, or nothing
-    to gain).
+    it later) follows. The first ``filled_blocks`` blocks hold KV already (the request's computed
+    or received tokens) and never move. Returns how many blocks were reordered (0: single group
+    only, or nothing to gain).
     """
     groups = getattr(blocks, "blocks", None)
     if not groups or len(groups) != 1 or not isinstance(groups[0], list):
         return 0
-    return sort_fresh_tail(groups[0])
+    return sort_fresh_tail(groups[0], keep=filled_blocks)
 
 
-def sort_fresh_tail(block_list: list[Any]) -> int:
+def sort_fresh_tail(block_list: list[Any], *, keep: int = 0) -> int:
     """Sorts by ``block_id`` the longest tail of blocks that hold nothing yet.
 
-    A block qualifies when it has no prefix-cache hash, only this request references it, and it
-    is not vLLM's null block: it was allocated in this step for tokens still to be pulled or
-    computed, so which physical block takes which position is free. Blocks before the tail
-    (prefix-cache hits, data already there) never move.
+    A block qualifies when it lies past the first ``keep`` blocks (those hold the request's
+    computed tokens: with prefix caching off they carry no hash), has no prefix-cache hash, only
+    this request references it, and it is not vLLM's null block: it was allocated in this step
+    for tokens still to be pulled or computed, so which physical block takes which position is
+    free. Blocks before the tail (prefix-cache hits, data already there) never move.
     """
     start = len(block_list)
-    while start > 0 and _fresh(block_list[start - 1]):
+    while start > max(keep, 0) and _fresh(block_list[start - 1]):
         start -= 1
     tail = block_list[start:]
     ordered = sorted(tail, key=lambda block: int(block.block_id))

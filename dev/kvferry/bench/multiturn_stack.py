@@ -83,6 +83,8 @@ def engine_processes(options: StackOptions, workdir: Path) -> tuple[EngineProces
     common = {
         "model_dir": options.model_dir,
         "served_model_name": options.model_name,
+        # Timing only: vLLM's dummy weights (the bench model ships a config.json and a tokenizer, no weights).
+        "load_format": "dummy",
         "max_model_len": options.max_model_len,
         "max_num_seqs": 8,
         "nixl_extra_config": nixl,

@@ -8,7 +8,7 @@ plus reply: exactly what the decode engine retained.
 
 Prompts are token ids (the bench model runs with dummy weights; no tokenizer is involved). Each
 message is framed ChatML-style (``<|im_start|>`` role newline ... ``<|im_end|>`` newline) with the ids of
-the repo's tiny tokenizer, so the prompts look like chat prompts to anything that inspects them.
+the bench model's tokenizer, so the prompts look like chat prompts to anything that inspects them.
 
 The *plan* (how many tokens each message has) depends only on the seed and the conversation's
 index; the *tokens* also depend on a salt, so the benchmark's modes get prompts of identical
@@ -22,7 +22,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-# Ids of the repo's tiny tokenizer (deploy/models/tiny-qwen3): special tokens and the role words.
+# Ids of the bench model's tokenizer (deploy/models/bench-qwen3): special tokens and the role words.
 IM_START = 1
 IM_END = 2
 NEWLINE = 201

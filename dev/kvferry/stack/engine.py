@@ -2,10 +2,11 @@
 ``kvferry up`` and the benchmarks. With ``gpu`` set, the engine is CUDA vLLM on that GPU instead
 (KV in GPU memory, :data:`GPU_UCX_ENV` in its environment).
 
-Each engine gets the repo's test model with dummy weights (same ``--seed`` -> same weights),
-its own CPU core (``VLLM_CPU_OMP_THREADS_BIND``), its own NIXL side-channel port, a small KV
-cache and a log file. On this 2-core machine run at most one prefill + one decode engine at a
-time (tests take ``flock /tmp/kvferry-engines.lock``).
+Each engine gets the repo's test model (:mod:`kvferry.stack.tiny_model`: Qwen3's tokenizer, seeded
+random weights that both engines load from the same files), its own CPU core
+(``VLLM_CPU_OMP_THREADS_BIND``), its own NIXL side-channel port, a small KV cache and a log file.
+On this 2-core machine run at most one prefill + one decode engine at a time (tests take
+``flock /tmp/kvferry-engines.lock``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from kvferry.pd.engine_api import EngineApi, PrefillResult, Sampling
 from kvferry.pd.kvferry_params import ConversationMark
 from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, RetainedKv, max_reusable_tokens
 from kvferry.pd.sequence import Decoded, EngineTurn, Pull, run_turn
-from kvferry.stack import child_process
+from kvferry.stack import child_process, tiny_model
 from kvferry.stack.etcd_process import free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_MODEL_DIR = REPO_ROOT / "deploy" / "models" / "tiny-qwen3"
-DEFAULT_MODEL_NAME = "tiny-qwen3"
+REPO_ROOT = tiny_model.REPO_ROOT
+DEFAULT_MODEL_DIR = tiny_model.MODEL_DIR
+DEFAULT_MODEL_NAME = tiny_model.SERVED_MODEL_NAME
 
 Role = Literal["prefill", "decode"]
 # "kvferry": kvferry's connector; "nixl": vLLM's plain NixlConnector (baseline for benchmarks).
@@ -76,6 +77,8 @@ class EngineProcess:
     host: str = "127.0.0.1"
     model_dir: Path = DEFAULT_MODEL_DIR
     served_model_name: str = DEFAULT_MODEL_NAME
+    # "auto": the weights in model_dir; "dummy": vLLM's tiny random weights (config.json suffices).
+    load_format: str = "auto"
     connector: ConnectorKind = "kvferry"
     # Where vLLM loads KvferryConnector from (tools/gpu/vllm_pull_proof_connector on vLLM 0.25).
     connector_module: str = "kvferry.connector.connector"
@@ -180,7 +183,7 @@ class EngineProcess:
             "--port",
             str(self.http_port),
             "--load-format",
-            "dummy",
+            self.load_format,
             "--seed",
             str(self.seed),
             "--dtype",
@@ -197,6 +200,7 @@ class EngineProcess:
             "--kv-transfer-config",
             json.dumps(self.kv_transfer_config()),
             *(() if self.gpu is None else ("--gpu-memory-utilization", str(self.gpu_memory_utilization))),
+            *tiny_model.ENGINE_ARGS,
             *self.extra_args,
         ]
 
@@ -213,6 +217,7 @@ class EngineProcess:
                 "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
+                **tiny_model.ENGINE_ENV,
             }
         )
         if self.gpu is not None:
@@ -227,6 +232,11 @@ class EngineProcess:
     def start(self) -> None:
         if self.running:
             raise EngineStartError(f"engine {self.engine_id} already runs (pid {self.pid})")
+        if self.model_dir == DEFAULT_MODEL_DIR:
+            try:
+                tiny_model.require_current(self.model_dir)
+            except tiny_model.ModelNotReady as error:
+                raise EngineStartError(str(error)) from error
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting {self.engine_id}\n".encode())

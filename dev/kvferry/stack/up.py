@@ -429,6 +429,8 @@ def _gpu_options(workdir: Path, config: StackConfig) -> _GpuOptions:
             if config.model_dir
             else gpu.write_gpu_model(workdir / "models"),
             "served_model_name": gpu.GPU_MODEL_NAME,
+            # The Qwen3-8B shape comes without weights: vLLM draws dummy ones.
+            "load_format": "dummy",
             "dtype": gpu.GPU_DTYPE,
             "block_size": gpu.GPU_BLOCK_SIZE,
             "max_model_len": gpu.GPU_MAX_MODEL_LEN,
