@@ -17,6 +17,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("registry", "kvferry.registry.cli", "run the KV-metadata registry service (etcd-backed)"),
     ("sidecar", "kvferry.sidecar.cli", "run the sidecar beside one vLLM engine"),
     ("router", "kvferry.router.cli", "run the router: gRPC and OpenAI-compatible HTTP front door"),
+    ("picker", "kvferry.picker.cli", "run the gateway endpoint picker (Envoy ext_proc, Inference Extension)"),
     ("up", "kvferry.stack.up", "start the local stack (etcd, registry, router, engines, sidecars) + demo"),
     ("down", "kvferry.stack.down", "stop everything `kvferry up` started"),
     (
