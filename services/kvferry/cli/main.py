@@ -26,6 +26,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
         "what the local stack runs: processes, health, retained KV per engine",
     ),
     ("bench", "kvferry.bench.cli", "benchmarks: registry, router, multiturn, idle"),
+    ("health", "kvferry.cli.health", "is a service healthy? exit 0/1 for probes (gRPC health or HTTP)"),
 ]
 
 
