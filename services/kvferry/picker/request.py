@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvferry.router import validation
-from kvferry.router.http_api import CONVERSATION_HEADER
+from kvferry.router.http_api import CONVERSATION_HEADER, conversation_of
 from kvferry.runtime.errors import InvalidArgument
 
 
@@ -32,17 +32,7 @@ def request_identity(headers: Mapping[str, str], body: bytes) -> RequestIdentity
         if not isinstance(parsed, dict):
             raise InvalidArgument(f"the request body must be a JSON object, not {type(parsed).__name__}")
         fields = parsed
-    conversation = _string_field(fields, "conversation_id")
-    header = headers.get(CONVERSATION_HEADER)
-    if header is not None:
-        if conversation is not None and conversation != header:
-            raise InvalidArgument(
-                "the X-Conversation-Id header and the conversation_id field differ; send one",
-                param="conversation_id",
-            )
-        conversation = header
-    if conversation is not None:
-        validation.conversation_id(conversation)
+    conversation = conversation_of(_string_field(fields, "conversation_id"), headers.get(CONVERSATION_HEADER))
     model = validation.model_name(_string_field(fields, "model") or "")
     return RequestIdentity(conversation, model, headers.get("authorization"))
 
