@@ -23,6 +23,7 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
     ExternalProcessorSyncStub,
     HttpBody,
     HttpHeaders,
+    HttpTrailers,
     ProcessingRequest,
     ProcessingResponse,
     ProtocolConfiguration,
@@ -267,6 +268,22 @@ async def test_a_known_conversation_goes_to_the_engine_holding_it(
             picker, envoy_messages(mode, request_headers(conversation=conversation), chat_body())
         )
         check_routed(answer, endpoint_of(engines.decode_b), engines, "retained")
+
+
+async def test_a_full_duplex_body_ended_by_trailers(
+    registry: RegistryHandle, engines: Engines, picker: RunningPicker
+) -> None:
+    conversation = await retain(registry, engines.decode_b)
+    body = chat_body(conversation)
+    messages = envoy_messages(Mode.FULL_DUPLEX_STREAMED, request_headers(), body)
+    last = messages[-1].request_body
+    assert last is not None
+    last.end_of_stream = False  # the trailers end the request instead
+    messages.append(ProcessingRequest(request_trailers=HttpTrailers(trailers=HeaderMap(headers=[]))))
+    answer = await send(picker, messages)
+    check_routed(answer, endpoint_of(engines.decode_b), engines, "retained")
+    assert answer.streamed_body() == body
+    assert answer.responses[-1].request_trailers is not None
 
 
 async def test_an_unknown_conversation_gets_a_load_aware_pick(

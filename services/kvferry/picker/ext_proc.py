@@ -148,7 +148,11 @@ class ExtProcPicker:
         if message.request_body is not None:
             return await self._on_request_body(stream, message.request_body)
         if message.request_trailers is not None:
-            return [ProcessingResponse(request_trailers=TrailersResponse())]
+            trailers = [ProcessingResponse(request_trailers=TrailersResponse())]
+            if stream.decided or stream.request_mode != _Mode.FULL_DUPLEX_STREAMED:
+                return trailers
+            # Trailers end a full-duplex body that ended without end_of_stream: decide now.
+            return [*_held_request(await self._decide(stream), stream, end_of_stream=False), *trailers]
         if message.response_headers is not None:
             return [ProcessingResponse(response_headers=HeadersResponse())]
         if message.response_body is not None:
@@ -182,15 +186,7 @@ class ExtProcPicker:
             return []
         pick = await self._decide(stream)
         if stream.request_mode == _Mode.FULL_DUPLEX_STREAMED:
-            whole = StreamedBodyResponse(body=bytes(stream.body), end_of_stream=True)
-            return [
-                _headers_answer(pick),
-                ProcessingResponse(
-                    request_body=BodyResponse(
-                        response=CommonResponse(body_mutation=BodyMutation(streamed_response=whole))
-                    )
-                ),
-            ]
+            return _held_request(pick, stream, end_of_stream=True)
         return [
             ProcessingResponse(
                 request_body=BodyResponse(response=_route_to(pick)), dynamic_metadata=_lb_metadata(pick)
@@ -281,6 +277,13 @@ def _headers_answer(pick: Pick) -> ProcessingResponse:
     return ProcessingResponse(
         request_headers=HeadersResponse(response=_route_to(pick)), dynamic_metadata=_lb_metadata(pick)
     )
+
+
+def _held_request(pick: Pick, stream: _Stream, *, end_of_stream: bool) -> list[ProcessingResponse]:
+    """Full duplex: the headers' answer held until the body was read, then the whole body, unchanged."""
+    whole = StreamedBodyResponse(body=bytes(stream.body), end_of_stream=end_of_stream)
+    body = BodyResponse(response=CommonResponse(body_mutation=BodyMutation(streamed_response=whole)))
+    return [_headers_answer(pick), ProcessingResponse(request_body=body)]
 
 
 def _pass_body(body: HttpBody, mode: _Mode, *, request: bool) -> ProcessingResponse:
