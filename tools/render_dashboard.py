@@ -129,7 +129,7 @@ def formatter(unit: str) -> FuncFormatter:
     return FuncFormatter(format_value)
 
 
-def draw(panels: list[PanelData], title: str, subtitle: str, output: Path) -> None:
+def draw(panels: list[PanelData], title: str, subtitle: str, output: Path, span: float) -> None:
     rows = max(p.grid["y"] + p.grid["h"] for p in panels)
     width, header = 24 * 0.95, 1.1
     height = rows * GRID_UNIT_INCHES + header
@@ -194,7 +194,8 @@ def draw(panels: list[PanelData], title: str, subtitle: str, output: Path) -> No
                 linewidth=1.4, label=series.legend[:60],
             )  # fmt: skip
         plot.yaxis.set_major_formatter(fmt)
-        plot.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M"))
+        plot.xaxis.set_major_locator(mdates.AutoDateLocator(minticks=3, maxticks=7))
+        plot.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S" if span < 900 else "%H:%M"))
         plot.tick_params(colors="#8e8e8e", labelsize=8)
         plot.grid(color=GRID, linewidth=0.6)
         for spine in plot.spines.values():
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         variables[name] = value
     end = args.end or time.time()
     panels = query_panels(dashboard, args.prometheus, end - args.minutes * 60, end, args.step, variables)
-    draw(panels, dashboard.get("title", "dashboard"), args.subtitle, args.output)
+    draw(panels, dashboard.get("title", "dashboard"), args.subtitle, args.output, args.minutes * 60)
     empty = [p.title for p in panels if p.kind != "row" and not p.series]
     print(f"render_dashboard: {args.output}: {len(panels)} panels, {len(empty)} without data")
     for title in empty:
