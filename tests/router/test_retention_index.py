@@ -34,10 +34,10 @@ def _event(
     *,
     turn: int = 1,
     expire: float = 100.0,
-) -> api.WatchRetentionsResponse:
+) -> api.WatchAllRetentionsResponse:
     held = resources.Retention(tenant="t", conversation_id="c", engine_request_id=request, turn=turn)
     held.expire_time.CopyFrom(to_timestamp(expire))
-    return api.WatchRetentionsResponse(
+    return api.WatchAllRetentionsResponse(
         header=resources.ResponseHeader(revision=revision), type=kind, retention=held
     )
 

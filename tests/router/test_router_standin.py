@@ -519,7 +519,7 @@ async def test_http_prompt_over_max_model_len_and_oversized_body(
             json={"model": stack.model, "prompt": "x" * 5000},
             headers={"Authorization": f"Bearer {ACME}"},
         )
-    assert big.status_code == 400 and "at most 1000" in big.json()["error"]["message"]
+    assert big.status_code == 413 and "at most 1000" in big.json()["error"]["message"]
 
 
 async def test_grpc_bad_input(stack: Stack) -> None:

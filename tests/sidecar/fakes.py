@@ -135,7 +135,7 @@ class FakeRegistry:
             raise RegistryError(ErrorKind.NOT_FOUND, f"engine {engine_id} is not registered")
 
     async def publish_retention(
-        self, retention: resources_pb2.Retention
+        self, retention: resources_pb2.Retention, incarnation: int = 0
     ) -> registry_pb2.PublishRetentionResponse:
         self._enter("publish_retention")
         if retention.engine_id not in self.engines:

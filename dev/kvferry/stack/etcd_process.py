@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvferry.runtime.tls import TlsFiles
 from kvferry.stack import child_process
 
 
@@ -50,6 +51,8 @@ class EtcdProcess:
     # Tests: etcd gets SIGTERM when the starting thread dies (even by SIGKILL), so none outlives its
     # test run. ``kvferry up`` leaves etcd running.
     die_with_parent: bool = False
+    # Mutual TLS on the client port (--client-cert-auth: clients need a certificate from ``tls.ca``).
+    tls: TlsFiles | None = None
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -71,7 +74,17 @@ class EtcdProcess:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.client_port = self.client_port or free_port()
         self.peer_port = self.peer_port or free_port()
-        client_url = f"http://127.0.0.1:{self.client_port}"
+        client_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
+        tls_args = (
+            [
+                f"--cert-file={self.tls.cert}",
+                f"--key-file={self.tls.key}",
+                f"--trusted-ca-file={self.tls.ca}",
+                "--client-cert-auth",
+            ]
+            if self.tls is not None
+            else []
+        )
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         log_file = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self._proc = subprocess.Popen(
@@ -88,6 +101,7 @@ class EtcdProcess:
                     "--log-level=warn",
                     # Per-method request latency, as deployments run it (the dashboard's etcd panel).
                     "--metrics=extensive",
+                    *tls_args,
                 ],
                 die_with_parent=self.die_with_parent,
             ),

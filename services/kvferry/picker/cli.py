@@ -13,6 +13,7 @@ from kvferry.picker.server import PickerConfig, RunningPicker, start_picker
 from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
 from kvferry.runtime.host import run_service
 from kvferry.runtime.logs import setup_logging
+from kvferry.runtime.tls import add_tls_flags, tls_from_args
 
 _DEFAULTS = PickerConfig(registry_address="127.0.0.1:50051")
 
@@ -60,6 +61,7 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         default=_DEFAULTS.max_body_bytes,
     )
     add_log_level_flag(flags)
+    add_tls_flags(flags)
     add_telemetry_flags(flags)
 
 
@@ -74,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> PickerConfig:
         # The service starts even with the registry away (not ready) and syncs when it comes.
         startup_sync_seconds=3.0,
         metrics_address=args.metrics_address or None,
+        tls=tls_from_args(args),
     )
 
 

@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health_pb2
 from kvferry.picker.ext_proc import SERVICE_NAME, ExtProcPicker, add_to_server
 from kvferry.picker.metrics import PickerMetrics
@@ -22,6 +21,7 @@ from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
 from kvferry.router.server import RouterConfig, api_keys_from_config
 from kvferry.router.tenants import ApiKeys
 from kvferry.runtime.host import GrpcEndpoint, ServiceHost
+from kvferry.runtime.tls import TlsFiles, open_channel, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ class PickerConfig:
     # start_picker waits this long for the first engine table (0: don't wait).
     startup_sync_seconds: float = 10.0
     metrics_address: str | None = None
+    # Mutual TLS to the registry (as the router: it reads what a router reads) and TLS for the gateway's
+    # calls (no client certificate asked: gateways present none); None: plaintext.
+    tls: TlsFiles | None = None
 
 
 class RunningPicker:
@@ -77,7 +80,7 @@ async def start_picker(config: PickerConfig, *, api_keys: ApiKeys | None = None)
     metrics = PickerMetrics()
     host = ServiceHost("picker")
     async with host.starting():
-        channel = grpc.aio.insecure_channel(config.registry_address)
+        channel = open_channel(config.registry_address, config.tls)
         host.on_stop("registry channel", channel.close)
         registry = GrpcRegistry(channel, timeout_seconds=config.registry_timeout_seconds)
         engines = EngineTable()
@@ -90,7 +93,10 @@ async def start_picker(config: PickerConfig, *, api_keys: ApiKeys | None = None)
             metrics=metrics,
             max_body_bytes=config.max_body_bytes,
         )
-        endpoint = await host.serve_grpc(config.listen, [(add_to_server, picker, SERVICE_NAME)])
+        credentials = server_credentials(config.tls, client_certificates=False) if config.tls else None
+        endpoint = await host.serve_grpc(
+            config.listen, [(add_to_server, picker, SERVICE_NAME)], credentials=credentials
+        )
         await _not_ready(endpoint)
         host.spawn(_ready_when_synced(endpoint, watcher), "readiness")
         if config.startup_sync_seconds > 0:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvferry.runtime.tls import TlsFiles
+
 
 @dataclass(frozen=True)
 class TtlPolicy:
@@ -49,6 +51,13 @@ class RegistryConfig:
     metrics_address: str | None = None
     # OTLP/gRPC collector for traces; None: tracing off (incoming trace context is still passed on).
     otlp_endpoint: str | None = None
+    # Mutual TLS on the gRPC port, with each caller's role checked (kvferry.registry.access); None:
+    # plaintext, every caller served alike (the local stack).
+    tls: TlsFiles | None = None
+    # Mutual TLS to etcd (etcd's --client-cert-auth); None: plaintext.
+    etcd_tls: TlsFiles | None = None
+    # Concurrent streams (calls) one client connection may have open; more wait for one to end.
+    max_concurrent_streams: int = 1000
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
@@ -59,3 +68,5 @@ class RegistryConfig:
             raise ValueError("history seconds cannot be negative (0 turns compaction off)")
         if self.etcd_timeout_seconds <= 0:
             raise ValueError("the etcd timeout must be positive")
+        if self.max_concurrent_streams < 1:
+            raise ValueError("max concurrent streams must be at least 1")

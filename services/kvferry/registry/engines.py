@@ -176,6 +176,8 @@ class EngineStore:
         """
         validation.require_id("engine_id", engine_id)
         validation.release_grace(release_grace_seconds, "release_grace_seconds")
+        if stats is not None:
+            validation.engine_stats(stats, "stats")
         key = self.layout.engine(engine_id)
         read = await self.etcd.range(key)
         kv = read.first

@@ -39,6 +39,7 @@ from aetcd import rpc
 from kvferry.registry.errors import EtcdFailure, EtcdNoSpace, EtcdUnavailable
 from kvferry.runtime.backoff import BackoffPolicy
 from kvferry.runtime.errors import ServiceError
+from kvferry.runtime.tls import TlsFiles, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -391,6 +392,8 @@ class EtcdSettings:
 
     endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     timeout_seconds: float = 2.0
+    # Mutual TLS to etcd (its --client-cert-auth); None: plaintext.
+    tls: TlsFiles | None = None
 
 
 def grpc_target(endpoints: Sequence[str]) -> tuple[str, int]:
@@ -556,6 +559,7 @@ class EtcdGateway:
         self._rewind: asyncio.Future[None] | None = None
         host, port = grpc_target(settings.endpoints)
         self._client = aetcd.Client(host=host, port=port, timeout=None, options=dict(_CHANNEL_OPTIONS))
+        self._tls_channel: grpc.aio.Channel | None = None
         self._kv: Any = None
         self._lease: Any = None
         self._watch: Any = None
@@ -569,11 +573,19 @@ class EtcdGateway:
 
     async def connect(self) -> None:
         """Builds the channel; it connects lazily and reconnects by itself when etcd returns."""
-        await self._client.connect()
-        self._kv = rpc.KVStub(self._client.channel)
-        self._lease = rpc.LeaseStub(self._client.channel)
-        self._watch = rpc.WatchStub(self._client.channel)
-        self._maintenance = rpc.MaintenanceStub(self._client.channel)
+        if self.settings.tls is None:
+            await self._client.connect()
+            channel = self._client.channel
+        else:
+            # aetcd builds plaintext channels only; the gateway uses nothing of its client but the channel.
+            host, port = grpc_target(self.settings.endpoints)
+            channel = self._tls_channel = open_channel(
+                f"{host}:{port}", self.settings.tls, options=list(_CHANNEL_OPTIONS.items())
+            )
+        self._kv = rpc.KVStub(channel)
+        self._lease = rpc.LeaseStub(channel)
+        self._watch = rpc.WatchStub(channel)
+        self._maintenance = rpc.MaintenanceStub(channel)
         self._keepalives = [
             _KeepAliveStream(self._lease, self._describe) for _ in range(self.KEEPALIVE_STREAMS)
         ]
@@ -582,6 +594,8 @@ class EtcdGateway:
         for stream in self._keepalives:
             await stream.close()
         await self._client.close()
+        if self._tls_channel is not None:
+            await self._tls_channel.close()
 
     def _describe(self, error: BaseException) -> Exception:
         if isinstance(error, grpc.aio.AioRpcError):

@@ -217,8 +217,13 @@ class RetentionStore:
 
     # --- publish ----------------------------------------------------------------------------
 
-    async def publish_retention(self, retention: resources.Retention) -> PublishedRetention:
-        """Stores a conversation's retention under its own lease, superseding an older turn atomically."""
+    async def publish_retention(
+        self, retention: resources.Retention, incarnation: int = 0
+    ) -> PublishedRetention:
+        """Stores a conversation's retention under its own lease, superseding an older turn atomically.
+
+        With ``incarnation``, only for that registration of the engine: another one live is
+        FAILED_PRECONDITION (the publish comes from a sidecar that missed a re-registration)."""
         conversation = validation.validate_retention_shape(retention)
         ttl = validation.retention_ttl(retention.ttl_seconds, self.ttl)
         # The lease is granted while the current state is read: one round trip less per publish.
@@ -226,7 +231,7 @@ class RetentionStore:
         published: PublishedRetention | None = None
         try:
             for _ in range(_TXN_ATTEMPTS):
-                published = await self._try_publish(retention, conversation, grant)
+                published = await self._try_publish(retention, conversation, grant, incarnation)
                 if published is not None:
                     if published.superseded_turn:
                         self._metrics.released(resources.RELEASE_REASON_SUPERSEDED)
@@ -252,7 +257,11 @@ class RetentionStore:
             await self.etcd.revoke_quietly(lease.id, "unused lease")
 
     async def _try_publish(
-        self, retention: resources.Retention, conversation: ConversationKey, grant: asyncio.Future[Lease]
+        self,
+        retention: resources.Retention,
+        conversation: ConversationKey,
+        grant: asyncio.Future[Lease],
+        expected_incarnation: int,
     ) -> PublishedRetention | None:
         """One optimistic attempt; None when a concurrent change won and the caller should retry."""
         engine_key = self.layout.engine(retention.engine_id)
@@ -271,6 +280,11 @@ class RetentionStore:
         if snapshot.range(2).first is not None:
             raise _ended_by_engine(retention)
         incarnation = engine_kv.lease
+        if expected_incarnation and expected_incarnation != incarnation:
+            raise FailedPrecondition(
+                f"engine {retention.engine_id} is registered under incarnation {incarnation:x}, not "
+                f"{expected_incarnation:x} (it registered again); publish under the current registration"
+            )
         validation.validate_against_engine(retention, decode_engine(engine_kv.value))
         superseded_turn = 0
         operations: list[Op] = []

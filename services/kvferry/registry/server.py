@@ -30,6 +30,7 @@ from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.runtime.errors import ServiceError
 from kvferry.runtime.host import ServiceHost
 from kvferry.runtime.metrics import MetricsEndpoint
+from kvferry.runtime.tls import server_credentials
 from kvferry.runtime.tracing import TracingServerInterceptor
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
@@ -204,7 +205,11 @@ async def create_registry(
         if tracer_provider is None:
             tracer_provider = host.setup_tracing("kvferry-registry", config.otlp_endpoint)
         etcd = EtcdGateway(
-            EtcdSettings(endpoints=config.etcd_endpoints, timeout_seconds=config.etcd_timeout_seconds),
+            EtcdSettings(
+                endpoints=config.etcd_endpoints,
+                timeout_seconds=config.etcd_timeout_seconds,
+                tls=config.etcd_tls,
+            ),
             on_error=metrics.etcd_error,
         )
         await etcd.connect()
@@ -224,11 +229,13 @@ async def create_registry(
             if config.metrics_address is not None
             else None
         )
-        servicer = RegistryServicer(engines, retentions, hub, turns)
+        servicer = RegistryServicer(engines, retentions, hub, turns, mutual_tls=config.tls is not None)
         grpc_endpoint = await host.serve_grpc(
             config.listen_address,
             [(registry_grpc.add_RegistryServiceServicer_to_server, servicer, SERVICE_NAME)],
             interceptors=[TracingServerInterceptor(tracer_provider, rpc_seconds=metrics.rpc_seconds)],
+            options=[("grpc.max_concurrent_streams", config.max_concurrent_streams)],
+            credentials=server_credentials(config.tls) if config.tls is not None else None,
         )
         host.spawn(reaper.run(), "reaper")
         host.spawn(_probe_etcd(etcd, epochs, grpc_endpoint.health), "etcd-probe")
@@ -244,6 +251,7 @@ async def create_registry(
             "key_prefix": config.key_prefix,
             "metrics_port": metrics_endpoint.port if metrics_endpoint is not None else None,
             "tracing": not isinstance(tracer_provider, trace.NoOpTracerProvider),
+            "mutual_tls": config.tls is not None,
         },
     )
     return Registry(

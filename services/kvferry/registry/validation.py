@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 import math
+import re
+from urllib.parse import urlsplit
 
 from kvferry.pd.digest import DIGEST_BYTES
 from kvferry.pd.kvferry_params import MAX_GENERATION
@@ -24,6 +27,11 @@ DEFAULT_PAGE_SIZE = 100
 # Renewals one RenewRetentions call may carry.
 MAX_RENEWAL_BATCH = 1000
 
+# A DNS name (RFC 1123 labels); IP addresses are checked by ipaddress.
+_HOSTNAME = re.compile(
+    r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
+)
+MAX_MODEL_NAME = 256
 _VALID_ROLES = (resources.ENGINE_ROLE_PREFILL, resources.ENGINE_ROLE_DECODE, resources.ENGINE_ROLE_BOTH)
 
 
@@ -74,8 +82,17 @@ def validate_engine(engine: resources.Engine) -> None:
         raise InvalidArgument(
             "engine.role is required: ENGINE_ROLE_PREFILL, ENGINE_ROLE_DECODE or ENGINE_ROLE_BOTH"
         )
-    if not engine.http_endpoint:
-        raise InvalidArgument("engine.http_endpoint is required, e.g. 'http://127.0.0.1:8100'")
+    http_endpoint(engine.http_endpoint)
+    if engine.nixl_host and not is_host(engine.nixl_host):
+        raise InvalidArgument(
+            f"engine.nixl_host {engine.nixl_host[:80]!r} is neither an IP address nor a DNS name; give the "
+            "address peers reach the engine's NIXL side channel on"
+        )
+    if len(engine.model) > MAX_MODEL_NAME or not engine.model.isprintable():
+        raise InvalidArgument(
+            f"engine.model must be printable and at most {MAX_MODEL_NAME} characters "
+            "(the served model's name)"
+        )
     if engine.block_size <= 0:
         raise InvalidArgument(
             f"engine.block_size is {engine.block_size}; give the engine's tokens per KV block (> 0)"
@@ -89,6 +106,59 @@ def validate_engine(engine: resources.Engine) -> None:
     if engine.max_model_len < 0:
         raise InvalidArgument(f"engine.max_model_len is {engine.max_model_len}; it cannot be negative")
     release_grace(engine.release_grace_seconds, "engine.release_grace_seconds")
+    if engine.HasField("stats"):
+        engine_stats(engine.stats, "engine.stats")
+
+
+def is_host(text: str) -> bool:
+    """An IP address (IPv6 with or without brackets) or a DNS name."""
+    try:
+        ipaddress.ip_address(text.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return _HOSTNAME.fullmatch(text) is not None
+    return True
+
+
+def http_endpoint(text: str) -> str:
+    """``http(s)://host[:port]`` (a path is allowed; credentials, queries and fragments are not)."""
+    example = "e.g. 'http://10.0.0.7:8000'"
+    if not text:
+        raise InvalidArgument(f"engine.http_endpoint is required, {example}")
+    shown = repr(text[:80])
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in range
+    except ValueError:
+        raise InvalidArgument(f"engine.http_endpoint {shown} is not a URL, {example}") from None
+    if parts.scheme not in ("http", "https"):
+        raise InvalidArgument(f"engine.http_endpoint {shown} must start with http:// or https://, {example}")
+    if not parts.hostname or not is_host(parts.hostname):
+        raise InvalidArgument(f"engine.http_endpoint {shown} names no valid host, {example}")
+    if parts.username is not None or parts.query or parts.fragment:
+        raise InvalidArgument(
+            f"engine.http_endpoint {shown} may not carry credentials, a query or a fragment, {example}"
+        )
+    return text
+
+
+def engine_stats(stats: resources.EngineStats, name: str) -> None:
+    """Every figure finite and not negative: the router's cost model and placement read them as such."""
+    figures: list[tuple[str, float]] = [
+        (field.name, getattr(stats, field.name))
+        for field in stats.DESCRIPTOR.fields
+        if field.message_type is None  # the numbers; peer_pull_rates below
+    ]
+    for index, rate in enumerate(stats.peer_pull_rates):
+        require_id(f"{name}.peer_pull_rates[{index}].peer_engine_id", rate.peer_engine_id)
+        figures += [
+            (f"peer_pull_rates[{index}].bytes_per_second", rate.bytes_per_second),
+            (f"peer_pull_rates[{index}].pulls", rate.pulls),
+        ]
+    for field_name, value in figures:
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(
+                f"{name}.{field_name} is {value}; engine stats must be finite and not negative"
+            )
 
 
 def release_grace(seconds: float, name: str) -> None:

@@ -30,7 +30,14 @@ from kvferry.router.turns import (
     TurnResult,
     TurnRunner,
 )
-from kvferry.runtime.errors import ErrorKind, InvalidArgument, ServiceError, http_status, internal_error
+from kvferry.runtime.errors import (
+    ErrorKind,
+    InvalidArgument,
+    RequestTooLarge,
+    ServiceError,
+    http_status,
+    internal_error,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
@@ -123,6 +130,9 @@ def error_response(error: ServiceError) -> JSONResponse:
             }
         },
         status_code=http_status(error),
+        headers=(
+            {"retry-after": str(error.retry_after_seconds)} if error.retry_after_seconds is not None else None
+        ),
     )
 
 
@@ -277,17 +287,20 @@ class HttpApi:
         return collect.result()
 
     async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (413) as soon as it passes the limit: a declared Content-Length before any byte
+        is read, a chunked body while it streams in, so no more than the limit is ever held."""
+        limit = self._max_body_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
-            raise InvalidArgument(
-                f"the request body is {declared} bytes; at most {self._max_body_bytes} are accepted"
-            )
-        raw = await request.body()
-        if len(raw) > self._max_body_bytes:
-            raise InvalidArgument(
-                f"the request body is {len(raw)} bytes; at most {self._max_body_bytes} are accepted"
-            )
-        return raw
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestTooLarge(f"the request body is {declared} bytes; at most {limit} are accepted")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(f"the request body is over {limit} bytes; at most {limit} are accepted")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _collect(
         self,

@@ -312,7 +312,7 @@ class GrpcRegistry:
             if not page_token:
                 return engines
 
-    async def watch_all_retentions(self) -> AsyncIterator[registry_pb2.WatchRetentionsResponse]:
+    async def watch_all_retentions(self) -> AsyncIterator[registry_pb2.WatchAllRetentionsResponse]:
         """WatchAllRetentions: the snapshot, SYNCED, then every change (feeds ``RetentionIndex``)."""
         call = self._stub.WatchAllRetentions(registry_pb2.WatchAllRetentionsRequest())
         try:

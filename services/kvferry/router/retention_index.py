@@ -42,7 +42,7 @@ def _key(retention: resources_pb2.Retention) -> tuple[str, str]:
 
 
 def apply_event(
-    entries: dict[tuple[str, str], IndexEntry], event: registry_pb2.WatchRetentionsResponse
+    entries: dict[tuple[str, str], IndexEntry], event: registry_pb2.WatchAllRetentionsResponse
 ) -> None:
     """Applies one PUBLISHED, RENEWED or ENDED event to ``entries`` (idempotent, judged by revision)."""
     retention, revision = event.retention, event.header.revision
@@ -65,7 +65,7 @@ def apply_event(
 class RetentionIndex:
     """Every live retention, kept from ``watch()`` (a factory of WatchAllRetentions streams)."""
 
-    def __init__(self, watch: Callable[[], AsyncIterator[registry_pb2.WatchRetentionsResponse]]) -> None:
+    def __init__(self, watch: Callable[[], AsyncIterator[registry_pb2.WatchAllRetentionsResponse]]) -> None:
         self._watch = watch
         self._entries: dict[tuple[str, str], IndexEntry] = {}
         self.ready = asyncio.Event()

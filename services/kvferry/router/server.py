@@ -12,11 +12,10 @@ import os
 import re
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import grpc
 import uvicorn
 from kvferry.pd.engine_client import HttpTimeouts
 from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, max_read_window, read_window_fits
@@ -26,12 +25,14 @@ from kvferry.router.engine_clients import EngineClients
 from kvferry.router.engines import EngineTable, LoadTracker
 from kvferry.router.grpc_api import SERVICE_NAME, RouterServicer
 from kvferry.router.http_api import HttpApi
+from kvferry.router.limits import TenantLimits, TenantLimitSettings
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.observe import TurnTelemetry
 from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
 from kvferry.router.tenants import ApiKeys, load_tenants, parse_key_pairs
 from kvferry.router.turns import TurnRunner, TurnSettings
 from kvferry.runtime.host import ServiceHost
+from kvferry.runtime.tls import TlsFiles, open_channel, server_credentials
 from kvferry.runtime.tracing import TracingServerInterceptor, tracing_client_interceptors
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -54,7 +55,8 @@ class RouterConfig:
     http_listen: str = "127.0.0.1:0"
     # API keys: a tenants file (JSON or TOML) and/or KEY=TENANT pairs.
     tenants_file: Path | None = None
-    api_keys: str = ""
+    # Secret (KEY=TENANT pairs): never in a repr.
+    api_keys: str = field(default="", repr=False)
     # Registry calls' deadline, seconds.
     registry_timeout_seconds: float = 2.0
     # Cost model: profile name ("cpu" or a GPU_PROFILES key), the engines' kv_recompute_threshold,
@@ -82,6 +84,12 @@ class RouterConfig:
     engine_read_timeout_seconds: float = 120.0
     engine_max_connections: int = 512
     max_body_bytes: int = 32 * 1024 * 1024
+    # Turns one tenant may have in flight on this router (gRPC and HTTP together); past it
+    # RESOURCE_EXHAUSTED / 429 with Retry-After. 0: no cap.
+    max_turns_per_tenant: int = 0
+    # Calls one gRPC connection may have open at once; HTTP connections served at once (past it: 503).
+    max_concurrent_streams: int = 1000
+    max_http_connections: int = 4096
     engine_resync_seconds: float = 30.0
     # start_router waits this long for the first engine table (0: don't wait).
     startup_sync_seconds: float = 10.0
@@ -89,6 +97,10 @@ class RouterConfig:
     metrics_address: str | None = None
     # OTLP/gRPC collector for traces; None: tracing off (trace context still passes through).
     otlp_endpoint: str | None = None
+    # The router's certificate: it serves agents over TLS with it (gRPC and HTTPS; API keys authenticate
+    # them, no client certificate is asked) and calls the registry over mutual TLS with it (the certificate
+    # names the role ``router``: docs/security.md). None: plaintext everywhere.
+    tls: TlsFiles | None = None
 
 
 COST_PROFILES = ("cpu", *sorted(GPU_PROFILES))
@@ -180,14 +192,18 @@ class RunningRouter:
         engines: EngineTable,
         watcher: EngineWatcher,
         metrics: RouterMetrics,
+        tenant_limits: TenantLimits,
+        https: bool = False,
     ) -> None:
         self.host = host
+        self.https = https
         self.grpc_address = grpc_address
         self.http_host = http_host
         self.http_port = http_port
         self.engines = engines
         self.watcher = watcher
         self.metrics = metrics
+        self.tenant_limits = tenant_limits
 
     @property
     def grpc_host(self) -> str:
@@ -199,7 +215,7 @@ class RunningRouter:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.http_host}:{self.http_port}"
+        return f"{'https' if self.https else 'http'}://{self.http_host}:{self.http_port}"
 
     async def stop(self, grace_seconds: float | None = None) -> None:
         """Stops taking calls (in-flight ones get ``grace_seconds``, 2 s by default), then closes."""
@@ -226,8 +242,8 @@ async def start_router(
     host = ServiceHost("router", grace_seconds=_GRACE_SECONDS)
     async with host.starting():
         provider = host.setup_tracing("kvferry-router", config.otlp_endpoint, span_exporter)
-        channel = grpc.aio.insecure_channel(
-            config.registry_address, interceptors=tracing_client_interceptors(provider)
+        channel = open_channel(
+            config.registry_address, config.tls, interceptors=tracing_client_interceptors(provider)
         )
         host.on_stop("registry channel", channel.close)
         registry = GrpcRegistry(channel, timeout_seconds=config.registry_timeout_seconds)
@@ -266,6 +282,7 @@ async def start_router(
                 read_window_seconds=config.read_window_seconds,
                 turn_mark_seconds=config.turn_mark_seconds,
                 holder=router_holder(),
+                tenant_limits=TenantLimitSettings(max_concurrent_turns=config.max_turns_per_tenant),
             ),
             telemetry=TurnTelemetry(provider, metrics),
         )
@@ -284,6 +301,10 @@ async def start_router(
             config.grpc_listen,
             [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)],
             interceptors=[TracingServerInterceptor(provider, rpc_seconds=metrics.rpc_seconds)],
+            options=[("grpc.max_concurrent_streams", config.max_concurrent_streams)],
+            credentials=(
+                server_credentials(config.tls, client_certificates=False) if config.tls is not None else None
+            ),
         )
         if config.metrics_address:
             await host.serve_metrics(metrics.registry, config.metrics_address)
@@ -295,13 +316,16 @@ async def start_router(
             max_body_bytes=config.max_body_bytes,
             metrics_registry=metrics.registry,
         ).app()
-        http_port = await _serve_http(host, app, http_host, http_port)
+        http_port = await _serve_http(
+            host, app, http_host, http_port, config.max_http_connections, config.tls
+        )
     grpc_address = f"{grpc_host}:{grpc_endpoint.port}"
+    router_http_url = f"{'https' if config.tls else 'http'}://{http_host}:{http_port}"
     log.info(
         "router serving",
         extra={
             "grpc": grpc_address,
-            "http": f"http://{http_host}:{http_port}",
+            "http": router_http_url,
             "registry": config.registry_address,
             "engines": len(engines),
         },
@@ -314,10 +338,14 @@ async def start_router(
         engines=engines,
         watcher=watcher,
         metrics=metrics,
+        tenant_limits=runner.tenant_limits,
+        https=config.tls is not None,
     )
 
 
-async def _serve_http(host: ServiceHost, app: Starlette, address: str, port: int) -> int:
+async def _serve_http(
+    host: ServiceHost, app: Starlette, address: str, port: int, max_connections: int, tls: TlsFiles | None
+) -> int:
     """Serves the OpenAI-compatible API with uvicorn until the host stops; returns the bound port."""
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
     # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle).
@@ -344,6 +372,11 @@ async def _serve_http(host: ServiceHost, app: Starlette, address: str, port: int
             server_header=False,
             date_header=False,
             timeout_graceful_shutdown=_GRACE_SECONDS,
+            # Past it uvicorn answers 503 at once instead of taking more memory and sockets.
+            limit_concurrency=max_connections,
+            # HTTPS with the router's certificate (read at start; the gRPC port reloads it).
+            ssl_certfile=str(tls.cert) if tls is not None else None,
+            ssl_keyfile=str(tls.key) if tls is not None else None,
         )
     )
     serving = host.spawn(server.serve(sockets=[sock]), "http")

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvferry.pd.engine_api import (
@@ -43,6 +43,7 @@ from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, ReadWindow
 from kvferry.pd.sequence import Decoded, EngineTurn, Prefilled, prefill_then_decode
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
+from kvferry.router.limits import TenantLimits, TenantLimitSettings, TurnSlot
 from kvferry.router.observe import TurnTelemetry
 from kvferry.router.plan import PlanSettings, TurnPlan, plan_turn
 from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
@@ -154,6 +155,8 @@ class PreparedTurn:
     mark: TurnMark | None = None
     # The turn's span (ended when the turn's stream ends).
     span: Span = trace.INVALID_SPAN
+    # The tenant's slot for this turn (kvferry.router.limits), given back when the turn's stream ends.
+    slot: TurnSlot | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,8 @@ class TurnSettings:
     turn_mark_seconds: int = 5
     # Names this router in the mark (what a refused turn is told).
     holder: str = ""
+    # Per-tenant caps (turns in flight).
+    tenant_limits: TenantLimitSettings = field(default_factory=TenantLimitSettings)
 
 
 class EnginePort(Protocol):
@@ -242,6 +247,7 @@ class TurnRunner:
         self._clock = clock
         self._wall_clock = wall_clock
         self._background: set[asyncio.Task[None]] = set()
+        self.tenant_limits = TenantLimits(settings.tenant_limits)
 
     # -- prepare ------------------------------------------------------------------------------
 
@@ -269,16 +275,20 @@ class TurnRunner:
         :meth:`execute` ends."""
         started = time.perf_counter()
         span = self.telemetry.start_turn(request.conversation_id)
+        slot: TurnSlot | None = None
         try:
+            slot = self.tenant_limits.admit(request.tenant.name)
             with trace.use_span(
                 span, end_on_exit=False, record_exception=False, set_status_on_exception=False
             ):
                 prepared = await self._prepare(request, started)
         except BaseException as error:
+            if slot is not None:
+                slot.release()
             self.telemetry.turn_failed(span, error)
             span.end()
             raise
-        return dataclasses.replace(prepared, span=span)
+        return dataclasses.replace(prepared, span=span, slot=slot)
 
     async def _prepare(self, request: TurnRequest, started: float) -> PreparedTurn:
         model = self.resolve_model(request.model, request.tenant)
@@ -564,6 +574,8 @@ class TurnRunner:
             raise
         finally:
             turn.span.end()
+            if turn.slot is not None:
+                turn.slot.release()
             if turn.mark is not None and not turn.mark.released:
                 # The client went away (or nobody ran the turn's stream to its end).
                 if turn.mark.keeper is not None:

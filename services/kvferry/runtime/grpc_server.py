@@ -21,8 +21,10 @@ async def start_server(
     *,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     options: Sequence[tuple[str, Any]] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Starts a grpc.aio server on ``address`` (``host:0`` picks a free port).
+    """Starts a grpc.aio server on ``address`` (``host:0`` picks a free port); TLS with ``credentials``
+    (:func:`kvferry.runtime.tls.server_credentials`), plaintext without.
 
     Returns the server, the bound port and its health servicer (every service starts SERVING;
     callers flip statuses as their dependencies come and go).
@@ -38,7 +40,11 @@ async def start_server(
         names.append(name)
     reflection.enable_server_reflection(names, server)
     try:
-        port = server.add_insecure_port(address)
+        port = (
+            server.add_insecure_port(address)
+            if credentials is None
+            else server.add_secure_port(address, credentials)
+        )
     except RuntimeError as error:  # grpc raises this when the address is taken or malformed
         await server.stop(None)
         raise OSError(f"could not bind gRPC server to {address}: {error}") from error

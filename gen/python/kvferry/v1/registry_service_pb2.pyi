@@ -408,6 +408,12 @@ class PublishRetentionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RETENTION_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.int
+    """The engine's registration this publish belongs to (RegisterEngineResponse.incarnation): when set,
+    a publish from another incarnation (a sidecar that missed its engine's re-registration) is
+    FAILED_PRECONDITION. Required of engine identities under mutual TLS.
+    """
     @_builtins.property
     def retention(self) -> _resources_pb2.Retention:
         """The retention; output-only fields are ignored."""
@@ -416,10 +422,11 @@ class PublishRetentionRequest(_message.Message):
         self,
         *,
         retention: _resources_pb2.Retention | None = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "retention", b"retention"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -888,6 +895,52 @@ class WatchRetentionsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchRetentionsResponse: _TypeAlias = WatchRetentionsResponse  # noqa: Y015
+
+@_typing.final
+class WatchAllRetentionsResponse(_message.Message):
+    """Response for WatchAllRetentions: one event. The fields are those of WatchRetentionsResponse, under
+    the same numbers.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    RETENTION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    type: Global___RetentionEventType.ValueType
+    """What happened (PUBLISHED for each retention of the snapshot, then SYNCED once)."""
+    reason: _resources_pb2.ReleaseReason.ValueType
+    """For ENDED: why."""
+    @_builtins.property
+    def header(self) -> _resources_pb2.ResponseHeader:
+        """Registry metadata."""
+
+    @_builtins.property
+    def retention(self) -> _resources_pb2.Retention:
+        """The retention concerned (absent for SYNCED)."""
+
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp:
+        """For ENDED: when it ended."""
+
+    def __init__(
+        self,
+        *,
+        header: _resources_pb2.ResponseHeader | None = ...,
+        type: Global___RetentionEventType.ValueType = ...,
+        retention: _resources_pb2.Retention | None = ...,
+        reason: _resources_pb2.ReleaseReason.ValueType = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "header", b"header", "retention", b"retention"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "header", b"header", "reason", b"reason", "retention", b"retention", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchAllRetentionsResponse: _TypeAlias = WatchAllRetentionsResponse  # noqa: Y015
 
 @_typing.final
 class BeginTurnRequest(_message.Message):

@@ -109,7 +109,7 @@ class RegistryServiceStub:
         self.WatchAllRetentions = channel.unary_stream(
                 '/kvferry.v1.RegistryService/WatchAllRetentions',
                 request_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsRequest.SerializeToString,
-                response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.FromString,
+                response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsResponse.FromString,
                 _registered_method=True)
 
 
@@ -309,7 +309,7 @@ def add_RegistryServiceServicer_to_server(servicer, server):
             'WatchAllRetentions': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchAllRetentions,
                     request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsRequest.FromString,
-                    response_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.SerializeToString,
+                    response_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -718,7 +718,7 @@ class RegistryService:
             target,
             '/kvferry.v1.RegistryService/WatchAllRetentions',
             kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsRequest.SerializeToString,
-            kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.FromString,
+            kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -75,7 +75,7 @@ class RegistryServiceStub:
     """Clears a turn's mark, only if that turn holds it (a later turn's mark is left alone). Succeeds
     whether or not it was held.
     """
-    WatchAllRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]
+    WatchAllRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchAllRetentionsResponse]
     """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
     and end of any engine: what a router keeps its local retention index from. A stream cut off
     (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
@@ -128,7 +128,7 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """Clears a turn's mark, only if that turn holds it (a later turn's mark is left alone). Succeeds
     whether or not it was held.
     """
-    WatchAllRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]  # type: ignore[assignment]
+    WatchAllRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchAllRetentionsResponse]  # type: ignore[assignment]
     """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
     and end of any engine: what a router keeps its local retention index from. A stream cut off
     (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
@@ -268,7 +268,7 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _registry_service_pb2.WatchAllRetentionsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_registry_service_pb2.WatchRetentionsResponse], _abc.AsyncIterator[_registry_service_pb2.WatchRetentionsResponse]]:
+    ) -> _typing.Union[_abc.Iterator[_registry_service_pb2.WatchAllRetentionsResponse], _abc.AsyncIterator[_registry_service_pb2.WatchAllRetentionsResponse]]:
         """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
         and end of any engine: what a router keeps its local retention index from. A stream cut off
         (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.

@@ -274,7 +274,15 @@ export interface WatchEnginesResponse {
 /** Request for PublishRetention. */
 export interface PublishRetentionRequest {
   /** The retention; output-only fields are ignored. */
-  retention?: Retention | undefined;
+  retention?:
+    | Retention
+    | undefined;
+  /**
+   * The engine's registration this publish belongs to (RegisterEngineResponse.incarnation): when set,
+   * a publish from another incarnation (a sidecar that missed its engine's re-registration) is
+   * FAILED_PRECONDITION. Required of engine identities under mutual TLS.
+   */
+  incarnation: bigint;
 }
 
 /** Response for PublishRetention. */
@@ -439,6 +447,27 @@ export interface WatchRetentionsResponse {
   /** What happened. */
   type: RetentionEventType;
   /** The retention concerned. */
+  retention?:
+    | Retention
+    | undefined;
+  /** For ENDED: why. */
+  reason: ReleaseReason;
+  /** For ENDED: when it ended. */
+  endTime?: Date | undefined;
+}
+
+/**
+ * Response for WatchAllRetentions: one event. The fields are those of WatchRetentionsResponse, under
+ * the same numbers.
+ */
+export interface WatchAllRetentionsResponse {
+  /** Registry metadata. */
+  header?:
+    | ResponseHeader
+    | undefined;
+  /** What happened (PUBLISHED for each retention of the snapshot, then SYNCED once). */
+  type: RetentionEventType;
+  /** The retention concerned (absent for SYNCED). */
   retention?:
     | Retention
     | undefined;
@@ -1536,13 +1565,19 @@ export const WatchEnginesResponse: MessageFns<WatchEnginesResponse> = {
 };
 
 function createBasePublishRetentionRequest(): PublishRetentionRequest {
-  return { retention: undefined };
+  return { retention: undefined, incarnation: 0n };
 }
 
 export const PublishRetentionRequest: MessageFns<PublishRetentionRequest> = {
   encode(message: PublishRetentionRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
     if (message.retention !== undefined) {
       Retention.encode(message.retention, writer.uint32(10).fork()).join();
+    }
+    if (message.incarnation !== 0n) {
+      if (BigInt.asIntN(64, message.incarnation) !== message.incarnation) {
+        throw new globalThis.Error("value provided for field message.incarnation of type int64 too large");
+      }
+      writer.uint32(16).int64(message.incarnation);
     }
     return writer;
   },
@@ -1568,6 +1603,14 @@ export const PublishRetentionRequest: MessageFns<PublishRetentionRequest> = {
             message.retention = Retention.decode(reader, reader.uint32());
             continue;
           }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.incarnation = reader.int64() as bigint;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1581,13 +1624,19 @@ export const PublishRetentionRequest: MessageFns<PublishRetentionRequest> = {
   },
 
   fromJSON(object: any): PublishRetentionRequest {
-    return { retention: isSet(object.retention) ? Retention.fromJSON(object.retention) : undefined };
+    return {
+      retention: isSet(object.retention) ? Retention.fromJSON(object.retention) : undefined,
+      incarnation: isSet(object.incarnation) ? BigInt(object.incarnation) : 0n,
+    };
   },
 
   toJSON(message: PublishRetentionRequest): unknown {
     const obj: any = {};
     if (message.retention !== undefined) {
       obj.retention = Retention.toJSON(message.retention);
+    }
+    if (message.incarnation !== 0n) {
+      obj.incarnation = message.incarnation.toString();
     }
     return obj;
   },
@@ -1600,6 +1649,9 @@ export const PublishRetentionRequest: MessageFns<PublishRetentionRequest> = {
     message.retention = (object.retention !== undefined && object.retention !== null)
       ? Retention.fromPartial(object.retention)
       : undefined;
+    message.incarnation = (object.incarnation !== undefined && object.incarnation !== null)
+      ? BigInt(object.incarnation)
+      : 0n;
     return message;
   },
 };
@@ -3119,6 +3171,147 @@ export const WatchRetentionsResponse: MessageFns<WatchRetentionsResponse> = {
   },
 };
 
+function createBaseWatchAllRetentionsResponse(): WatchAllRetentionsResponse {
+  return { header: undefined, type: 0, retention: undefined, reason: 0, endTime: undefined };
+}
+
+export const WatchAllRetentionsResponse: MessageFns<WatchAllRetentionsResponse> = {
+  encode(message: WatchAllRetentionsResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.header !== undefined) {
+      ResponseHeader.encode(message.header, writer.uint32(10).fork()).join();
+    }
+    if (message.type !== 0) {
+      writer.uint32(16).int32(message.type);
+    }
+    if (message.retention !== undefined) {
+      Retention.encode(message.retention, writer.uint32(26).fork()).join();
+    }
+    if (message.reason !== 0) {
+      writer.uint32(32).int32(message.reason);
+    }
+    if (message.endTime !== undefined) {
+      Timestamp.encode(toTimestamp(message.endTime), writer.uint32(42).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): WatchAllRetentionsResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseWatchAllRetentionsResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.header = ResponseHeader.decode(reader, reader.uint32());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.type = reader.int32() as any;
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.retention = Retention.decode(reader, reader.uint32());
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.reason = reader.int32() as any;
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.endTime = fromTimestamp(Timestamp.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): WatchAllRetentionsResponse {
+    return {
+      header: isSet(object.header) ? ResponseHeader.fromJSON(object.header) : undefined,
+      type: isSet(object.type) ? retentionEventTypeFromJSON(object.type) : 0,
+      retention: isSet(object.retention) ? Retention.fromJSON(object.retention) : undefined,
+      reason: isSet(object.reason) ? releaseReasonFromJSON(object.reason) : 0,
+      endTime: isSet(object.endTime)
+        ? fromJsonTimestamp(object.endTime)
+        : isSet(object.end_time)
+        ? fromJsonTimestamp(object.end_time)
+        : undefined,
+    };
+  },
+
+  toJSON(message: WatchAllRetentionsResponse): unknown {
+    const obj: any = {};
+    if (message.header !== undefined) {
+      obj.header = ResponseHeader.toJSON(message.header);
+    }
+    if (message.type !== 0) {
+      obj.type = retentionEventTypeToJSON(message.type);
+    }
+    if (message.retention !== undefined) {
+      obj.retention = Retention.toJSON(message.retention);
+    }
+    if (message.reason !== 0) {
+      obj.reason = releaseReasonToJSON(message.reason);
+    }
+    if (message.endTime !== undefined) {
+      obj.endTime = message.endTime.toISOString();
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<WatchAllRetentionsResponse>, I>>(base?: I): WatchAllRetentionsResponse {
+    return WatchAllRetentionsResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<WatchAllRetentionsResponse>, I>>(object: I): WatchAllRetentionsResponse {
+    const message = createBaseWatchAllRetentionsResponse();
+    message.header = (object.header !== undefined && object.header !== null)
+      ? ResponseHeader.fromPartial(object.header)
+      : undefined;
+    message.type = object.type ?? 0;
+    message.retention = (object.retention !== undefined && object.retention !== null)
+      ? Retention.fromPartial(object.retention)
+      : undefined;
+    message.reason = object.reason ?? 0;
+    message.endTime = object.endTime ?? undefined;
+    return message;
+  },
+};
+
 function createBaseBeginTurnRequest(): BeginTurnRequest {
   return { tenant: "", conversationId: "", requestId: "", holder: "", ttlSeconds: 0n };
 }
@@ -3798,9 +3991,9 @@ export const RegistryServiceService = {
     requestSerialize: (value: WatchAllRetentionsRequest): Buffer =>
       Buffer.from(WatchAllRetentionsRequest.encode(value).finish()),
     requestDeserialize: (value: Buffer): WatchAllRetentionsRequest => WatchAllRetentionsRequest.decode(value),
-    responseSerialize: (value: WatchRetentionsResponse): Buffer =>
-      Buffer.from(WatchRetentionsResponse.encode(value).finish()),
-    responseDeserialize: (value: Buffer): WatchRetentionsResponse => WatchRetentionsResponse.decode(value),
+    responseSerialize: (value: WatchAllRetentionsResponse): Buffer =>
+      Buffer.from(WatchAllRetentionsResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): WatchAllRetentionsResponse => WatchAllRetentionsResponse.decode(value),
   },
 } as const;
 
@@ -3854,7 +4047,7 @@ export interface RegistryServiceServer extends UntypedServiceImplementation {
    * and end of any engine: what a router keeps its local retention index from. A stream cut off
    * (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
    */
-  watchAllRetentions: handleServerStreamingCall<WatchAllRetentionsRequest, WatchRetentionsResponse>;
+  watchAllRetentions: handleServerStreamingCall<WatchAllRetentionsRequest, WatchAllRetentionsResponse>;
 }
 
 export interface RegistryServiceClient extends Client {
@@ -4094,12 +4287,12 @@ export interface RegistryServiceClient extends Client {
   watchAllRetentions(
     request: WatchAllRetentionsRequest,
     options?: Partial<CallOptions>,
-  ): ClientReadableStream<WatchRetentionsResponse>;
+  ): ClientReadableStream<WatchAllRetentionsResponse>;
   watchAllRetentions(
     request: WatchAllRetentionsRequest,
     metadata?: Metadata,
     options?: Partial<CallOptions>,
-  ): ClientReadableStream<WatchRetentionsResponse>;
+  ): ClientReadableStream<WatchAllRetentionsResponse>;
 }
 
 export const RegistryServiceClient = makeGenericClientConstructor(
