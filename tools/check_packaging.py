@@ -27,7 +27,7 @@ DISTRIBUTIONS = {
     "pd": ("kvferry-pd", {"pd"}, "[http]"),
     "connector": ("kvferry-connector", {"connector"}, ""),
     "sdk": ("kvferry-sdk", {"sdk"}, ""),
-    ".": ("kvferry", {"cli", "registry", "router", "runtime", "sidecar"}, ""),
+    ".": ("kvferry", {"cli", "picker", "registry", "router", "runtime", "sidecar"}, ""),
     "dev": ("kvferry-dev", {"stack", "bench", "testing"}, ""),
 }
 # What the vLLM process brings itself: the connector's (and the dev tooling's) modules that load vLLM, torch

@@ -3,7 +3,7 @@
 - Pod Security Standards, level "restricted" (kubernetes.io/docs/concepts/security/pod-security-standards),
   for every pod template.
 - Liveness probes never depend on another service: a failing dependency must make a pod unready, not
-  restart it. Allowed: a TCP check of the container's own port, `kvferry-health ... --any-status` on a
+  restart it. Allowed: a TCP check of the container's own port, `kvferry health ... --any-status` on a
   loopback or unix address, and an HTTP GET of the container's own port on a path known to answer for
   that process alone.
 - No TLS proxy admits every client certificate (`--allow-all`).
@@ -196,7 +196,13 @@ def container_port(container: Mapping[str, Any], port: Any) -> bool:
 
 
 def is_local_address(address: str) -> bool:
-    return address.startswith("unix:") or bool(re.match(r"^(127\.0\.0\.1|localhost|\[::1\]):\d+$", address))
+    """A unix socket, a loopback host:port, or a loopback http(s) URL (`kvferry health` takes all three)."""
+    loopback = r"(127\.0\.0\.1|localhost|\[::1\])"
+    return (
+        address.startswith("unix:")
+        or bool(re.match(rf"^{loopback}:\d+$", address))
+        or bool(re.match(rf"^https?://{loopback}(:\d+)?(/|$)", address))
+    )
 
 
 def check_liveness(workload: Workload) -> list[Problem]:
@@ -227,18 +233,18 @@ def check_liveness(workload: Workload) -> list[Problem]:
                 )
         elif "exec" in probe:
             command = [str(c) for c in probe["exec"].get("command") or []]
-            if command[:1] != ["kvferry-health"]:
-                problems.append((where, f"liveness runs {command[:1]}, not a known local check"))
+            if command[:2] != ["kvferry", "health"]:
+                problems.append((where, f"liveness runs {command[:2]}, not a known local check"))
             elif "--any-status" not in command:
                 problems.append(
                     (
                         where,
-                        "liveness `kvferry-health` without --any-status fails while a dependency is "
+                        "liveness `kvferry health` without --any-status fails while a dependency is "
                         "away (NOT_SERVING) and would restart a healthy process",
                     )
                 )
-            elif len(command) < 2 or not is_local_address(command[1]):
-                problems.append((where, "liveness `kvferry-health` must check a loopback or unix address"))
+            elif len(command) < 3 or not is_local_address(command[2]):
+                problems.append((where, "liveness `kvferry health` must check a loopback or unix address"))
         else:
             problems.append((where, f"liveness probe {sorted(probe)} is not a known local check"))
     return problems

@@ -139,8 +139,9 @@ def test_liveness_through_the_routers_health_is_refused() -> None:
     "probe",
     [
         {"tcpSocket": {"port": "https"}},
-        {"exec": {"command": ["kvferry-health", "127.0.0.1:50062", "--any-status"]}},
-        {"exec": {"command": ["kvferry-health", "unix:/run/kvferry/sidecar.sock", "--any-status"]}},
+        {"exec": {"command": ["kvferry", "health", "127.0.0.1:50062", "--any-status"]}},
+        {"exec": {"command": ["kvferry", "health", "unix:/run/kvferry/sidecar.sock", "--any-status"]}},
+        {"exec": {"command": ["kvferry", "health", "http://127.0.0.1:8080/health", "--any-status"]}},
     ],
 )
 def test_local_liveness_checks_pass(probe: dict[str, Any]) -> None:
@@ -156,12 +157,16 @@ def test_local_liveness_checks_pass(probe: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("probe", "expected"),
     [
-        ({"exec": {"command": ["kvferry-health", "127.0.0.1:50061"]}}, "without --any-status"),
+        ({"exec": {"command": ["kvferry", "health", "127.0.0.1:50061"]}}, "without --any-status"),
         (
-            {"exec": {"command": ["kvferry-health", "kvferry-registry:50051", "--any-status"]}},
+            {"exec": {"command": ["kvferry", "health", "kvferry-registry:50051", "--any-status"]}},
             "loopback or unix",
         ),
         ({"exec": {"command": ["curl", "http://kvferry-registry"]}}, "not a known local check"),
+        (
+            {"exec": {"command": ["kvferry", "health", "http://kvferry-router:8080/health", "--any-status"]}},
+            "loopback or unix",
+        ),
         ({"tcpSocket": {"port": 2379}}, "does not declare"),
     ],
 )

@@ -371,7 +371,13 @@ async def test_the_registry_speaks_mutual_tls_to_etcd(tmp_path: Path) -> None:
     )
     try:
         running = await create_registry(
-            dataclasses.replace(base, etcd_tls=pki.issue("registry-etcd", common_name="registry"))
+            dataclasses.replace(
+                base,
+                etcd_tls=pki.issue("registry-etcd", common_name="registry"),
+                # Only the refused plaintext registry below needs to give up fast; this one must serve on
+                # a loaded machine.
+                etcd_timeout_seconds=5.0,
+            )
         )
         try:
             async with grpc.aio.insecure_channel(running.address) as channel:

@@ -99,6 +99,8 @@ class EtcdProcess:
                     f"--initial-advertise-peer-urls={peer_url}",
                     f"--initial-cluster=kvferry={peer_url}",
                     "--log-level=warn",
+                    # Per-method request latency, as deployments run it (the dashboard's etcd panel).
+                    "--metrics=extensive",
                     *tls_args,
                 ],
                 die_with_parent=self.die_with_parent,

@@ -178,6 +178,16 @@ SETTINGS: tuple[Setting, ...] = (
         "tenants and their keys, KEY=TENANT[,KEY=TENANT...]; the demo and the env file use the first",
     ),
     Setting(
+        "metrics",
+        "base_port",
+        "--metrics-port",
+        "KVFERRY_STACK_METRICS_PORT",
+        int,
+        0,
+        "serve Prometheus /metrics from every service on loopback from this port up (registry, router, "
+        "then one per sidecar) and write prometheus.yml beside the logs; 0: off",
+    ),
+    Setting(
         "retention",
         "ttl_seconds",
         "--retention-ttl",
@@ -203,6 +213,7 @@ class StackConfig:
     http_listen: str = "127.0.0.1:8080"
     api_keys: str = "kvferry-demo-key=demo"
     retention_ttl_seconds: int = 60
+    metrics_base_port: int = 0
     # Where each value came from (flag, env NAME, config FILE, default), by setting name.
     sources: Mapping[str, str] | None = None
 
@@ -235,6 +246,7 @@ _FIELDS = {
     "router.http_listen": "http_listen",
     "router.api_keys": "api_keys",
     "retention.ttl_seconds": "retention_ttl_seconds",
+    "metrics.base_port": "metrics_base_port",
 }
 
 

@@ -29,6 +29,7 @@ the same command at what already runs (:mod:`kvferry.stack.settings`; ``--print-
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -300,12 +301,16 @@ def _start(
     registry = config.registry_address
     if not registry:
         registry, command = registry_command(kvferry, etcd_endpoints, config.retention_ttl_seconds)
+        command += _metrics_args(config, 0)
         supervisor.add("registry", partial(spawn, "registry", command, logs / "registry.log", state))
     readiness.wait_grpc_serving("registry", registry, timeout_seconds=30)
     console.event(f"registry: serving on {registry}")
 
+    engines: list[tuple[str, str]] = []
     if not config.external_engines:
-        _start_engines(kvferry, config, registry, workdir, logs, state, supervisor, console, engine_timeout)
+        engines = _start_engines(
+            kvferry, config, registry, workdir, logs, state, supervisor, console, engine_timeout
+        )
 
     router_command = [
         *kvferry,
@@ -319,6 +324,7 @@ def _start(
         "--api-keys",
         config.api_keys,
         *_router_gpu_args(config),
+        *_metrics_args(config, 1),
     ]
     supervisor.add("router", partial(spawn, "router", router_command, logs / "router.log", state))
     readiness.wait_grpc_serving("router", config.grpc_listen, timeout_seconds=30)
@@ -333,6 +339,11 @@ def _start(
         "API key": f"{config.api_key} (tenant {config.tenant})",
         "retention TTL": f"{config.retention_ttl_seconds} s",
     }
+    if config.metrics_base_port:
+        scrape = _write_prometheus_config(
+            config, workdir, etcd_endpoints if not config.etcd_endpoints else "", engines
+        )
+        state.endpoints["Prometheus config"] = str(scrape)
     _write_env_file(config, workdir, state.endpoints)
     state.save()  # the endpoints mark the stack as serving (what a detached start waits for)
     return state.endpoints
@@ -348,11 +359,12 @@ def _start_engines(
     supervisor: Supervisor,
     console: Console,
     engine_timeout: float,
-) -> None:
+) -> list[tuple[str, str]]:
+    """Starts the engines and their sidecars; returns each engine's (id, HTTP URL)."""
     from kvferry.connector.settings import KvferrySettings
     from kvferry.stack.engine import DEFAULT_MODEL_DIR, EngineProcess, Role
 
-    engines = []
+    engines: list[EngineProcess] = []
     roles: tuple[Role, ...] = ("prefill", "decode")
     gpu_options = _gpu_options(workdir, config) if config.gpu else None
     for core, role in enumerate(roles):
@@ -394,12 +406,54 @@ def _start_engines(
             return engine.process
 
         supervisor.add(f"engine-{engine_id}", launch_engine)
-        sidecar_command = [*kvferry, *engine.sidecar_args(registry, sidecar_socket)]
+        sidecar_command = [
+            *kvferry,
+            *engine.sidecar_args(registry, sidecar_socket),
+            *_metrics_args(config, 2 + len(engines)),
+        ]
         sidecar_log = logs / f"sidecar-{engine_id}.log"
         sidecar = f"sidecar-{engine_id}"
         supervisor.add(sidecar, partial(spawn, sidecar, sidecar_command, sidecar_log, state))
         engines.append(engine)
     readiness.wait_engines_healthy(engines, engine_timeout, console.event, waiting=console.waiting)
+    return [(engine.engine_id, engine.http_url) for engine in engines]
+
+
+def _metrics_args(config: StackConfig, offset: int) -> list[str]:
+    """``--metrics-address`` for the service at ``offset`` from the metrics base port (none when off)."""
+    if not config.metrics_base_port:
+        return []
+    return ["--metrics-address", f"127.0.0.1:{config.metrics_base_port + offset}"]
+
+
+def _write_prometheus_config(
+    config: StackConfig, workdir: Path, etcd_endpoint: str, engines: list[tuple[str, str]]
+) -> Path:
+    """A Prometheus config scraping the stack with the job labels the dashboard and alerts use
+    (deploy/k8s/components/observability): ``prometheus --config.file=<it>``."""
+    base = config.metrics_base_port
+
+    def job(name: str, targets: list[tuple[str, dict[str, str]]]) -> dict[str, object]:
+        return {
+            "job_name": name,
+            "static_configs": [{"targets": [target], "labels": labels} for target, labels in targets],
+        }
+
+    jobs = [
+        job("kvferry-registry", [(f"127.0.0.1:{base}", {})]),
+        job("kvferry-router", [(f"127.0.0.1:{base + 1}", {})]),
+        job(
+            "kvferry-sidecar", [(f"127.0.0.1:{base + 2 + i}", {"pod": e}) for i, (e, _) in enumerate(engines)]
+        ),
+        job("vllm", [(url.removeprefix("http://").rstrip("/"), {"pod": e}) for e, url in engines]),
+    ]
+    if etcd_endpoint:
+        jobs.append(job("kvferry-etcd", [(etcd_endpoint.removeprefix("http://"), {})]))
+    path = workdir / "prometheus.yml"
+    document = {"global": {"scrape_interval": "5s", "evaluation_interval": "5s"}, "scrape_configs": jobs}
+    # JSON is YAML: no YAML writer needed.
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    return path
 
 
 @dataclass(frozen=True)

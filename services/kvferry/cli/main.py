@@ -17,6 +17,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("registry", "kvferry.registry.cli", "run the KV-metadata registry service (etcd-backed)"),
     ("sidecar", "kvferry.sidecar.cli", "run the sidecar beside one vLLM engine"),
     ("router", "kvferry.router.cli", "run the router: gRPC and OpenAI-compatible HTTP front door"),
+    ("picker", "kvferry.picker.cli", "run the gateway endpoint picker (Envoy ext_proc, Inference Extension)"),
     ("up", "kvferry.stack.up", "start the local stack (etcd, registry, router, engines, sidecars) + demo"),
     ("down", "kvferry.stack.down", "stop everything `kvferry up` started"),
     (
@@ -25,6 +26,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
         "what the local stack runs: processes, health, retained KV per engine",
     ),
     ("bench", "kvferry.bench.cli", "benchmarks: registry, router, multiturn, idle"),
+    ("health", "kvferry.cli.health", "is a service healthy? exit 0/1 for probes (gRPC health or HTTP)"),
 ]
 
 

@@ -486,14 +486,10 @@ def _completion_prompt(prompt: str | list[int] | list[str] | list[list[int]]) ->
     return _completion_prompt(single)  # type: ignore[arg-type]
 
 
-def _turn_request(
-    body: _ChatBody | _CompletionBody, prompt: Prompt, tenant: Tenant, header_conversation: str | None
-) -> TurnRequest:
-    if body.n not in (None, 1):
-        raise InvalidArgument("n must be 1: the router generates one choice per request", param="n")
-    if body.logprobs:
-        raise InvalidArgument("logprobs are not supported by the router", param="logprobs")
-    conv = body.conversation_id
+def conversation_of(body_conversation: str | None, header_conversation: str | None) -> str | None:
+    """A request's conversation id: the ``X-Conversation-Id`` header or the body's ``conversation_id``
+    (refused when both are given and differ), checked; None for a one-off turn."""
+    conv = body_conversation
     if header_conversation is not None:
         if conv is not None and conv != header_conversation:
             raise InvalidArgument(
@@ -503,6 +499,17 @@ def _turn_request(
         conv = header_conversation
     if conv is not None:
         validation.conversation_id(conv)
+    return conv
+
+
+def _turn_request(
+    body: _ChatBody | _CompletionBody, prompt: Prompt, tenant: Tenant, header_conversation: str | None
+) -> TurnRequest:
+    if body.n not in (None, 1):
+        raise InvalidArgument("n must be 1: the router generates one choice per request", param="n")
+    if body.logprobs:
+        raise InvalidArgument("logprobs are not supported by the router", param="logprobs")
+    conv = conversation_of(body.conversation_id, header_conversation)
     max_tokens = body.max_tokens
     if isinstance(body, _ChatBody) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens

@@ -113,7 +113,7 @@ one certificate per pod (the registry lets an engine speak only for the engine i
 {{- end -}}
 
 {{/*
-kvferry-health's TLS flags for a probe of the component's own port (as JSON list items, each with a leading
+`kvferry health`'s TLS flags for a probe of the component's own port (as JSON list items, each with a leading
 comma): the CA, the component's certificate (the registry asks for one) and the name its certificate holds.
 */}}
 {{- define "kvferry.tls.probeArgs" -}}
