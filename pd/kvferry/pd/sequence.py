@@ -16,10 +16,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvferry.pd.chat import ChatRequest
 from kvferry.pd.engine_api import (
     DecodeChunk,
     DecodeRequest,
@@ -49,7 +51,9 @@ class Pull:
 class EngineTurn:
     """What one turn asks of its prefill and decode engines."""
 
+    # The prompt; with ``chat``, the ids its messages render to (both engines compute exactly these).
     token_ids: tuple[int, ...]
+    # Unused with ``chat``, which carries its own sampling fields.
     sampling: Sampling = field(default_factory=Sampling)
     # A conversation mark: D retains the turn for the conversation (and P gets the mark with the pull's read
     # deadline). A release mark: D frees the blocks when the decode finishes. None: vLLM's own handling.
@@ -62,6 +66,9 @@ class EngineTurn:
     # How long after the prefill is sent it may still start reading the retention; below the decode engines'
     # release grace (rule 1 of docs/design.md).
     read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
+    # Served through the engines' chat endpoint (kvferry.pd.chat): templates, tool and reasoning parsers and
+    # structured outputs run in the engines.
+    chat: ChatRequest | None = None
 
     @property
     def offered_pull_tokens(self) -> int:
@@ -97,6 +104,8 @@ class Decoded:
     # A non-streamed decode's returned params: the blocks D retained (vLLM streams carry none).
     retained: KvHandoff | None
     seconds: float
+    # A non-streamed chat decode: D's chat completion as it came (without its kv_transfer_params).
+    body: Mapping[str, Any] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -166,6 +175,7 @@ async def prefill(
             lease_expire_time=deadline,
             request_id=f"{turn.request_id}-p" if turn.request_id else None,
             pull_options=turn.pull_options,
+            chat=turn.chat,
         )
     )
     seconds = time.perf_counter() - started
@@ -186,6 +196,7 @@ async def decode(
         mark=turn.mark,
         sampling=turn.sampling,
         request_id=f"{turn.request_id}-d" if turn.request_id else None,
+        chat=turn.chat,
     )
     started = time.perf_counter()
     token_ids: list[int] = []
@@ -193,6 +204,7 @@ async def decode(
     finish_reason = ""
     usage: Usage | None = None
     retained: KvHandoff | None = None
+    body: Mapping[str, Any] | None = None
     if stream:
         # Closing the stream (here, or when our caller closes us) closes the HTTP request: vLLM aborts it.
         async with aclosing(engine.decode_stream(request)) as chunks:
@@ -205,6 +217,7 @@ async def decode(
     else:
         answer = await engine.decode(request)
         finish_reason, usage, retained = answer.finish_reason or "", answer.usage, answer.retained
+        body = answer.body
         token_ids.extend(answer.token_ids)
         texts.append(answer.text)
         yield DecodeChunk(answer.token_ids, answer.text, answer.finish_reason, answer.usage)
@@ -217,4 +230,5 @@ async def decode(
         usage=usage,
         retained=retained,
         seconds=time.perf_counter() - started,
+        body=body,
     )

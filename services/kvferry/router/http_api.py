@@ -1,9 +1,11 @@
-"""The OpenAI-compatible HTTP front door: ``/v1/chat/completions``, ``/v1/completions`` (SSE streaming
-and not), ``/v1/models`` and ``/health``.
+"""The OpenAI-compatible HTTP front door: ``/v1/chat/completions`` (through the engines' own chat endpoint),
+``/v1/completions``, ``/v1/responses``, ``/v1/models``, the conversation calls under
+``/v1/kvferry/conversations/{id}``, ``/health`` and ``/metrics``.
 
-The conversation id comes from the ``X-Conversation-Id`` header or a ``conversation_id`` body field,
-so the official ``openai`` client works unchanged (``extra_headers`` / ``extra_body``). Without one a
-request is a one-off turn: nothing is looked up or retained. Errors use OpenAI's error body.
+A conversation is named by the ``X-Conversation-Id`` header, a ``conversation_id`` body field, OpenAI's
+``prompt_cache_key`` or (Responses) ``previous_response_id``, so the official ``openai`` client and the
+frameworks built on it work unchanged. Without one a request is a one-off turn: nothing is looked up or
+retained. Errors use OpenAI's error body.
 """
 
 from __future__ import annotations
@@ -13,26 +15,28 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Any
 
 from kvferry.router import validation
+from kvferry.router.conversations import Conversations
 from kvferry.router.engines import EngineTable
+from kvferry.router.openai_chat import ChatCall, load_json_object, parse_chat
+from kvferry.router.openai_completions import CompletionCall, parse_completion
 from kvferry.router.tenants import ApiKeys, Tenant
 from kvferry.router.turns import (
+    ChatOut,
     ChatPrompt,
     PreparedTurn,
-    Prompt,
+    SamplingOptions,
     TextOut,
-    TextPrompt,
-    TokenPrompt,
+    TurnEvent,
     TurnRequest,
     TurnResult,
     TurnRunner,
 )
 from kvferry.runtime.errors import ErrorKind, InvalidArgument, ServiceError, http_status, internal_error
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -42,52 +46,13 @@ from starlette.types import Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 CONVERSATION_HEADER = "x-conversation-id"
+# Non-streamed answers also say what the turn reused (streams say it in their usage chunk).
 TURN_HEADER = "x-kvferry-turn"
+PULLED_TOKENS_HEADER = "x-kvferry-pulled-tokens"
+REUSE_HEADER = "x-kvferry-reuse"
+_DONE = b"data: [DONE]\n\n"
 
-
-class _Body(BaseModel):
-    # Unknown OpenAI fields are ignored, as OpenAI-compatible servers do.
-    model_config = ConfigDict(extra="ignore")
-
-
-class _ContentPart(_Body):
-    type: str
-    text: str | None = None
-
-
-class _Message(_Body):
-    role: str
-    content: str | list[_ContentPart] | None = None
-
-
-class _StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _Generation(_Body):
-    model: str = ""
-    stream: bool = False
-    stream_options: _StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    logprobs: Any = None
-    ignore_eos: bool = False
-    # kvferry's own fields (the openai client sends them through `extra_body`).
-    conversation_id: str | None = None
-    retain: bool | None = None
-
-
-class _ChatBody(_Generation):
-    messages: list[_Message]
-    max_completion_tokens: int | None = None
-
-
-class _CompletionBody(_Generation):
-    prompt: str | list[int] | list[str] | list[list[int]]
+TurnEvents = AsyncGenerator[TurnEvent | TurnResult, None]
 
 
 # OpenAI's error ``type`` for each kind of failure (the HTTP status comes from the kit's table).
@@ -123,16 +88,37 @@ def error_response(error: ServiceError) -> JSONResponse:
     )
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
+def _sse(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _error_event(error: BaseException) -> bytes:
+    """An error after the stream began: OpenAI's error object as the stream's last event."""
+    failure = error if isinstance(error, ServiceError) else internal_error(error, "router", "streaming")
+    return _sse(
+        {
+            "error": {
+                "message": failure.message,
+                "type": _openai_error_type(failure),
+                "param": failure.param,
+                "code": http_status(failure),
+            }
+        }
+    )
+
+
 def usage_body(result: TurnResult) -> dict[str, Any]:
+    """OpenAI's usage object (the decode engine's, with its details) and kvferry's reuse figures."""
+    engine = result.engine_usage or {}
     return {
+        **engine,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.pulled_tokens},
+        "prompt_tokens_details": {
+            **(engine.get("prompt_tokens_details") or {}),
+            "cached_tokens": result.pulled_tokens,
+        },
         "pulled_tokens": result.pulled_tokens,
         "recomputed_tokens": result.recomputed_tokens,
         "kvferry": {
@@ -146,6 +132,14 @@ def usage_body(result: TurnResult) -> dict[str, Any]:
     }
 
 
+def result_headers(result: TurnResult) -> dict[str, str]:
+    return {
+        TURN_HEADER: str(result.turn),
+        PULLED_TOKENS_HEADER: str(result.pulled_tokens),
+        REUSE_HEADER: result.reuse.value,
+    }
+
+
 class HttpApi:
     """Handlers bound to one router's parts; :meth:`app` builds the Starlette application."""
 
@@ -155,6 +149,7 @@ class HttpApi:
         runner: TurnRunner,
         keys: ApiKeys,
         engines: EngineTable,
+        conversations: Conversations,
         registry_connected: Callable[[], bool],
         max_body_bytes: int,
         metrics_registry: CollectorRegistry | None = None,
@@ -163,16 +158,21 @@ class HttpApi:
         self._runner = runner
         self._keys = keys
         self._engines = engines
+        self._conversations = conversations
         self._registry_connected = registry_connected
         self._max_body_bytes = max_body_bytes
 
     def app(self) -> Starlette:
+        conversation = "/v1/kvferry/conversations/{conversation_id}"
         return Starlette(
             exception_handlers={Exception: _internal_error_response},
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route(conversation, self.describe_conversation, methods=["GET"]),
+                Route(conversation, self.close_conversation, methods=["DELETE"]),
+                Route(conversation + "/renew", self.renew_conversation, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ],
@@ -201,7 +201,7 @@ class HttpApi:
 
     async def models(self, request: Request) -> Response:
         try:
-            tenant = self._keys.authenticate(request.headers.get("authorization"))
+            tenant = self._tenant(request)
         except ServiceError as error:
             return error_response(error)
         data = []
@@ -220,58 +220,97 @@ class HttpApi:
             )
         return JSONResponse({"object": "list", "data": data})
 
+    async def renew_conversation(self, request: Request) -> Response:
+        async def renew(tenant: Tenant, conv: str) -> Response:
+            expire = await self._conversations.renew(tenant.name, conv)
+            return JSONResponse({"conversation_id": conv, "expire_time": round(expire, 3)})
+
+        return await self._conversation_call(request, renew)
+
+    async def close_conversation(self, request: Request) -> Response:
+        async def close(tenant: Tenant, conv: str) -> Response:
+            await self._conversations.close(tenant.name, conv)
+            return JSONResponse({"conversation_id": conv, "closed": True})
+
+        return await self._conversation_call(request, close)
+
+    async def describe_conversation(self, request: Request) -> Response:
+        async def describe(tenant: Tenant, conv: str) -> Response:
+            record = await self._conversations.describe(tenant.name, conv)
+            return JSONResponse(
+                {
+                    "conversation_id": conv,
+                    "turn": record.turn,
+                    "num_tokens": record.num_tokens,
+                    "engine_id": record.engine_id,
+                    "expire_time": round(record.expire_time, 3),
+                }
+            )
+
+        return await self._conversation_call(request, describe)
+
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
+        try:
+            tenant = self._tenant(request)
+            call = parse_chat(load_json_object(await self._read_body(request)))
+            turn_request = self._chat_turn(request, tenant, call)
+        except ServiceError as error:
+            return error_response(error)
+        return await self._serve(
+            request,
+            turn_request,
+            lambda turn, events: self._relay_chat(turn, events, call.include_usage),
+            self._chat_answer,
+        )
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completion")
-
-    # -- shared flow ---------------------------------------------------------------------------
-
-    async def _generate(self, request: Request, kind: Literal["chat", "completion"]) -> Response:
-        events: AsyncGenerator[TextOut | TurnResult, None] | None = None
         try:
-            tenant = self._keys.authenticate(request.headers.get("authorization"))
-            raw = await self._read_body(request)
-            body: _ChatBody | _CompletionBody
-            prompt: Prompt
-            if kind == "chat":
-                chat = _parse(_ChatBody, raw)
-                messages = [_message(i, m) for i, m in enumerate(chat.messages)]
-                body, prompt = chat, ChatPrompt(validation.chat_messages(messages))
-            else:
-                completion = _parse(_CompletionBody, raw)
-                body, prompt = completion, _completion_prompt(completion.prompt)
-            turn_request = _turn_request(body, prompt, tenant, request.headers.get(CONVERSATION_HEADER))
-            turn = await self._runner.prepare(turn_request)
-            events = self._runner.execute(turn)
-            # Wait for the first event before answering: a failure up to here gets a real status.
-            first = await anext(events)
+            tenant = self._tenant(request)
+            call = parse_completion(load_json_object(await self._read_body(request)))
+            turn_request = self._completion_turn(request, tenant, call)
         except ServiceError as error:
-            if events is not None:
-                await events.aclose()
             return error_response(error)
-        headers = {CONVERSATION_HEADER: turn_request.conversation_id} if turn_request.conversation_id else {}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _ClosingStreamingResponse(
-                self._stream(kind, turn, first, events, include_usage),
-                media_type="text/event-stream",
-                headers={**headers, "cache-control": "no-cache"},
-            )
-        # A client that goes away before the whole answer is ready aborts the turn, as in streaming.
-        collect = asyncio.ensure_future(self._collect(kind, turn, first, events, headers))
-        disconnected = asyncio.ensure_future(_client_gone(request))
+        return await self._serve(
+            request,
+            turn_request,
+            lambda turn, events: self._stream_completion(turn, events, call.include_usage),
+            self._completion_answer,
+        )
+
+    # -- requests to turns --------------------------------------------------------------------
+
+    def _tenant(self, request: Request) -> Tenant:
+        return self._keys.authenticate(request.headers.get("authorization"))
+
+    def _chat_turn(self, request: Request, tenant: Tenant, call: ChatCall) -> TurnRequest:
+        return TurnRequest(
+            tenant=tenant,
+            conversation_id=conversation_of(request, call.conversation_id, call.prompt_cache_key),
+            model=call.model,
+            prompt=ChatPrompt(call.chat),
+            sampling=SamplingOptions(max_tokens=call.max_tokens),
+            retain=call.retain,
+            stream=call.stream,
+        )
+
+    def _completion_turn(self, request: Request, tenant: Tenant, call: CompletionCall) -> TurnRequest:
+        return TurnRequest(
+            tenant=tenant,
+            conversation_id=conversation_of(request, call.conversation_id, call.prompt_cache_key),
+            model=call.model,
+            prompt=call.prompt,
+            sampling=call.sampling,
+            retain=call.retain,
+            stream=call.stream,
+        )
+
+    async def _conversation_call(
+        self, request: Request, call: Callable[[Tenant, str], Awaitable[Response]]
+    ) -> Response:
         try:
-            await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            disconnected.cancel()
-        if not collect.done():
-            collect.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await collect
-            return Response(status_code=499)  # nobody reads it: the client closed the connection
-        return collect.result()
+            return await call(self._tenant(request), request.path_params["conversation_id"])
+        except ServiceError as error:
+            return error_response(error)
 
     async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -286,72 +325,102 @@ class HttpApi:
             )
         return raw
 
-    async def _collect(
+    # -- the shared flow ------------------------------------------------------------------------
+
+    async def _serve(
         self,
-        kind: Literal["chat", "completion"],
-        turn: PreparedTurn,
-        first: TextOut | TurnResult,
-        events: AsyncGenerator[TextOut | TurnResult, None],
-        headers: dict[str, str],
+        request: Request,
+        turn_request: TurnRequest,
+        stream: Callable[[PreparedTurn, TurnEvents], AsyncGenerator[bytes, None]],
+        answer: Callable[[PreparedTurn, TurnEvents], Awaitable[Response]],
     ) -> Response:
-        texts: list[str] = []
-        result: TurnResult | None = None
+        """Runs the turn; a failure before its first output gets a real status, later ones end the stream.
+        A client that goes away aborts the turn (its engine requests) in both forms."""
         try:
-            event: TextOut | TurnResult = first
-            while True:
-                if isinstance(event, TextOut):
-                    texts.append(event.text)
-                else:
-                    result = event
-                try:
-                    event = await anext(events)
-                except StopAsyncIteration:
-                    break
+            turn = await self._runner.prepare(turn_request)
         except ServiceError as error:
             return error_response(error)
+        headers = {CONVERSATION_HEADER: turn_request.conversation_id} if turn_request.conversation_id else {}
+        if turn_request.stream:
+            started = self._runner.execute(turn)
+            try:
+                # Wait for the first event before answering: a failure up to here gets a real status.
+                first = await anext(started)
+            except ServiceError as error:
+                await started.aclose()
+                return error_response(error)
+            return _ClosingStreamingResponse(
+                stream(turn, _resumed(first, started)),
+                media_type="text/event-stream",
+                headers={**headers, "cache-control": "no-cache"},
+            )
+        collect = asyncio.ensure_future(answer(turn, self._runner.execute(turn)))
+        disconnected = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await events.aclose()
-        assert result is not None
-        text = "".join(texts)
-        choice: dict[str, Any]
-        if kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": result.finish_reason,
-                "logprobs": None,
-            }
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
-        return JSONResponse(
-            {
-                "id": _response_id(kind, turn),
-                "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()),
-                "model": result.model,
-                "choices": [choice],
-                "usage": usage_body(result),
-            },
-            headers={**headers, TURN_HEADER: str(result.turn)},
-        )
+            disconnected.cancel()
+        if not collect.done():
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+            return Response(status_code=499)  # nobody reads it: the client closed the connection
+        response = collect.result()
+        response.headers.update(headers)
+        return response
 
-    async def _stream(
-        self,
-        kind: Literal["chat", "completion"],
-        turn: PreparedTurn,
-        first: TextOut | TurnResult,
-        events: AsyncGenerator[TextOut | TurnResult, None],
-        include_usage: bool,
+    # -- chat -----------------------------------------------------------------------------------
+
+    async def _relay_chat(
+        self, turn: PreparedTurn, events: TurnEvents, include_usage: bool
     ) -> AsyncGenerator[bytes, None]:
-        response_id = _response_id(kind, turn)
+        """The decode engine's chunks as it sent them; the usage chunk (when asked for) carries kvferry's
+        figures and comes once the turn's retention is published."""
+        head: dict[str, Any] | None = None
+        try:
+            async for event in events:
+                if isinstance(event, ChatOut):
+                    if head is None:
+                        head = json.loads(event.raw)
+                    yield b"data: " + event.raw + b"\n\n"
+                elif isinstance(event, TurnResult) and include_usage:
+                    yield _sse(
+                        {
+                            "id": head["id"] if head else "chatcmpl-" + turn.request_id,
+                            "object": "chat.completion.chunk",
+                            "created": head["created"] if head else int(time.time()),
+                            "model": head["model"] if head else turn.model,
+                            "choices": [],
+                            "usage": usage_body(event),
+                        }
+                    )
+            yield _DONE
+        except Exception as error:
+            yield _error_event(error)
+        finally:
+            # Also runs when the client disconnects: closing the turn aborts its engine requests.
+            await events.aclose()
+
+    async def _chat_answer(self, turn: PreparedTurn, events: TurnEvents) -> Response:
+        result = await _result(events)
+        if isinstance(result, ServiceError):
+            return error_response(result)
+        assert result.answer is not None
+        return JSONResponse({**result.answer, "usage": usage_body(result)}, headers=result_headers(result))
+
+    # -- completions ----------------------------------------------------------------------------
+
+    async def _stream_completion(
+        self, turn: PreparedTurn, events: TurnEvents, include_usage: bool
+    ) -> AsyncGenerator[bytes, None]:
+        response_id = "cmpl-" + turn.request_id
         created = int(time.time())
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
             return _sse(
                 {
                     "id": response_id,
-                    "object": obj,
+                    "object": "text_completion",
                     "created": created,
                     "model": turn.model,
                     "choices": choices,
@@ -359,47 +428,92 @@ class HttpApi:
                 | extra
             )
 
-        def piece(text: str, finish_reason: str | None, first_piece: bool = False) -> dict[str, Any]:
-            if kind == "chat":
-                delta: dict[str, Any] = {"content": text} if text or not finish_reason else {}
-                if first_piece:
-                    delta["role"] = "assistant"
-                return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-
         try:
-            event: TextOut | TurnResult = first
-            first_piece = True
-            while True:
+            async for event in events:
                 if isinstance(event, TextOut):
-                    yield chunk([piece(event.text, None, first_piece)])
-                    first_piece = False
-                else:
-                    yield chunk([piece("", event.finish_reason)])
+                    yield chunk([{"index": 0, "text": event.text, "finish_reason": None, "logprobs": None}])
+                elif isinstance(event, TurnResult):
+                    yield chunk(
+                        [{"index": 0, "text": "", "finish_reason": event.finish_reason, "logprobs": None}]
+                    )
                     if include_usage:
                         yield chunk([], usage=usage_body(event))
-                try:
-                    event = await anext(events)
-                except StopAsyncIteration:
-                    break
-            yield b"data: [DONE]\n\n"
+            yield _DONE
         except Exception as error:
-            failure = (
-                error if isinstance(error, ServiceError) else internal_error(error, "router", "streaming")
-            )
-            yield _sse(
-                {
-                    "error": {
-                        "message": failure.message,
-                        "type": _openai_error_type(failure),
-                        "param": failure.param,
-                        "code": http_status(failure),
-                    }
-                }
-            )
+            yield _error_event(error)
         finally:
-            # Also runs when the client disconnects: closing the turn aborts its engine requests.
             await events.aclose()
+
+    async def _completion_answer(self, turn: PreparedTurn, events: TurnEvents) -> Response:
+        texts: list[str] = []
+        result = await _result(events, on_text=texts.append)
+        if isinstance(result, ServiceError):
+            return error_response(result)
+        return JSONResponse(
+            {
+                "id": "cmpl-" + turn.request_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": result.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "".join(texts),
+                        "finish_reason": result.finish_reason,
+                        "logprobs": None,
+                    }
+                ],
+                "usage": usage_body(result),
+            },
+            headers=result_headers(result),
+        )
+
+
+def conversation_of(request: Request, body_id: str | None, prompt_cache_key: str | None) -> str | None:
+    """The conversation a request belongs to: the ``X-Conversation-Id`` header or the body's
+    ``conversation_id`` (they must agree when both are sent), else OpenAI's ``prompt_cache_key``."""
+    header_id = request.headers.get(CONVERSATION_HEADER)
+    if header_id is not None and body_id is not None and header_id != body_id:
+        raise InvalidArgument(
+            "the X-Conversation-Id header and the conversation_id field differ; send one",
+            param="conversation_id",
+        )
+    if header_id is not None:
+        return validation.conversation_id(header_id, param=CONVERSATION_HEADER)
+    if body_id is not None:
+        return validation.conversation_id(body_id)
+    if prompt_cache_key is not None:
+        return validation.conversation_id(prompt_cache_key, param="prompt_cache_key")
+    return None
+
+
+async def _resumed(first: TurnEvent | TurnResult, rest: TurnEvents) -> TurnEvents:
+    """The turn's events again from the first (already taken); closing it closes the turn."""
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()
+
+
+async def _result(
+    events: TurnEvents, on_text: Callable[[str], object] | None = None
+) -> TurnResult | ServiceError:
+    """Runs the turn to its end: its result, or the error that ended it."""
+    result: TurnResult | None = None
+    try:
+        async for event in events:
+            if isinstance(event, TurnResult):
+                result = event
+            elif isinstance(event, TextOut) and on_text is not None:
+                on_text(event.text)
+    except ServiceError as error:
+        return error
+    finally:
+        await events.aclose()
+    assert result is not None
+    return result
 
 
 async def _internal_error_response(request: Request, error: Exception) -> Response:
@@ -410,103 +524,6 @@ async def _client_gone(request: Request) -> None:
     """Returns when the client disconnects (the request body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _response_id(kind: str, turn: PreparedTurn) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + turn.request_id
-
-
-_BodyT = TypeVar("_BodyT", bound=_Body)
-
-
-def _parse(model: type[_BodyT], raw: bytes) -> _BodyT:
-    if not raw:
-        raise InvalidArgument("the request body is empty: send a JSON object")
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as error:
-        problems = []
-        for item in error.errors()[:5]:
-            where = ".".join(str(part) for part in item["loc"]) or "body"
-            problems.append(f"{where}: {item['msg']}")
-        first_loc = error.errors()[0]["loc"] if error.errors() else ()
-        raise InvalidArgument(
-            "malformed request body: " + "; ".join(problems),
-            param=str(first_loc[0]) if first_loc else None,
-        ) from None
-
-
-def _message(index: int, message: _Message) -> tuple[str, str]:
-    content = message.content
-    if content is None:
-        return message.role, ""
-    if isinstance(content, str):
-        return message.role, content
-    texts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise InvalidArgument(
-                f"messages[{index}].content has a {part.type!r} part; only text parts are supported",
-                param=f"messages[{index}].content",
-            )
-        texts.append(part.text)
-    return message.role, "".join(texts)
-
-
-def _completion_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> Prompt:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidArgument("prompt is empty", param="prompt")
-        return TextPrompt(prompt)
-    if not prompt:
-        raise InvalidArgument("prompt is empty", param="prompt")
-    if all(isinstance(t, int) for t in prompt):
-        return TokenPrompt(validation.token_ids([t for t in prompt if isinstance(t, int)], param="prompt"))
-    if len(prompt) != 1:
-        raise InvalidArgument(
-            "batched prompts are not supported: send one prompt per request", param="prompt"
-        )
-    single = prompt[0]
-    return _completion_prompt(single)  # type: ignore[arg-type]
-
-
-def _turn_request(
-    body: _ChatBody | _CompletionBody, prompt: Prompt, tenant: Tenant, header_conversation: str | None
-) -> TurnRequest:
-    if body.n not in (None, 1):
-        raise InvalidArgument("n must be 1: the router generates one choice per request", param="n")
-    if body.logprobs:
-        raise InvalidArgument("logprobs are not supported by the router", param="logprobs")
-    conv = body.conversation_id
-    if header_conversation is not None:
-        if conv is not None and conv != header_conversation:
-            raise InvalidArgument(
-                "the X-Conversation-Id header and the conversation_id field differ; send one",
-                param="conversation_id",
-            )
-        conv = header_conversation
-    if conv is not None:
-        validation.conversation_id(conv)
-    max_tokens = body.max_tokens
-    if isinstance(body, _ChatBody) and body.max_completion_tokens is not None:
-        max_tokens = body.max_completion_tokens
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return TurnRequest(
-        tenant=tenant,
-        conversation_id=conv,
-        model=validation.model_name(body.model),
-        prompt=prompt,
-        sampling=validation.sampling(
-            max_tokens=max_tokens,
-            # OpenAI's default temperature is 1.
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=stop,
-            ignore_eos=body.ignore_eos,
-        ),
-        retain=True if body.retain is None else body.retain,
-    )
 
 
 class _ClosingStreamingResponse(StreamingResponse):

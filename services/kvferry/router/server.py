@@ -19,6 +19,7 @@ import uvicorn
 from kvferry.pd.engine_client import HttpTimeouts
 from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS
 from kvferry.router.calibration import CPU_DEFAULT, GPU_PROFILES, CostProfile
+from kvferry.router.conversations import Conversations
 from kvferry.router.cost import CostSettings
 from kvferry.router.engine_clients import EngineClients
 from kvferry.router.engines import EngineTable, LoadTracker
@@ -234,7 +235,8 @@ async def start_router(
                     "no engine table from the registry yet; serving anyway and retrying in the background",
                     extra={"registry": config.registry_address},
                 )
-        servicer = RouterServicer(runner=runner, keys=keys, registry=registry)
+        conversations = Conversations(registry)
+        servicer = RouterServicer(runner=runner, keys=keys, conversations=conversations)
         grpc_endpoint = await host.serve_grpc(
             config.grpc_listen,
             [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)],
@@ -246,6 +248,7 @@ async def start_router(
             runner=runner,
             keys=keys,
             engines=engines,
+            conversations=conversations,
             registry_connected=lambda: watcher.connected,
             max_body_bytes=config.max_body_bytes,
             metrics_registry=metrics.registry,

@@ -22,14 +22,15 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvferry.pd.chat import ChatRequest
 from kvferry.pd.engine_api import (
     ENGINE_ERRORS,
-    ChatMessage,
+    NORMAL_FINISH_REASONS,
     EngineApi,
     EngineHttpError,
     EngineUnavailableError,
@@ -55,7 +56,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    messages: tuple[ChatMessage, ...]
+    """A chat request in OpenAI's form, served through the engines' chat endpoint (kvferry.pd.chat); its
+    sampling fields are its own (the turn's :class:`SamplingOptions` give only ``max_tokens``)."""
+
+    chat: ChatRequest
 
 
 @dataclass(frozen=True)
@@ -92,12 +96,26 @@ class TurnRequest:
     prompt: Prompt
     sampling: SamplingOptions = dataclasses.field(default_factory=SamplingOptions)
     retain: bool = True
+    # False: the decode is not streamed: one TextOut with the whole text, or (chat) the engine's whole
+    # answer in the result.
+    stream: bool = True
 
 
 @dataclass(frozen=True)
 class TextOut:
     text: str
     token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChatOut:
+    """One event of a chat turn's stream, as the decode engine sent it (the JSON after ``data:``; its
+    trailing usage event is not one: the turn's result reports usage)."""
+
+    raw: bytes
+
+
+TurnEvent = TextOut | ChatOut
 
 
 @dataclass(frozen=True)
@@ -120,6 +138,10 @@ class TurnResult:
     request_id: str
     # Prompt tokens the retention was proven to hold (whether pulled or not).
     matched_tokens: int = 0
+    # A chat turn that was not streamed: the decode engine's chat completion (kv_transfer_params removed).
+    answer: Mapping[str, Any] | None = None
+    # The decode engine's usage object (fields kvferry passes on, e.g. reasoning tokens).
+    engine_usage: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +151,8 @@ class PreparedTurn:
     model: str
     token_ids: tuple[int, ...]
     sampling: Sampling
+    # A chat turn's request as the engines get it (max_tokens resolved).
+    chat: ChatRequest | None
     retention: RetentionRecord | None
     # False when the registry did not answer: this turn neither reuses nor retains.
     registry_ok: bool
@@ -259,12 +283,18 @@ class TurnRunner:
             (e.max_model_len for e in self._model_engines(model) if e.max_model_len), default=0
         )
         max_tokens = self._check_length(len(token_ids), request.sampling.max_tokens, max_model_len, model)
+        chat = None
+        if isinstance(request.prompt, ChatPrompt):
+            chat = request.prompt.chat
+            if request.sampling.max_tokens is None:
+                chat = ChatRequest({**chat.body, "max_tokens": max_tokens})
         return PreparedTurn(
             request=request,
             request_id=request_id,
             model=model,
             token_ids=token_ids,
             sampling=Sampling(**_sampling_fields(request.sampling, max_tokens)),
+            chat=chat,
             retention=retention,
             registry_ok=registry_ok,
             started=started,
@@ -312,7 +342,7 @@ class TurnRunner:
             client = self._clients.get(engine)
             try:
                 if isinstance(prompt, ChatPrompt):
-                    return tuple(await client.render_chat(prompt.messages))
+                    return tuple(await client.render_chat(prompt.chat))
                 return tuple(await client.tokenize(prompt.text))
             except EngineHttpError as error:
                 if 400 <= error.status_code < 500:
@@ -353,8 +383,9 @@ class TurnRunner:
 
     # -- execute ------------------------------------------------------------------------------
 
-    async def execute(self, turn: PreparedTurn) -> AsyncGenerator[TextOut | TurnResult, None]:
-        """Streams the turn's text and ends with its :class:`TurnResult`."""
+    async def execute(self, turn: PreparedTurn) -> AsyncGenerator[TurnEvent | TurnResult, None]:
+        """Streams the turn's output (:class:`TextOut`, or a chat turn's :class:`ChatOut`) and ends with its
+        :class:`TurnResult`."""
         request = turn.request
         published = False
         span_context = trace.set_span_in_context(turn.span)
@@ -391,7 +422,7 @@ class TurnRunner:
                 # after the turn, off the time to first token.
                 self._spawn(self._renew(request.tenant.name, turn.retention.conversation_id))
 
-    async def _run(self, turn: PreparedTurn) -> AsyncGenerator[TextOut | TurnResult, None]:
+    async def _run(self, turn: PreparedTurn) -> AsyncGenerator[TurnEvent | TurnResult, None]:
         """The attempts: plan, then the engines' prefill-then-decode; an engine failing before any output is
         retried by recompute on other engines."""
         mark = self._mark(turn)
@@ -416,6 +447,7 @@ class TurnRunner:
                 pull=plan.pull,
                 request_id=f"{turn.request_id}-{attempt}",
                 read_window_seconds=self._settings.read_window_seconds,
+                chat=turn.chat,
             )
             computed = len(turn.token_ids) - engine_turn.offered_pull_tokens
             # Counted from the plan on (no await in between), so turns planned meanwhile see this one: P's
@@ -432,6 +464,7 @@ class TurnRunner:
                         self._clients.get(plan.prefill),
                         self._clients.get(plan.decode),
                         engine_turn,
+                        stream=turn.request.stream,
                         clock=self._clock,
                     )
                 ) as events:
@@ -441,11 +474,20 @@ class TurnRunner:
                             self._load.add_prefill(plan.prefill.engine_id, -computed)
                         elif isinstance(event, Decoded):
                             decoded = event
-                        elif event.token_ids or event.text:
+                        elif not turn.request.stream:
+                            # The whole answer at once: it is the first output.
+                            emitted = True
+                            ttft_ms = (time.perf_counter() - turn.started) * 1000
+                            if turn.chat is None:
+                                yield TextOut(text=event.text, token_ids=event.token_ids)
+                        elif event.raw or event.token_ids or event.text:
                             if not emitted:
                                 emitted = True
                                 ttft_ms = (time.perf_counter() - turn.started) * 1000
-                            yield TextOut(text=event.text, token_ids=event.token_ids)
+                            if event.raw:
+                                yield ChatOut(event.raw)
+                            else:
+                                yield TextOut(text=event.text, token_ids=event.token_ids)
                 assert prefilled is not None and decoded is not None
                 yield await self._finish(turn, plan, mark, prefilled, decoded, ttft_ms)
                 return
@@ -486,7 +528,7 @@ class TurnRunner:
         retained_turn = 0
         finished = time.perf_counter()
         polls = 0
-        if mark is not None and decoded.finish_reason in ("stop", "length"):
+        if mark is not None and decoded.finish_reason in NORMAL_FINISH_REASONS:
             retained_turn, polls = await self._await_publication(mark, plan.decode.engine_id)
         prompt_len = len(turn.token_ids)
         pulled = prefilled.pulled_tokens
@@ -506,6 +548,8 @@ class TurnRunner:
             turn=retained_turn,
             request_id=turn.request_id,
             matched_tokens=plan.match.tokens,
+            answer=decoded.body,
+            engine_usage=decoded.usage.body if decoded.usage is not None else None,
         )
         log.info(
             "turn done",
@@ -592,11 +636,8 @@ def _sampling_fields(options: SamplingOptions, max_tokens: int) -> dict[str, Any
         "top_p": options.top_p or 1.0,
         "seed": options.seed,
         "ignore_eos": options.ignore_eos,
+        "stop": options.stop,
     }
-    if options.stop:
-        if "stop" not in {f.name for f in dataclasses.fields(Sampling)}:
-            raise InvalidArgument("stop strings are not supported by this router version yet", param="stop")
-        fields["stop"] = tuple(options.stop)
     return fields
 
 
