@@ -124,7 +124,7 @@ class PrefillRequest:
         params = prefill_transfer_params(
             self.mark, self.reuse, lease_expire_time=self.lease_expire_time, pull_options=self.pull_options
         )
-        if self.chat is not None:
+        if self.chat is not None and self.token_ids:
             params[vllm_params.PROMPT_TOKEN_IDS] = list(self.token_ids)
         return params
 
@@ -175,7 +175,7 @@ class DecodeRequest:
 
     def transfer_params(self) -> dict[str, Any]:
         params = decode_transfer_params(self.handoff, self.mark)
-        if self.chat is not None:
+        if self.chat is not None and self.token_ids:
             params[vllm_params.PROMPT_TOKEN_IDS] = list(self.token_ids)
         return params
 

@@ -146,6 +146,20 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         type=int,
         default=_DEFAULTS.max_body_bytes,
     )
+    flags.add(
+        "--responses-max-stored",
+        "KVFERRY_ROUTER_RESPONSES_MAX_STORED",
+        "Responses API: stored responses this process keeps for previous_response_id (oldest go first)",
+        type=int,
+        default=_DEFAULTS.responses_max_stored,
+    )
+    flags.add(
+        "--responses-ttl",
+        "KVFERRY_ROUTER_RESPONSES_TTL",
+        "Responses API: how long a stored response can be continued or fetched, seconds",
+        type=float,
+        default=_DEFAULTS.responses_ttl_seconds,
+    )
     add_log_level_flag(flags)
     flags.add(
         "--event-loop",
@@ -177,6 +191,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         engine_read_timeout_seconds=args.engine_read_timeout,
         engine_max_connections=args.engine_max_connections,
         max_body_bytes=args.max_body_bytes,
+        responses_max_stored=args.responses_max_stored,
+        responses_ttl_seconds=args.responses_ttl,
         # The service starts even with the registry away and syncs when it comes.
         startup_sync_seconds=3.0,
         metrics_address=args.metrics_address or None,

@@ -12,17 +12,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
+from kvferry.pd.chat import ChatDelta
 from kvferry.router import validation
 from kvferry.router.conversations import Conversations
 from kvferry.router.engines import EngineTable
 from kvferry.router.openai_chat import ChatCall, load_json_object, parse_chat
 from kvferry.router.openai_completions import CompletionCall, parse_completion
+from kvferry.router.openai_responses import (
+    ResponseEvents,
+    ResponsesCall,
+    ResponseStore,
+    StoredResponse,
+    chain_conversation_id,
+    chat_body,
+    final_status,
+    history_message,
+    new_response_id,
+    output_from_answer,
+    parse_responses,
+    response_object,
+    sse_event,
+)
 from kvferry.router.tenants import ApiKeys, Tenant
 from kvferry.router.turns import (
     ChatOut,
@@ -35,7 +53,15 @@ from kvferry.router.turns import (
     TurnResult,
     TurnRunner,
 )
-from kvferry.runtime.errors import ErrorKind, InvalidArgument, ServiceError, http_status, internal_error
+from kvferry.runtime.errors import (
+    ErrorKind,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    http_status,
+    internal_error,
+)
+from kvferry.runtime.ids import check_id
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -150,6 +176,7 @@ class HttpApi:
         keys: ApiKeys,
         engines: EngineTable,
         conversations: Conversations,
+        responses: ResponseStore,
         registry_connected: Callable[[], bool],
         max_body_bytes: int,
         metrics_registry: CollectorRegistry | None = None,
@@ -159,6 +186,7 @@ class HttpApi:
         self._keys = keys
         self._engines = engines
         self._conversations = conversations
+        self._responses = responses
         self._registry_connected = registry_connected
         self._max_body_bytes = max_body_bytes
 
@@ -169,6 +197,9 @@ class HttpApi:
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/responses", self.create_response, methods=["POST"]),
+                Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
+                Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route(conversation, self.describe_conversation, methods=["GET"]),
                 Route(conversation, self.close_conversation, methods=["DELETE"]),
@@ -276,6 +307,53 @@ class HttpApi:
             lambda turn, events: self._stream_completion(turn, events, call.include_usage),
             self._completion_answer,
         )
+
+    async def create_response(self, request: Request) -> Response:
+        try:
+            tenant = self._tenant(request)
+            call = parse_responses(load_json_object(await self._read_body(request)))
+            previous = None
+            if call.body.previous_response_id is not None:
+                previous = self._responses.get(tenant.name, call.body.previous_response_id)
+            history = previous.messages if previous is not None else ()
+            chat = parse_chat(chat_body(call, history))
+            responding = _Responding(call, new_response_id(), history, tenant.name, int(time.time()))
+            conversation = conversation_of(request, call.body.conversation_id, call.body.prompt_cache_key)
+            if conversation is None and previous is not None:
+                conversation = previous.conversation_id
+            if conversation is None and responding.store:
+                conversation = chain_conversation_id(responding.response_id)
+            responding.conversation_id = conversation
+            turn_request = dataclasses.replace(
+                self._chat_turn(request, tenant, chat), conversation_id=conversation
+            )
+        except ServiceError as error:
+            return error_response(error)
+        return await self._serve(
+            request,
+            turn_request,
+            lambda turn, events: self._stream_response(events, responding),
+            lambda turn, events: self._response_answer(events, responding),
+        )
+
+    async def get_response(self, request: Request) -> Response:
+        try:
+            tenant = self._tenant(request)
+            record = self._responses.get(tenant.name, request.path_params["response_id"])
+        except ServiceError as error:
+            error.param = None
+            return error_response(error)
+        return JSONResponse(dict(record.response))
+
+    async def delete_response(self, request: Request) -> Response:
+        try:
+            tenant = self._tenant(request)
+        except ServiceError as error:
+            return error_response(error)
+        response_id = request.path_params["response_id"]
+        if not self._responses.delete(tenant.name, response_id):
+            return error_response(NotFound(f"response {response_id[:80]!r} is not stored"))
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     # -- requests to turns --------------------------------------------------------------------
 
@@ -408,6 +486,58 @@ class HttpApi:
         assert result.answer is not None
         return JSONResponse({**result.answer, "usage": usage_body(result)}, headers=result_headers(result))
 
+    # -- responses ------------------------------------------------------------------------------
+
+    async def _response_answer(self, events: TurnEvents, responding: _Responding) -> Response:
+        result = await _result(events)
+        if isinstance(result, ServiceError):
+            return error_response(result)
+        assert result.answer is not None
+        response = responding.response(result, output_from_answer(result.answer))
+        self._store(responding, response)
+        return JSONResponse(response, headers=result_headers(result))
+
+    async def _stream_response(
+        self, events: TurnEvents, responding: _Responding
+    ) -> AsyncGenerator[bytes, None]:
+        """The chat stream as Responses events: the response is created, its items open, grow and close,
+        and it completes (stored, when asked) once the turn's retention is published."""
+        builder = ResponseEvents(responding.response(None, []))
+        try:
+            for event in builder.start():
+                yield sse_event(event)
+            async for turn_event in events:
+                if isinstance(turn_event, ChatOut):
+                    for event in builder.add(ChatDelta.from_event(json.loads(turn_event.raw))):
+                        yield sse_event(event)
+                elif isinstance(turn_event, TurnResult):
+                    for event in builder.finish():
+                        yield sse_event(event)
+                    response = responding.response(turn_event, builder.output)
+                    self._store(responding, response)
+                    yield sse_event(builder.end(response))
+        except Exception as error:
+            if not isinstance(error, ServiceError):
+                error = internal_error(error, "router", "responses stream")
+            yield sse_event(builder.error(error.message, error.kind.name.lower()))
+        finally:
+            await events.aclose()
+
+    def _store(self, responding: _Responding, response: dict[str, Any]) -> None:
+        if not responding.store or responding.conversation_id is None:
+            return
+        messages = (*responding.history, *responding.call.input_messages, history_message(response["output"]))
+        self._responses.put(
+            StoredResponse(
+                tenant=responding.tenant,
+                response_id=responding.response_id,
+                conversation_id=responding.conversation_id,
+                messages=messages,
+                response=response,
+                stored_at=time.time(),
+            )
+        )
+
     # -- completions ----------------------------------------------------------------------------
 
     async def _stream_completion(
@@ -471,7 +601,8 @@ class HttpApi:
 
 def conversation_of(request: Request, body_id: str | None, prompt_cache_key: str | None) -> str | None:
     """The conversation a request belongs to: the ``X-Conversation-Id`` header or the body's
-    ``conversation_id`` (they must agree when both are sent), else OpenAI's ``prompt_cache_key``."""
+    ``conversation_id`` (they must agree when both are sent), else OpenAI's ``prompt_cache_key`` (as is
+    when it is a valid conversation id, else ``pck:`` and a digest of it)."""
     header_id = request.headers.get(CONVERSATION_HEADER)
     if header_id is not None and body_id is not None and header_id != body_id:
         raise InvalidArgument(
@@ -483,8 +614,39 @@ def conversation_of(request: Request, body_id: str | None, prompt_cache_key: str
     if body_id is not None:
         return validation.conversation_id(body_id)
     if prompt_cache_key is not None:
-        return validation.conversation_id(prompt_cache_key, param="prompt_cache_key")
+        if check_id("prompt_cache_key", prompt_cache_key) is None:
+            return prompt_cache_key
+        # OpenAI's key is any string; a conversation id is not: one stable id per key.
+        return "pck:" + hashlib.sha256(prompt_cache_key.encode()).hexdigest()[:40]
     return None
+
+
+@dataclasses.dataclass
+class _Responding:
+    """One ``POST /v1/responses`` under way."""
+
+    call: ResponsesCall
+    response_id: str
+    history: tuple[dict[str, Any], ...]
+    tenant: str
+    created_at: int
+    conversation_id: str | None = None
+
+    @property
+    def store(self) -> bool:
+        return self.call.body.store is not False
+
+    def response(self, result: TurnResult | None, output: list[dict[str, Any]]) -> dict[str, Any]:
+        return response_object(
+            self.call,
+            response_id=self.response_id,
+            model=result.model if result is not None else self.call.body.model,
+            created_at=self.created_at,
+            status=final_status(result.finish_reason) if result is not None else "in_progress",
+            output=output,
+            finish_reason=result.finish_reason if result is not None else None,
+            chat_usage=usage_body(result) if result is not None else None,
+        )
 
 
 async def _resumed(first: TurnEvent | TurnResult, rest: TurnEvents) -> TurnEvents:

@@ -84,7 +84,7 @@ FIELDS: Mapping[str, ChatField] = {
     "presence_penalty": _passed(-0.5, -2.5, "[-2, 2]"),
     "prompt_cache_key": ChatField(
         Support.KVFERRY,
-        "the conversation id when no X-Conversation-Id or conversation_id is sent",
+        "the conversation when no X-Conversation-Id or conversation_id is sent (any string)",
         "pck-1",
         "",
     ),

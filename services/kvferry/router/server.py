@@ -27,6 +27,7 @@ from kvferry.router.grpc_api import SERVICE_NAME, RouterServicer
 from kvferry.router.http_api import HttpApi
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.observe import TurnTelemetry
+from kvferry.router.openai_responses import ResponseStore
 from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
 from kvferry.router.tenants import ApiKeys, load_tenants, parse_key_pairs
 from kvferry.router.turns import TurnRunner, TurnSettings
@@ -74,6 +75,9 @@ class RouterConfig:
     engine_read_timeout_seconds: float = 120.0
     engine_max_connections: int = 512
     max_body_bytes: int = 32 * 1024 * 1024
+    # Stored Responses-API responses (previous_response_id): how many this process keeps, and how long.
+    responses_max_stored: int = 10_000
+    responses_ttl_seconds: float = 3600.0
     engine_resync_seconds: float = 30.0
     # start_router waits this long for the first engine table (0: don't wait).
     startup_sync_seconds: float = 10.0
@@ -249,6 +253,9 @@ async def start_router(
             keys=keys,
             engines=engines,
             conversations=conversations,
+            responses=ResponseStore(
+                capacity=config.responses_max_stored, ttl_seconds=config.responses_ttl_seconds
+            ),
             registry_connected=lambda: watcher.connected,
             max_body_bytes=config.max_body_bytes,
             metrics_registry=metrics.registry,
