@@ -36,13 +36,13 @@ def test_stream_events_parse_into_chunks_and_errors() -> None:
         vh._completion_event(url, b"{not json")
 
 
-async def test_sse_data_skips_keep_alives_comments_and_done() -> None:
-    async def pieces() -> AsyncIterator[bytes]:
-        for piece in (b': keep-alive\r\n\r\ndata: {"a"', b":1}\r\n\r\n\r\ndata:[DONE]\n\n", b"data: x"):
-            yield piece
-
+def test_sse_data_skips_keep_alives_comments_and_done() -> None:
+    events = vh.SseData()
+    found = []
+    for piece in (b': keep-alive\r\n\r\ndata: {"a"', b":1}\r\n\r\n\r\ndata:[DONE]\n\n", b"data: x"):
+        found += events.feed(piece)
     # The last, unterminated line is not an event yet.
-    assert [d async for d in vh.sse_data(pieces())] == [b'{"a":1}']
+    assert found == [b'{"a":1}']
 
 
 def test_chat_events_are_relayed_as_they_came_and_only_their_ends_read() -> None:

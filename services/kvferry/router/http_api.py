@@ -17,8 +17,8 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Mapping
+from typing import Any, Protocol
 
 from kvferry.pd.chat import ChatDelta
 from kvferry.router import validation
@@ -79,6 +79,14 @@ REUSE_HEADER = "x-kvferry-reuse"
 _DONE = b"data: [DONE]\n\n"
 
 TurnEvents = AsyncGenerator[TurnEvent | TurnResult, None]
+
+
+class ClosingEvents(Protocol):
+    """A turn's events being answered: iterate them, close them (which closes the turn)."""
+
+    def __aiter__(self) -> AsyncIterator[TurnEvent | TurnResult]: ...
+
+    async def aclose(self) -> None: ...
 
 
 # OpenAI's error ``type`` for each kind of failure (the HTTP status comes from the kit's table).
@@ -409,8 +417,8 @@ class HttpApi:
         self,
         request: Request,
         turn_request: TurnRequest,
-        stream: Callable[[PreparedTurn, TurnEvents], AsyncGenerator[bytes, None]],
-        answer: Callable[[PreparedTurn, TurnEvents], Awaitable[Response]],
+        stream: Callable[[PreparedTurn, ClosingEvents], AsyncGenerator[bytes, None]],
+        answer: Callable[[PreparedTurn, ClosingEvents], Awaitable[Response]],
     ) -> Response:
         """Runs the turn; a failure before its first output gets a real status, later ones end the stream.
         A client that goes away aborts the turn (its engine requests) in both forms."""
@@ -428,7 +436,7 @@ class HttpApi:
                 await started.aclose()
                 return error_response(error)
             return _ClosingStreamingResponse(
-                stream(turn, _resumed(first, started)),
+                stream(turn, _Resumed(first, started)),
                 media_type="text/event-stream",
                 headers={**headers, "cache-control": "no-cache"},
             )
@@ -450,7 +458,7 @@ class HttpApi:
     # -- chat -----------------------------------------------------------------------------------
 
     async def _relay_chat(
-        self, turn: PreparedTurn, events: TurnEvents, include_usage: bool
+        self, turn: PreparedTurn, events: ClosingEvents, include_usage: bool
     ) -> AsyncGenerator[bytes, None]:
         """The decode engine's chunks as it sent them; the usage chunk (when asked for) carries kvferry's
         figures and comes once the turn's retention is published."""
@@ -479,7 +487,7 @@ class HttpApi:
             # Also runs when the client disconnects: closing the turn aborts its engine requests.
             await events.aclose()
 
-    async def _chat_answer(self, turn: PreparedTurn, events: TurnEvents) -> Response:
+    async def _chat_answer(self, turn: PreparedTurn, events: ClosingEvents) -> Response:
         result = await _result(events)
         if isinstance(result, ServiceError):
             return error_response(result)
@@ -488,7 +496,7 @@ class HttpApi:
 
     # -- responses ------------------------------------------------------------------------------
 
-    async def _response_answer(self, events: TurnEvents, responding: _Responding) -> Response:
+    async def _response_answer(self, events: ClosingEvents, responding: _Responding) -> Response:
         result = await _result(events)
         if isinstance(result, ServiceError):
             return error_response(result)
@@ -498,7 +506,7 @@ class HttpApi:
         return JSONResponse(response, headers=result_headers(result))
 
     async def _stream_response(
-        self, events: TurnEvents, responding: _Responding
+        self, events: ClosingEvents, responding: _Responding
     ) -> AsyncGenerator[bytes, None]:
         """The chat stream as Responses events: the response is created, its items open, grow and close,
         and it completes (stored, when asked) once the turn's retention is published."""
@@ -541,7 +549,7 @@ class HttpApi:
     # -- completions ----------------------------------------------------------------------------
 
     async def _stream_completion(
-        self, turn: PreparedTurn, events: TurnEvents, include_usage: bool
+        self, turn: PreparedTurn, events: ClosingEvents, include_usage: bool
     ) -> AsyncGenerator[bytes, None]:
         response_id = "cmpl-" + turn.request_id
         created = int(time.time())
@@ -574,7 +582,7 @@ class HttpApi:
         finally:
             await events.aclose()
 
-    async def _completion_answer(self, turn: PreparedTurn, events: TurnEvents) -> Response:
+    async def _completion_answer(self, turn: PreparedTurn, events: ClosingEvents) -> Response:
         texts: list[str] = []
         result = await _result(events, on_text=texts.append)
         if isinstance(result, ServiceError):
@@ -649,18 +657,40 @@ class _Responding:
         )
 
 
-async def _resumed(first: TurnEvent | TurnResult, rest: TurnEvents) -> TurnEvents:
-    """The turn's events again from the first (already taken); closing it closes the turn."""
-    try:
-        yield first
-        async for event in rest:
-            yield event
-    finally:
-        await rest.aclose()
+class _Resumed:
+    """The turn's events again from the first (already taken); closing it closes the turn. Hands out the
+    turn's own awaitables rather than wrapping them in a generator: one less layer per relayed token."""
+
+    def __init__(self, first: TurnEvent | TurnResult, rest: TurnEvents) -> None:
+        self._first: TurnEvent | TurnResult | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> _Resumed:
+        return self
+
+    def __anext__(self) -> Awaitable[TurnEvent | TurnResult]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return _Ready(first)
+        return self._rest.__anext__()
+
+    async def aclose(self) -> None:
+        await self._rest.aclose()
+
+
+class _Ready:
+    """An awaitable that is done: its value at once."""
+
+    def __init__(self, value: TurnEvent | TurnResult) -> None:
+        self._value = value
+
+    def __await__(self) -> Generator[Any, None, TurnEvent | TurnResult]:
+        return self._value
+        yield  # a generator, done at its first step
 
 
 async def _result(
-    events: TurnEvents, on_text: Callable[[str], object] | None = None
+    events: ClosingEvents, on_text: Callable[[str], object] | None = None
 ) -> TurnResult | ServiceError:
     """Runs the turn to its end: its result, or the error that ended it."""
     result: TurnResult | None = None
