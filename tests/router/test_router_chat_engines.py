@@ -29,7 +29,12 @@ WEATHER = {
         "description": "Current weather in a city.",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            # An enum, so that random weights under guided decoding end the arguments instead of
+            # writing a free string until max_tokens.
+            "properties": {
+                "city": {"type": "string", "enum": ["Oslo", "Lima"]},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+            },
             "required": ["city"],
         },
     },
@@ -88,7 +93,7 @@ async def test_a_tool_round_trip_through_the_router_reuses_the_first_turn(routed
         messages=messages,  # type: ignore[arg-type]
         tools=[WEATHER],  # type: ignore[list-item]
         tool_choice="required",
-        max_tokens=60,
+        max_tokens=120,
         temperature=0,
         extra_headers={"X-Conversation-Id": conv},
     )
