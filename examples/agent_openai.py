@@ -7,10 +7,11 @@ TTFT and pulled vs recomputed tokens from the router's ``usage`` (``stream_optio
 
 The HTTP API has no renew call, so while the slow tool runs the retention would expire; when the
 router's gRPC address is known (``--grpc-address`` / KVFERRY_ADDRESS) the loop keeps the conversation
-alive with the SDK's ``keep_alive`` and closes it at the end. Run against ``kvferry up``::
+alive with the SDK's ``keep_alive`` and closes it at the end. Run against ``kvferry up`` with the
+environment file it writes (``KVFERRY_HTTP_URL`` is an OpenAI base URL, ``/v1`` included)::
 
-    export KVFERRY_HTTP_URL=http://127.0.0.1:PORT KVFERRY_ADDRESS=127.0.0.1:PORT KVFERRY_API_KEY=KEY
-    python examples/agent_openai.py
+    . ~/.local/state/kvferry/env && python examples/agent_openai.py
+    # or: export KVFERRY_HTTP_URL=http://127.0.0.1:PORT/v1 KVFERRY_ADDRESS=127.0.0.1:PORT KVFERRY_API_KEY=KEY
 """
 
 from __future__ import annotations
@@ -108,11 +109,11 @@ async def lease_seconds_left(sdk: Client | None, conversation_id: str) -> float:
 
 async def run_agent(args: argparse.Namespace) -> int:
     if not args.base_url:
-        print("error: pass --base-url or set KVFERRY_HTTP_URL (the router's HTTP URL)", file=sys.stderr)
+        print(
+            "error: pass --base-url or set KVFERRY_HTTP_URL (the router's OpenAI base URL)", file=sys.stderr
+        )
         return 2
-    llm = openai.AsyncOpenAI(
-        base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none", timeout=120.0
-    )
+    llm = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key or "none", timeout=120.0)
     model = args.model or (await llm.models.list()).data[0].id
     sdk = await Client.connect(args.grpc_address, api_key=args.api_key) if args.grpc_address else None
     conversation_id = args.conversation_id or f"conv-{uuid.uuid4().hex}"
@@ -146,7 +147,11 @@ async def run_agent(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--base-url", default=os.environ.get("KVFERRY_HTTP_URL"), help="router HTTP URL")
+    parser.add_argument(
+        "--base-url",
+        default=os.environ.get("KVFERRY_HTTP_URL"),
+        help="router OpenAI base URL, e.g. http://127.0.0.1:8080/v1",
+    )
     parser.add_argument(
         "--grpc-address", default=os.environ.get("KVFERRY_ADDRESS"), help="router gRPC host:port (keep-alive)"
     )

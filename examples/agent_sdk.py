@@ -5,9 +5,10 @@ The tool runs longer than the conversation's base lease (TTL), which alone would
 decode engine instead of recomputing it. Each turn prints the prompt length, TTFT and how many prompt
 tokens were pulled vs recomputed.
 
-Run against ``kvferry up``'s router (it prints the gRPC address and an API key)::
+Run against ``kvferry up``'s router with the environment file it writes (or export
+``KVFERRY_ADDRESS=127.0.0.1:PORT KVFERRY_API_KEY=KEY`` yourself)::
 
-    export KVFERRY_ADDRESS=127.0.0.1:PORT KVFERRY_API_KEY=KEY
+    . ~/.local/state/kvferry/env
     python examples/agent_sdk.py                  # tool time: the lease's TTL + 5 s
     python examples/agent_sdk.py --no-keep-alive  # the same, to see the reuse lost
 

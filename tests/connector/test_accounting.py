@@ -1,15 +1,11 @@
-"""Pulled-versus-computed accounting and the prefill's read-deadline decision."""
+"""Pulled-versus-computed accounting."""
 
 from __future__ import annotations
 
-from kvferry.connector.accounting import Accounting, pull_allowed
+import dataclasses
 
-
-def test_pull_allowed_needs_enough_time_before_the_read_deadline() -> None:
-    assert pull_allowed(None, 100.0, 2.0)
-    assert pull_allowed(103.0, 100.0, 2.0)
-    assert not pull_allowed(101.5, 100.0, 2.0)
-    assert not pull_allowed(99.0, 100.0, 0.0)
+import pytest
+from kvferry.connector.accounting import PEER_WINDOW, Accounting, PeerPullRate, rates_moved
 
 
 def test_counts_pulled_and_computed_tokens_and_rates() -> None:
@@ -22,7 +18,8 @@ def test_counts_pulled_and_computed_tokens_and_rates() -> None:
     assert snapshot.pulled_tokens_total == 320
     assert snapshot.computed_tokens_total == 500 - 32 - 320
     assert snapshot.transfer_bytes_per_second == 320 * 1000 / 0.5
-    assert snapshot.prefill_tokens_per_second == (500 - 32 - 320) / 1.5
+    # Compute starts once the pulled prefix is in (10.5 s): the pull's time is not the prefill's.
+    assert snapshot.prefill_tokens_per_second == (500 - 32 - 320) / 1.0
     assert snapshot.running_requests == 0
 
 
@@ -46,3 +43,83 @@ def test_in_flight_requests_show_as_load() -> None:
     snapshot = accounting.snapshot()
     assert snapshot.inflight_prefill_tokens == 90 and snapshot.running_requests == 1
     assert snapshot.declined_pulls_total == 1 and snapshot.retained_blocks == 7
+
+
+def _pull(
+    accounting: Accounting, request_id: str, peer: str, tokens: int, start: float, seconds: float
+) -> bool:
+    accounting.on_matched(request_id, prompt_tokens=tokens + 10, local_cached_tokens=0)
+    accounting.on_allocated(request_id, external_tokens=tokens, now=start, peer_engine_id=peer)
+    measured = accounting.on_received(request_id, now=start + seconds, failed=False)
+    accounting.on_finished(request_id, now=start + seconds + 0.01)
+    return measured
+
+
+def _handshake(accounting: Accounting, *peers: str) -> None:
+    """A first pull from each peer (no sample: it waits for the NIXL handshake)."""
+    for peer in peers:
+        assert not _pull(accounting, f"handshake-{peer}", peer, 100, -10.0, 5.0)
+
+
+def test_the_first_pull_from_a_peer_waits_for_the_handshake_and_gives_no_rate() -> None:
+    accounting = Accounting(kv_bytes_per_token=1000)
+    assert not _pull(accounting, "r1", "d1", 2000, 0.0, 1.4)
+    assert accounting.snapshot().peer_pull_rates == ()
+    assert accounting.snapshot().pulled_tokens_total == 2000
+    assert _pull(accounting, "r2", "d1", 4000, 2.0, 0.008)
+    (rate,) = accounting.snapshot().peer_pull_rates
+    assert rate.bytes_per_second == pytest.approx(4000 * 1000 / 0.008) and rate.pulls == 1
+    # Another peer has its own handshake.
+    assert not _pull(accounting, "r3", "d2", 100, 3.0, 1.0)
+    assert [p.peer_engine_id for p in accounting.snapshot().peer_pull_rates] == ["d1"]
+
+
+def test_pull_rates_are_kept_per_peer_engine() -> None:
+    accounting = Accounting(kv_bytes_per_token=1000)
+    _handshake(accounting, "d-same-gpu", "d-other-gpu")
+    # The same GPU: 100 tokens (100 kB) in 0.2 s; another GPU: the same in 1 ms.
+    assert _pull(accounting, "r1", "d-same-gpu", 100, 0.0, 0.2)
+    assert _pull(accounting, "r2", "d-other-gpu", 100, 1.0, 0.001)
+    assert _pull(accounting, "r3", "d-same-gpu", 300, 2.0, 0.2)
+    rates = {p.peer_engine_id: p for p in accounting.snapshot().peer_pull_rates}
+    assert rates["d-same-gpu"].bytes_per_second == pytest.approx(400 * 1000 / 0.4)
+    assert rates["d-same-gpu"].pulls == 2
+    assert rates["d-other-gpu"].bytes_per_second == pytest.approx(100 * 1000 / 0.001)
+    assert [p.peer_engine_id for p in accounting.snapshot().peer_pull_rates] == ["d-other-gpu", "d-same-gpu"]
+
+
+def test_a_peer_rate_follows_its_recent_pulls_and_failed_pulls_give_none() -> None:
+    accounting = Accounting(kv_bytes_per_token=1)
+    _handshake(accounting, "d1", "d2")
+    for i in range(PEER_WINDOW):
+        _pull(accounting, f"slow{i}", "d1", 1000, float(i), 1.0)
+    for i in range(PEER_WINDOW):
+        _pull(accounting, f"fast{i}", "d1", 1000, 100.0 + i, 0.001)
+    (rate,) = accounting.snapshot().peer_pull_rates
+    assert rate.bytes_per_second == pytest.approx(1e6) and rate.pulls == PEER_WINDOW
+    accounting.on_matched("bad", prompt_tokens=50, local_cached_tokens=0)
+    accounting.on_allocated("bad", external_tokens=32, now=0.0, peer_engine_id="d2")
+    assert not accounting.on_received("bad", now=9.0, failed=True)
+    assert [p.peer_engine_id for p in accounting.snapshot().peer_pull_rates] == ["d1"]
+
+
+def test_rates_moved_reports_new_and_changed_rates_only() -> None:
+    accounting = Accounting(kv_bytes_per_token=1000)
+    empty = accounting.snapshot()
+    assert not rates_moved(None, empty)
+    _handshake(accounting, "d1")
+    _pull(accounting, "r1", "d1", 100, 0.0, 0.2)
+    first = accounting.snapshot()
+    assert rates_moved(None, first) and rates_moved(empty, first)
+    assert not rates_moved(first, first)
+    nudged = dataclasses.replace(
+        first, peer_pull_rates=(PeerPullRate("d1", first.peer_pull_rates[0].bytes_per_second * 1.1, 2),)
+    )
+    assert not rates_moved(first, nudged)
+    halved = dataclasses.replace(
+        first, peer_pull_rates=(PeerPullRate("d1", first.peer_pull_rates[0].bytes_per_second / 2, 2),)
+    )
+    assert rates_moved(first, halved)
+    assert rates_moved(
+        first, dataclasses.replace(first, prefill_tokens_per_second=first.prefill_tokens_per_second * 2)
+    )

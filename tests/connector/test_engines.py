@@ -141,7 +141,7 @@ async def test_decode_keeps_blocks_after_a_prefill_read_them(engine_pair: Engine
                     token_ids=tuple(prompt),
                     mark=ConversationMark("tests", conversation.conversation_id, 2),
                     reuse=retained.prefix(reusable),
-                    lease_expire_time=time.time() + 10,
+                    read_ms=10_000,
                     request_id=f"{conversation.conversation_id}-read{attempt}",
                 )
             )
@@ -170,31 +170,33 @@ async def test_decode_keeps_blocks_after_a_prefill_read_them(engine_pair: Engine
     assert "Potentially invalid KV blocks" not in engine_pair.decode.log_path.read_text(errors="replace")
 
 
-async def test_prefill_declines_a_pull_whose_read_deadline_is_too_near(engine_pair: EnginePair) -> None:
+async def test_prefill_declines_a_pull_whose_read_window_is_too_near_its_end(engine_pair: EnginePair) -> None:
+    """Marked (a retained turn) or not (retain=false): every pull carries its read window, and P recomputes
+    when less than min_read_seconds (1 s) of it is left."""
     conversation = Conversation(engine_pair, _conversation_id("decline"))
     (first,) = await _run(engine_pair, conversation, TEXTS[:1])
     assert first.retained is not None
+    declined_line = "declined a pull: read deadline too near, recomputing"
     async with engine_pair.prefill.client() as prefill:
         message = await prefill.render_chat(ChatRequest.of([ChatMessage("user", TEXTS[1])]))
         prompt = [*(conversation.history or []), *message]
         reusable = max_reusable_tokens(len(prompt), first.retained.num_tokens, engine_pair.block_size)
-        declined_before = len(
-            engine_pair.prefill.connector_events("declined a pull: read deadline too near, recomputing")
-        )
-        prefilled = await prefill.prefill(
-            PrefillRequest(
-                token_ids=tuple(prompt),
-                mark=ConversationMark("tests", conversation.conversation_id, 2),
-                reuse=first.retained.prefix(reusable),
-                # Less than min_read_seconds (1 s) left: P must recompute instead of reading.
-                lease_expire_time=time.time() + 0.3,
+        declined_before = len(engine_pair.prefill.connector_events(declined_line))
+        for mark in (ConversationMark("tests", conversation.conversation_id, 2), None):
+            prefilled = await prefill.prefill(
+                PrefillRequest(
+                    token_ids=tuple(prompt),
+                    mark=mark,
+                    reuse=first.retained.prefix(reusable),
+                    read_ms=300,
+                )
             )
-        )
-        async with engine_pair.decode.client() as decode:
-            await _finish_handoff(decode, prompt, prefilled.handoff)
-    assert prefilled.usage is not None and prefilled.usage.cached_tokens == 0
-    declined = engine_pair.prefill.connector_events("declined a pull: read deadline too near, recomputing")
-    assert len(declined) == declined_before + 1
+            async with engine_pair.decode.client() as decode:
+                await _finish_handoff(decode, prompt, prefilled.handoff)
+            assert prefilled.usage is not None and prefilled.usage.cached_tokens == 0
+    declined = engine_pair.prefill.connector_events(declined_line)
+    assert len(declined) == declined_before + 2
+    assert all(e["seconds_left"] <= 0.3 for e in declined[-2:])
 
 
 async def _finish_handoff(decode: VllmEngineClient, prompt: Sequence[int], handoff: KvHandoff) -> None:

@@ -10,7 +10,6 @@ digest of the received bytes, so one engine pair compares both ways on the same 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,9 +86,7 @@ async def _prefill(
     options: PullOptions,
     request_id: str,
 ) -> KvHandoff:
-    params = prefill_transfer_params(
-        mark, reuse, lease_expire_time=time.time() + 20 if reuse is not None else None
-    )
+    params = prefill_transfer_params(mark, reuse, read_ms=20_000 if reuse is not None else None)
     params.update(options.to_params())
     body = {
         "model": pair.model,

@@ -301,6 +301,33 @@ def test_a_chain_of_turns_superseded_here_ends_with_the_newest_accepted(clock: F
     assert sorted(freed(t)) == [("t1", True), ("t2", True)]
 
 
+def test_the_end_of_a_turn_never_acknowledged_leaves_the_turn_it_superseded_live(clock: FakeClock) -> None:
+    """The registry's word that a newer turn is not held says nothing of the older turn: the newer one's
+    report got no answer (etcd out of space) and never landed, the sidecar's sweep then found the registry
+    holding the older turn and announced the newer one ENDED. Seen in the fault harness: D freed turn 2 a
+    grace later while the registry kept handing it out, and the next turn's prefill read the freed blocks."""
+    t = table(clock)
+    add(t, "t2", turn=2)
+    publish(t, "t2", revision=5)
+    add(t, "t3", turn=3)  # supersedes t2 here, until t3's publish is accepted
+    taken = t.take_call()
+    assert taken == ("report", t.get("t3"))
+    t.report_failed("t3")  # no answer: it may or may not have landed
+    assert t.end("t3", EndReason.SUPERSEDED, revision=7)
+    assert t.get("t2").live  # type: ignore[union-attr]
+    clock.advance(GRACE)
+    assert freed(t) == [], "t3 may still land: ended in the registry first; t2 is still served"
+    confirm_end(t, "t3", revision=8)
+    clock.advance(GRACE)
+    assert freed(t) == [("t3", True)]
+    clock.advance(CAP / 2)
+    assert freed(t) == [] and "t2" in t
+    # The registry's own end of t2 (its lease ran out) frees it, as any live retention.
+    assert t.end("t2", EndReason.EXPIRED, revision=9)
+    clock.advance(GRACE)
+    assert freed(t) == [("t2", True)]
+
+
 def test_a_turn_superseded_by_one_evicted_before_its_publish_is_live_again(clock: FakeClock) -> None:
     t = table(clock, budget=4)
     add(t, "t1", turn=1)

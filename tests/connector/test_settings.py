@@ -66,8 +66,11 @@ def test_wrong_types_fail(key: str, value: object) -> None:
     [
         ({"max_retention_seconds": 0}, "max_retention_seconds"),
         ({"retained_kv_fraction": 1.5}, "retained_kv_fraction"),
-        ({"release_grace_seconds": 1, "min_read_seconds": 2}, "smaller than release_grace_seconds"),
+        ({"release_grace_seconds": 3, "min_read_seconds": 2}, "smaller than half of release_grace_seconds"),
+        ({"release_grace_seconds": 0}, "release_grace_seconds must be > 0"),
+        ({"release_grace_seconds": -1.0}, "release_grace_seconds must be > 0"),
         ({"nixl_progress_delay_us": -1}, "nixl_progress_delay_us"),
+        ({"fence_wait_us": -1}, "fence_wait_us"),
     ],
 )
 def test_invalid_values_fail(changes: dict[str, object], message: str) -> None:
@@ -94,3 +97,11 @@ def test_coalesced_pulls_are_on_by_default_and_can_be_turned_off() -> None:
     assert settings_to_extra_config(off) == {"coalesce_pulls": False}
     with pytest.raises(SettingsError, match="coalesce_pulls"):
         parse_settings({"bidirectional_kv_xfer": True, "kvferry": {"coalesce_pulls": "no"}})
+
+
+def test_pull_fencing_is_on_by_default_and_can_be_turned_off() -> None:
+    assert parse_settings({"bidirectional_kv_xfer": True}).fence_pulls is True
+    off = parse_settings(
+        {"bidirectional_kv_xfer": True, "kvferry": {"fence_pulls": False, "fence_wait_us": 0}}
+    )
+    assert (off.fence_pulls, off.fence_wait_us) == (False, 0)

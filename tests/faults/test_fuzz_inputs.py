@@ -200,6 +200,24 @@ def test_conversation_ids_with_a_newline_are_400(http: httpx.Client, conversatio
     assert response.json()["error"]["param"] == "conversation_id"
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [("stream", "yes"), ("retain", "no"), ("max_tokens", "2"), ("seed", "7"), ("temperature", "0.5")],
+)
+def test_strings_are_not_coerced_to_booleans_or_numbers(http: httpx.Client, field: str, value: str) -> None:
+    body = {"model": FUZZ_MODEL, "prompt": [40, 41, 42], "max_tokens": 2, field: value}
+    response = _check_http(http, "/v1/completions", json.dumps(body).encode(), {})
+    assert response.status_code == 400, response.text
+
+
+@pytest.mark.parametrize("field,value", [("seed", 2**63), ("seed", -(2**63) - 1), ("max_tokens", 2**31)])
+def test_numbers_beyond_the_engines_range_are_400(http: httpx.Client, field: str, value: int) -> None:
+    body = {"model": FUZZ_MODEL, "prompt": [40, 41, 42], "max_tokens": 2, field: value}
+    response = _check_http(http, "/v1/completions", json.dumps(body).encode(), {})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
 # -- router gRPC ---------------------------------------------------------------------------------------
 
 INT64 = st.one_of(
@@ -379,3 +397,27 @@ def test_registry_ids_with_a_trailing_newline_are_invalid_argument(
             stub.PublishRetention(registry_pb2.PublishRetentionRequest(retention=retention), timeout=10)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert field in (caught.value.details() or "")
+
+
+# A field 1 of wire type 7 (no such type): no protobuf message decodes it.
+UNDECODABLE = b"\x0f\x01\x02"
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "/kvferry.v1.RouterService/Generate",
+        "/kvferry.v1.RegistryService/PublishRetention",
+        "/kvferry.v1.RegistryService/ListEngines",
+    ],
+)
+def test_undecodable_request_bytes_are_invalid_argument(services: ServicesOnThread, method: str) -> None:
+    address = services.router.grpc_address if "Router" in method else services.registry.address
+    with grpc.insecure_channel(address) as channel:
+        metadata = (("authorization", f"Bearer {API_KEY}"),)
+        call = channel.unary_stream(method) if method.endswith("Generate") else channel.unary_unary(method)
+        with pytest.raises(grpc.RpcError) as caught:
+            reply = call(UNDECODABLE, metadata=metadata, timeout=10)
+            list(reply) if method.endswith("Generate") else None
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+        assert "not a valid message" in (caught.value.details() or "")

@@ -1,6 +1,7 @@
 """The connector's retention table (kvferry.connector.retention) as a hypothesis state machine against a
 model of the registry: random retains, reports accepted / refused / lost (landed or not), registry ends
-delivered late, SYNC snapshots from older revisions, EndRetention calls, lost registry, time passing.
+delivered late, the sidecar's word that a request is not held (whether its report landed or not), SYNC
+snapshots from older revisions, EndRetention calls, lost registry, time passing.
 
 Invariants, after every step:
 - rule 1: no entry is freed as confirmed while the registry (the model) still serves it;
@@ -175,6 +176,17 @@ class RetentionTableMachine(RuleBasedStateMachine):
     def deliver_end(self) -> None:
         request_id, revision = self.registry.pending_ends.pop(0)
         self.table.end(request_id, EndReason.EXPIRED, revision)
+
+    @precondition(lambda self: self.reachable)
+    @rule(data=st.data())
+    def sidecar_finds_not_held(self, data: st.DataObject) -> None:
+        """The sidecar's sweep or re-sync: a request the registry does not hold now is announced ENDED
+        at the current revision, whether or not a report of it ever landed (one that got no answer,
+        e.g. etcd out of space, is checked this way)."""
+        candidates = sorted(r for r in self.table.request_ids() if not self.registry.serves(r))
+        if candidates:
+            request_id = data.draw(st.sampled_from(candidates))
+            self.table.end(request_id, EndReason.SUPERSEDED, self.registry.revision)
 
     @precondition(lambda self: self.reachable)
     @rule(data=st.data())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from kvferry.pd import kvferry_params, vllm_params
 from kvferry.pd.engine_api import (
@@ -11,14 +13,25 @@ from kvferry.pd.engine_api import (
     prefill_transfer_params,
 )
 from kvferry.pd.kvferry_params import (
+    LEASE_EXPIRE_KEY,
+    MARK_KEY,
     PULL_OPTIONS_KEY,
+    READ_MS_KEY,
     ConversationMark,
     PullOptions,
     ReleaseMark,
     lease_expire_time_from_params,
     parse_mark,
+    read_ms_from_params,
+    read_ms_params,
 )
-from kvferry.pd.reuse import RetainedKv, max_reusable_tokens, read_deadline
+from kvferry.pd.reuse import (
+    ReadWindow,
+    RetainedKv,
+    max_read_window,
+    max_reusable_tokens,
+    read_window_fits,
+)
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 
 MARK = ConversationMark("acme", "c-1", 3)
@@ -94,27 +107,30 @@ def test_decode_params_need_a_prefill_handoff() -> None:
 def test_reuse_pulls_exactly_the_blocks_of_the_reused_prefix() -> None:
     retained = RetainedKv("decode-0", "cmpl-y", (7, 8, 9, 10), 120, "127.0.0.1", 5602, 32, 1e12)
     reuse = retained.prefix(64)
-    params = prefill_transfer_params(MARK, reuse, lease_expire_time=123.0)
+    params = prefill_transfer_params(MARK, reuse, read_ms=8_500)
     assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
     assert params["remote_block_ids"] == [[7, 8]]
     assert params["remote_num_tokens"] == 64
     assert params["remote_engine_id"] == "decode-0" and params["remote_request_id"] == "cmpl-y"
-    assert lease_expire_time_from_params(params) == 123.0
+    assert read_ms_from_params(params) == 8_500
     for bad in (0, 48, 128):
         with pytest.raises(ValueError):
             retained.prefix(bad)
 
 
-def test_a_fresh_prefill_carries_no_remote_blocks_and_no_lease() -> None:
-    params = prefill_transfer_params(MARK, None, lease_expire_time=5.0)
+def test_a_fresh_prefill_carries_no_remote_blocks_and_no_read_window() -> None:
+    params = prefill_transfer_params(MARK, None, read_ms=5)
     assert params == {"do_remote_decode": True, "do_remote_prefill": False, **MARK.to_params()}
-    assert lease_expire_time_from_params(params) is None
+    assert read_ms_from_params(params) is None
 
 
-def test_a_marked_pull_needs_its_read_deadline() -> None:
+def test_a_marked_pull_needs_its_read_window() -> None:
     reuse = RetainedKv("decode-0", "cmpl-y", (7, 8), 64, "h", 1, 32, 1e12).prefix(32)
-    with pytest.raises(ValueError, match="lease_expire_time"):
+    with pytest.raises(ValueError, match="read_ms"):
         PrefillRequest((1,) * 40, mark=MARK, reuse=reuse).transfer_params()
+    # An unmarked pull of a retention (retain=false) carries it all the same.
+    params = PrefillRequest((1,) * 40, reuse=reuse, read_ms=700).transfer_params()
+    assert params[READ_MS_KEY] == 700 and MARK_KEY not in params
     # Blocks vLLM holds on its own (no mark) need none.
     assert PrefillRequest((1,) * 40, reuse=reuse).transfer_params()["remote_num_tokens"] == 32
 
@@ -148,9 +164,39 @@ def test_reusable_tokens_are_block_aligned_and_leave_a_token_to_compute() -> Non
     assert max_reusable_tokens(prompt_len=10, matched_tokens=10, block_size=32) == 0
 
 
-def test_read_deadline_never_exceeds_the_lease() -> None:
-    assert read_deadline(lease_expire_time=100.0, now=50.0, window_seconds=10) == 60.0
-    assert read_deadline(lease_expire_time=55.0, now=50.0, window_seconds=10) == 55.0
+def test_a_read_window_opens_at_the_lookup_and_never_outlives_the_lease() -> None:
+    assert ReadWindow.opened(50.0, 10.0, lease_seconds_left=100.0) == ReadWindow(60.0)
+    assert ReadWindow.opened(50.0, 10.0, lease_seconds_left=5.0) == ReadWindow(55.0)
+    assert ReadWindow.opened(50.0, 10.0, lease_seconds_left=-3.0) == ReadWindow(50.0)
+    window = ReadWindow(60.0)
+    assert window.seconds_left(52.5) == 7.5 and window.ms_left(52.5) == 7_500
+    # Rounded down (never promises time it has not), never negative.
+    assert window.ms_left(59.9996) == 0 and window.ms_left(61.0) == 0
+    retained = RetainedKv("d", "r", (1,), 32, "h", 1, 32, lease_expire_time=1_000.0)
+    assert retained.read_window(50.0, 10.0, now_wall=995.0) == ReadWindow(55.0)
+
+
+def test_the_read_window_s_time_left_on_the_wire() -> None:
+    assert read_ms_params(8_500) == {READ_MS_KEY: 8_500}
+    assert read_ms_from_params(read_ms_params(0)) == 0
+    assert read_ms_from_params(None) is None and read_ms_from_params({"kvferry": {}}) is None
+    for bad in (-1, 1.5, "100", True):
+        with pytest.raises(ValueError, match=READ_MS_KEY):
+            read_ms_from_params({READ_MS_KEY: bad})
+    with pytest.raises(ValueError):
+        read_ms_params(-1)
+    # Version 2's wall-clock deadline is still read (older clients).
+    legacy = {MARK_KEY: {**MARK.to_params()[MARK_KEY], LEASE_EXPIRE_KEY: 5.0}}
+    assert lease_expire_time_from_params(legacy) == 5.0
+
+
+@pytest.mark.parametrize(
+    ("window", "grace", "fits"),
+    [(10.0, 30.0, True), (15.0, 30.0, True), (15.01, 30.0, False), (10.0, 4.0, False), (1.0, 0.0, False)],
+)
+def test_a_read_window_fits_under_half_the_release_grace(window: float, grace: float, fits: bool) -> None:
+    assert read_window_fits(window, grace) is fits
+    assert max_read_window(30.0) == 15.0 and max_read_window(0.0) == 0.0
 
 
 def test_the_connector_s_in_place_edits_of_vllm_params() -> None:
@@ -173,12 +219,58 @@ def test_the_connector_s_in_place_edits_of_vllm_params() -> None:
 
 def test_every_kvferry_key_is_in_the_versioned_module() -> None:
     """A new kvferry key means a new version and a line of history (kvferry_params.py)."""
-    keys = {kvferry_params.MARK_KEY, kvferry_params.PULL_OPTIONS_KEY}
-    assert keys == {"kvferry", "kvferry_pull"}
-    assert kvferry_params.KVFERRY_PARAMS_VERSION == 4
+    keys = {
+        kvferry_params.MARK_KEY,
+        kvferry_params.PULL_OPTIONS_KEY,
+        kvferry_params.READ_MS_KEY,
+        kvferry_params.GENERATIONS_KEY,
+    }
+    assert keys == {"kvferry", "kvferry_pull", "kvferry_read_ms", "kvferry_generations"}
+    assert kvferry_params.KVFERRY_PARAMS_VERSION == 6
     # kvferry's top-level keys never collide with vLLM's.
     assert not keys & {
         *vllm_params.REMOTE_BLOCK_KEYS,
         vllm_params.DO_REMOTE_DECODE,
         vllm_params.DO_REMOTE_PREFILL,
     }
+
+
+def test_block_generations_round_trip_and_refuse_what_json_cannot_carry() -> None:
+    generations = kvferry_params.BlockGenerations((7, 2**52 + 3))
+    params = generations.to_params()
+    assert params == {"kvferry_generations": [7, 2**52 + 3]}
+    assert kvferry_params.BlockGenerations.from_params(params) == generations
+    assert kvferry_params.BlockGenerations.from_params({}) is None
+    for bad in ([1.5], [-1], [2**53], [True], "7", {"a": 1}):
+        with pytest.raises(ValueError, match="kvferry_generations"):
+            kvferry_params.BlockGenerations.from_params({"kvferry_generations": bad})
+
+
+def test_retained_kv_hands_out_the_generations_of_the_pulled_prefix() -> None:
+    retained = RetainedKv(
+        engine_id="d",
+        engine_request_id="r",
+        block_ids=(7, 8, 9),
+        num_tokens=80,
+        nixl_host="h",
+        nixl_port=1,
+        block_size=32,
+        lease_expire_time=0.0,
+        block_generations=(50, 51, 52),
+    )
+    assert retained.prefix_generations(64) == kvferry_params.BlockGenerations((50, 51))
+    assert dataclasses.replace(retained, block_generations=()).prefix_generations(64) is None
+    with pytest.raises(ValueError, match="2 block generations for 3 block ids"):
+        dataclasses.replace(retained, block_generations=(1, 2))
+    params = prefill_transfer_params(
+        None,
+        retained.prefix(64),
+        read_ms=None,
+        generations=retained.prefix_generations(64),
+    )
+    assert params["kvferry_generations"] == [50, 51]
+    assert params["remote_block_ids"] == [[7, 8]]
+    # Without a pull there is nothing to check.
+    assert "kvferry_generations" not in prefill_transfer_params(
+        None, None, read_ms=None, generations=kvferry_params.BlockGenerations((1,))
+    )

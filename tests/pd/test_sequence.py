@@ -9,7 +9,7 @@ from contextlib import aclosing
 import pytest
 from kvferry.pd.engine_api import DecodeChunk, EngineHttpError, EngineUnavailableError, Sampling
 from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
-from kvferry.pd.reuse import RetainedKv
+from kvferry.pd.reuse import ReadWindow, RetainedKv
 from kvferry.pd.sequence import (
     Decoded,
     EngineTurn,
@@ -26,6 +26,8 @@ MARK = ConversationMark("acme", "c-1", 2)
 PROMPT = tuple(range(40))
 NOW = 1_000.0
 RETAINED = RetainedKv("d-0", "cmpl-r1-0", (5, 6, 7, 8), 32, "10.0.0.2", 5600, 8, lease_expire_time=NOW + 60)
+# Opened at the lookup, 0.5 s before the sequence runs.
+WINDOW = ReadWindow.opened(NOW - 0.5, 10.0, lease_seconds_left=60.0)
 
 
 def turn(**changes: object) -> EngineTurn:
@@ -33,7 +35,7 @@ def turn(**changes: object) -> EngineTurn:
         "token_ids": PROMPT,
         "sampling": Sampling(max_tokens=3),
         "mark": MARK,
-        "pull": Pull(RETAINED.prefix(24), lease_expire_time=RETAINED.lease_expire_time),
+        "pull": Pull(RETAINED.prefix(24), window=WINDOW),
         "request_id": "r2",
     }
     fields.update(changes)
@@ -62,24 +64,40 @@ async def test_a_streamed_turn_prefills_pulls_then_streams_the_decode() -> None:
     [sent_p] = p.prefills
     assert sent_p.request_id == "r2-p" and sent_p.token_ids == PROMPT
     assert sent_p.reuse == RETAINED.prefix(24)
-    # Marked with the read deadline: within the read window, never past the lease.
-    assert sent_p.mark == MARK and sent_p.lease_expire_time == NOW + 10
+    # Marked, with the time the read window (opened at the lookup) has left when the prefill is sent.
+    assert sent_p.mark == MARK and sent_p.read_ms == 9_500
     [sent_d] = d.decodes
     assert sent_d.request_id == "r2-d" and sent_d.mark == MARK and sent_d.handoff == prefilled.handoff
     assert sent_d.sampling == Sampling(max_tokens=3)
 
 
 @pytest.mark.parametrize(
-    ("lease_end", "window", "deadline"),
-    [(NOW + 60, 10.0, NOW + 10), (NOW + 4, 10.0, NOW + 4), (NOW + 60, 2.5, NOW + 2.5)],
+    ("looked_up_at", "lease_left", "window", "read_ms"),
+    [
+        (NOW, 60.0, 10.0, 10_000),
+        (NOW, 4.0, 10.0, 4_000),
+        (NOW - 1.0, 60.0, 2.5, 1_500),
+        # Closed before the prefill went out: P is told 0 and declines.
+        (NOW - 3.0, 60.0, 2.5, 0),
+    ],
 )
-async def test_the_read_deadline_is_the_lease_end_or_the_window(
-    lease_end: float, window: float, deadline: float
+async def test_the_prefill_carries_the_time_its_read_window_has_left(
+    looked_up_at: float, lease_left: float, window: float, read_ms: int
 ) -> None:
     p = FakeEngine()
-    pull = Pull(RETAINED.prefix(8), lease_expire_time=lease_end)
-    await events_of(p, FakeEngine(), turn(pull=pull, read_window_seconds=window))
-    assert p.prefills[0].lease_expire_time == deadline
+    pull = Pull(RETAINED.prefix(8), window=ReadWindow.opened(looked_up_at, window, lease_left))
+    await events_of(p, FakeEngine(), turn(pull=pull))
+    assert p.prefills[0].read_ms == read_ms
+    assert p.prefills[0].transfer_params()["kvferry_read_ms"] == read_ms
+
+
+async def test_an_unmarked_pull_carries_its_read_window_too() -> None:
+    # retain=false turns: the decode gets the release mark, the prefill no mark, but its pull is bounded.
+    p = FakeEngine()
+    await run_turn(p, FakeEngine(), turn(mark=ReleaseMark()), clock=lambda: NOW)
+    [sent] = p.prefills
+    assert sent.mark is None and sent.read_ms == 9_500
+    assert sent.transfer_params()["kvferry_read_ms"] == 9_500
 
 
 @pytest.mark.parametrize(
@@ -101,9 +119,7 @@ async def test_without_a_pull_the_prefill_is_unmarked() -> None:
     p, d = FakeEngine(), FakeEngine()
     done = await run_turn(p, d, turn(pull=None))
     assert done.prefilled.pulled_tokens == 0
-    assert (
-        p.prefills[0].mark is None and p.prefills[0].reuse is None and p.prefills[0].lease_expire_time is None
-    )
+    assert p.prefills[0].mark is None and p.prefills[0].reuse is None and p.prefills[0].read_ms is None
     assert d.decodes[0].mark == MARK
 
 
@@ -122,7 +138,8 @@ async def test_vllm_held_blocks_are_pulled_without_mark_or_deadline() -> None:
     blocks = first.decoded.retained.blocks
     second = await run_turn(p, d, turn(token_ids=PROMPT * 2, mark=None, pull=Pull(blocks), request_id=None))
     sent = p.prefills[-1]
-    assert sent.reuse == blocks and sent.mark is None and sent.lease_expire_time is None
+    assert sent.reuse == blocks and sent.mark is None and sent.read_ms is None
+    assert "kvferry_read_ms" not in sent.transfer_params()
     assert second.prefilled.pulled_tokens == blocks.num_tokens
     assert sent.request_id is None and d.decodes[-1].request_id is None
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from kvferry.registry import validation
 from kvferry.runtime.ids import MAX_ID_LENGTH
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
@@ -52,6 +53,15 @@ def _negative_block(item: resources.Retention) -> None:
     item.block_ids[0] = -1
 
 
+def _a_generation_missing(item: resources.Retention) -> None:
+    item.block_generations.extend([7] * (len(item.block_ids) - 1))
+
+
+def _a_generation_too_large(item: resources.Retention) -> None:
+    item.block_generations.extend([7] * len(item.block_ids))
+    item.block_generations[-1] = 2**53
+
+
 PUBLISH_CASES: list[tuple[str, RetentionEdit, grpc.StatusCode, str]] = [
     ("empty tenant", _set("tenant", ""), INVALID, "tenant is required"),
     ("oversized tenant", _set("tenant", TOO_LONG), INVALID, "at most"),
@@ -69,6 +79,8 @@ PUBLISH_CASES: list[tuple[str, RetentionEdit, grpc.StatusCode, str]] = [
     ("a digest too many", _extra_digest, INVALID, "one digest each"),
     ("more digests than blocks", _more_digests_than_blocks, INVALID, "never more digests than blocks"),
     ("digest of the wrong size", _short_digest, INVALID, "digests are 16 bytes"),
+    ("a block generation missing", _a_generation_missing, INVALID, "one per block, or none"),
+    ("a block generation too large", _a_generation_too_large, INVALID, "at most 2**53 - 1"),
     ("negative ttl", _set("ttl_seconds", -1), INVALID, "positive number"),
     ("ttl above the cap", _set("ttl_seconds", 3601), INVALID, "at most 3600"),
     (
@@ -103,7 +115,10 @@ async def test_bad_publish_is_refused_and_writes_nothing(
 def _engine_with(**fields: object) -> resources.Engine:
     item = engine("engine-x")
     for name, value in fields.items():
-        setattr(item, name, value)
+        if isinstance(value, resources.EngineStats):
+            item.stats.CopyFrom(value)
+        else:
+            setattr(item, name, value)
     return item
 
 
@@ -116,9 +131,60 @@ REGISTER_CASES: list[tuple[str, resources.Engine, int, str]] = [
     ("zero block size", _engine_with(block_size=0), 0, "block_size"),
     ("port out of range", _engine_with(nixl_port=70000), 0, "not a TCP port"),
     ("negative capacity", _engine_with(kv_capacity_blocks=-1), 0, "cannot be negative"),
+    ("endpoint not a URL", _engine_with(http_endpoint="not a url"), 0, "must start with http"),
+    ("endpoint port not a number", _engine_with(http_endpoint="http://10.0.0.7:80x"), 0, "is not a URL"),
+    ("endpoint without a host", _engine_with(http_endpoint="http://:8000"), 0, "names no valid host"),
+    ("endpoint with credentials", _engine_with(http_endpoint="http://u:p@10.0.0.7:8000"), 0, "credentials"),
+    ("nixl host not a host", _engine_with(nixl_host="10.0.0.7; rm"), 0, "nixl_host"),
+    ("model not printable", _engine_with(model="qwen\n"), 0, "engine.model"),
+    (
+        "NaN stats",
+        _engine_with(stats=resources.EngineStats(prefill_tokens_per_second=float("nan"))),
+        0,
+        "stats.prefill_tokens_per_second is nan",
+    ),
     ("negative ttl", engine("engine-x"), -5, "positive number"),
     ("ttl above the cap", engine("engine-x"), 301, "at most 300"),
 ]
+
+
+def test_good_endpoints_and_hosts_pass() -> None:
+    for endpoint in ("http://127.0.0.1:8100", "https://decode-0.llm.svc:8000/", "http://[::1]:8000"):
+        validation.http_endpoint(endpoint)
+    for host in ("10.0.0.7", "::1", "[fd00::1]", "decode-0.decode.llm.svc.cluster.local"):
+        assert validation.is_host(host), host
+    assert not validation.is_host("a_b") and not validation.is_host("-a")
+
+
+@pytest.mark.parametrize(
+    ("stats", "message"),
+    [
+        (resources.EngineStats(transfer_bytes_per_second=float("inf")), "transfer_bytes_per_second is inf"),
+        (resources.EngineStats(inflight_prefill_tokens=-1), "inflight_prefill_tokens is -1"),
+        (
+            resources.EngineStats(peer_pull_rates=[resources.PeerPullRate(peer_engine_id="p", pulls=-2)]),
+            "peer_pull_rates[0].pulls is -2",
+        ),
+        (
+            resources.EngineStats(peer_pull_rates=[resources.PeerPullRate(peer_engine_id="a b")]),
+            "peer_engine_id",
+        ),
+    ],
+)
+async def test_bad_heartbeat_stats_are_invalid_argument(
+    registry: RegistryHandle, stats: resources.EngineStats, message: str
+) -> None:
+    engine_id = unique("engine")
+    registered = await registry.stub().RegisterEngine(
+        api.RegisterEngineRequest(engine=engine(engine_id)), timeout=5
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await registry.stub().HeartbeatEngine(
+            api.HeartbeatEngineRequest(engine_id=engine_id, stats=stats, incarnation=registered.incarnation),
+            timeout=5,
+        )
+    assert caught.value.code() == INVALID
+    assert message in (caught.value.details() or "")
 
 
 @pytest.mark.parametrize(

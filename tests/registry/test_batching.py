@@ -92,3 +92,17 @@ async def test_one_callers_bad_lease_or_duplicate_key_does_not_fail_the_others(
         if i != 1
     )
     assert (await gateway.range(shared)).kvs[0].value == b"second"  # never in one batch, kept in order
+
+
+async def test_large_writes_are_split_under_etcds_request_limit(gateway: CountingGateway) -> None:
+    """Twelve 170 KB records (128k-token conversations) exceed etcd's 1.5 MiB request limit together."""
+    batcher = TxnBatcher(gateway)
+    value = b"x" * 170_000
+    keys = [_key(f"big{index}") for index in range(12)]
+    before = gateway.calls
+    results = await asyncio.gather(*(batcher.txn([], [Put(key, value)]) for key in keys))
+    assert all(result.succeeded for result in results)
+    assert 2 <= gateway.calls - before < 12
+    for key in keys:
+        stored = await gateway.get(key)
+        assert stored is not None and stored.value == value

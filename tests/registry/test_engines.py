@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import pytest
 from kvferry.v1 import registry_service_pb2 as api
+from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2 as resources
 
 from tests.fixtures.registry import RegistryHandle, unique
@@ -38,6 +39,50 @@ async def test_register_then_heartbeat_with_stats_then_deregister(registry: Regi
     assert await status_of(heartbeat) == grpc.StatusCode.NOT_FOUND
     again = stub.DeregisterEngine(api.DeregisterEngineRequest(engine_id=engine_id), timeout=5)
     assert await status_of(again) == grpc.StatusCode.NOT_FOUND
+
+
+async def test_the_release_grace_is_registered_or_published_by_a_heartbeat(registry: RegistryHandle) -> None:
+    stub = registry.stub()
+    with_grace = engine(unique("engine"))
+    with_grace.release_grace_seconds = 30.0
+    registered = await stub.RegisterEngine(api.RegisterEngineRequest(engine=with_grace), timeout=5)
+    assert registered.engine.release_grace_seconds == 30.0
+
+    engine_id = unique("engine")
+    await register(stub, engine_id)  # its connector had said nothing yet
+    await stub.HeartbeatEngine(api.HeartbeatEngineRequest(engine_id=engine_id), timeout=5)
+    assert (await _listed(stub, engine_id)).release_grace_seconds == 0.0
+    beat = await stub.HeartbeatEngine(
+        api.HeartbeatEngineRequest(engine_id=engine_id, release_grace_seconds=12.5), timeout=5
+    )
+    assert beat.ttl_seconds > 0
+    assert (await _listed(stub, engine_id)).release_grace_seconds == 12.5
+    # 0 leaves it as it is (a heartbeat with only stats).
+    stats = resources.EngineStats(running_requests=2)
+    await stub.HeartbeatEngine(api.HeartbeatEngineRequest(engine_id=engine_id, stats=stats), timeout=5)
+    listed = await _listed(stub, engine_id)
+    assert listed.release_grace_seconds == 12.5 and listed.stats == stats
+
+
+@pytest.mark.parametrize("grace", [-1.0, float("nan"), float("inf")])
+async def test_a_release_grace_that_is_not_a_duration_is_invalid(
+    registry: RegistryHandle, grace: float
+) -> None:
+    stub = registry.stub()
+    bad = engine(unique("engine"))
+    bad.release_grace_seconds = grace
+    refused = stub.RegisterEngine(api.RegisterEngineRequest(engine=bad), timeout=5)
+    assert await status_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+    engine_id = unique("engine")
+    await register(stub, engine_id)
+    beat = stub.HeartbeatEngine(api.HeartbeatEngineRequest(engine_id=engine_id, release_grace_seconds=grace))
+    assert await status_of(beat) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def _listed(stub: registry_grpc.RegistryServiceStub, engine_id: str) -> resources.Engine:
+    listed = await stub.ListEngines(api.ListEnginesRequest(page_size=1000), timeout=5)
+    [mine] = [e for e in listed.engines if e.engine_id == engine_id]
+    return mine  # type: ignore[no-any-return]
 
 
 async def test_heartbeat_after_the_lease_ran_out_says_not_found_and_re_registering_works(

@@ -51,6 +51,21 @@ async def test_publish_then_get_returns_the_stored_retention(registry: RegistryH
     assert found.retention.expire_time.seconds > found.retention.publish_time.seconds
 
 
+async def test_published_block_generations_come_back_as_published(registry: RegistryHandle) -> None:
+    """Pull-time fencing: the record hands P the holder's generations, one per block, exactly (the
+    largest value JSON carries exactly included)."""
+    stub = registry.stub()
+    engine_id, tenant, conversation = unique("engine"), unique("tenant"), unique("conv")
+    await register(stub, engine_id)
+    item = retention(tenant, conversation, engine_id)
+    generations = [2**53 - 1 - index for index in range(len(item.block_ids))]
+    item.block_generations.extend(generations)
+    await publish(stub, item)
+
+    found = await get(stub, tenant, conversation)
+    assert list(found.retention.block_generations) == generations
+
+
 @pytest.mark.parametrize(
     ("requested", "reported"),
     [

@@ -108,13 +108,13 @@ def test_cost_pull_when_cheaper_than_recompute() -> None:
 def test_cost_engine_rates_override_the_profile() -> None:
     # The engine reports a slow link: 1000 tokens * 10 kB at 1 MB/s = 10 s > 1 s recompute.
     slow_link = RateInputs(
-        prefill_tokens_per_second=0.0, transfer_bytes_per_second=1e6, kv_bytes_per_token=10_000
+        prefill_tokens_per_second=0.0, pull_bytes_per_second=1e6, kv_bytes_per_token=10_000
     )
     choice = choose_reuse(1000, lease_seconds_left=100, rates=slow_link, settings=SETTINGS)
     assert choice.reuse is Reuse.RECOMPUTE and "cheaper" in choice.reason
     # A fast prefill engine makes recompute win too.
     fast_prefill = RateInputs(
-        prefill_tokens_per_second=1e6, transfer_bytes_per_second=0.0, kv_bytes_per_token=10_000
+        prefill_tokens_per_second=1e6, pull_bytes_per_second=0.0, kv_bytes_per_token=10_000
     )
     assert (
         choose_reuse(1000, lease_seconds_left=100, rates=fast_prefill, settings=SETTINGS).reuse
@@ -262,7 +262,7 @@ def test_key_pairs_flag_form() -> None:
 
 def test_cost_policies_always_and_never() -> None:
     slow_link = RateInputs(
-        prefill_tokens_per_second=1e6, transfer_bytes_per_second=1e6, kv_bytes_per_token=10_000
+        prefill_tokens_per_second=1e6, pull_bytes_per_second=1e6, kv_bytes_per_token=10_000
     )
     always = CostSettings(profile=PROFILE, policy="always")
     assert choose_reuse(1000, lease_seconds_left=100, rates=slow_link, settings=always).reuse is Reuse.PULL
@@ -270,7 +270,7 @@ def test_cost_policies_always_and_never() -> None:
         choose_reuse(1000, lease_seconds_left=100, rates=slow_link, settings=SETTINGS).reuse
         is Reuse.RECOMPUTE
     )
-    cheap = RateInputs(prefill_tokens_per_second=1e9, transfer_bytes_per_second=1e9, kv_bytes_per_token=1)
+    cheap = RateInputs(prefill_tokens_per_second=1e9, pull_bytes_per_second=1e9, kv_bytes_per_token=1)
     assert choose_reuse(1000, lease_seconds_left=100, rates=cheap, settings=always).reuse is Reuse.PULL
     # "always" still keeps the threshold and the lease rule.
     assert choose_reuse(10, lease_seconds_left=100, rates=cheap, settings=always).reuse is Reuse.RECOMPUTE

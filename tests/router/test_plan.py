@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 
 import pytest
 from kvferry.pd.digest import block_digests
+from kvferry.pd.reuse import ReadWindow
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineStats, EngineTable, LoadTracker
@@ -24,11 +26,12 @@ PROMPT = [*HISTORY, 1, 2, 3]
 PROFILE = CostProfile(
     prefill_tokens_per_second=1000.0, transfer_bytes_per_second=1e9, transfer_setup_seconds=0.02
 )
+READ_WINDOW_SECONDS = 10.0
 SETTINGS = PlanSettings(
     CostSettings(
         PROFILE, kv_recompute_threshold=64, lease_margin_seconds=2.0, fallback_kv_bytes_per_token=10_000
     ),
-    read_window_seconds=10.0,
+    read_window_seconds=READ_WINDOW_SECONDS,
 )
 P, D, BOTH = (
     resources_pb2.ENGINE_ROLE_PREFILL,
@@ -37,8 +40,21 @@ P, D, BOTH = (
 )
 
 
-def engine(engine_id: str, role: int, *, model: str = "m", kv_hash: str = SALT) -> EngineInfo:
-    return EngineInfo(engine_id, role, f"http://{engine_id}", "10.0.0.1", 5600, model, kv_hash, BS, 4096)
+def engine(
+    engine_id: str, role: int, *, model: str = "m", kv_hash: str = SALT, grace: float = 30.0
+) -> EngineInfo:
+    return EngineInfo(
+        engine_id,
+        role,
+        f"http://{engine_id}",
+        "10.0.0.1",
+        5600,
+        model,
+        kv_hash,
+        BS,
+        4096,
+        release_grace_seconds=grace,
+    )
 
 
 def retention(
@@ -56,6 +72,11 @@ def retention(
         turn=3,
         expire_time=NOW + expires_in,
     )
+
+
+def window_of(record: RetentionRecord | None, read_window: float = READ_WINDOW_SECONDS) -> ReadWindow | None:
+    """The read window of ``record`` looked up at NOW (monotonic and wall clocks both at NOW here)."""
+    return None if record is None else ReadWindow.opened(NOW, read_window, record.expire_time - NOW)
 
 
 @dataclass
@@ -151,6 +172,37 @@ CASES = [
         matched=160,
     ),
     Case(
+        "the holder's release grace is too short for the read window",
+        [engine("p1", P), engine("d1", D, grace=19.0)],
+        retention(),
+        Reuse.RECOMPUTE,
+        "engine d1's release grace (19 s) allows read windows of 9.5 s, not the router's 10 s",
+        "p1",
+        "d1",
+        matched=160,
+    ),
+    Case(
+        "the holder has not published its release grace",
+        [engine("p1", P), engine("d1", D, grace=0.0)],
+        retention(),
+        Reuse.RECOMPUTE,
+        "has not published its release grace",
+        "p1",
+        "d1",
+        matched=160,
+    ),
+    Case(
+        "a grace of twice the read window is enough",
+        [engine("p1", P), engine("d1", D, grace=20.0)],
+        retention(),
+        Reuse.PULL,
+        "",
+        "p1",
+        "d1",
+        matched=160,
+        pulled=160,
+    ),
+    Case(
         "no prefill engine reads the holder's KV layout",
         [engine("p1", P, kv_hash="kv-b"), engine("d1", D)],
         retention(),
@@ -217,6 +269,7 @@ def test_plan_turn(case: Case) -> None:
         engines=EngineTable(case.engines),
         load=load,
         settings=SETTINGS,
+        window=window_of(case.retention),
         now=NOW,
         exclude=case.exclude,
     )
@@ -240,9 +293,10 @@ def test_a_pull_names_exactly_the_holder_s_blocks_of_the_prefix() -> None:
         engines=EngineTable([engine("p1", P), holder]),
         load=LoadTracker(),
         settings=SETTINGS,
+        window=ReadWindow(NOW + 7.0),
         now=NOW,
     )
-    assert plan.pull is not None and plan.pull.lease_expire_time == NOW + 60
+    assert plan.pull is not None and plan.pull.window == ReadWindow(NOW + 7.0)
     blocks = plan.pull.blocks
     assert blocks.block_ids == ((40, 41, 42, 43, 44),) and blocks.num_tokens == 80
     assert (blocks.engine_id, blocks.request_id, blocks.host, blocks.port) == (
@@ -253,12 +307,43 @@ def test_a_pull_names_exactly_the_holder_s_blocks_of_the_prefix() -> None:
     )
 
 
-def test_the_lease_counted_on_is_at_most_the_read_window() -> None:
+def test_a_pull_carries_the_generations_the_record_published_for_its_blocks() -> None:
+    record = dataclasses.replace(retention(), block_generations=tuple(range(900, 900 + len(HISTORY) // BS)))
+    plan = plan_turn(
+        [*PROMPT[:85], 7, *PROMPT[86:]],
+        record,
+        model="m",
+        engines=EngineTable([engine("p1", P), engine("d1", D)]),
+        load=LoadTracker(),
+        settings=SETTINGS,
+        window=window_of(record),
+        now=NOW,
+    )
+    assert plan.pull is not None and plan.pull.generations is not None
+    # P checks them after pulling; one per pulled block, in the same order.
+    assert plan.pull.generations.values == (900, 901, 902, 903, 904)
+    unfenced = plan_turn(
+        [*PROMPT[:85], 7, *PROMPT[86:]],
+        retention(),
+        model="m",
+        engines=EngineTable([engine("p1", P), engine("d1", D)]),
+        load=LoadTracker(),
+        settings=SETTINGS,
+        window=window_of(retention()),
+        now=NOW,
+    )
+    assert unfenced.pull is not None and unfenced.pull.generations is None
+
+
+def test_the_time_counted_on_is_what_the_read_window_has_left() -> None:
     # An hour of lease, but the prefill must start reading within the read window: 1.5 s is too short.
-    short_window = PlanSettings(SETTINGS.cost, read_window_seconds=1.5)
-    plan = _plan_with(retention(expires_in=3600.0), settings=short_window)
+    record = retention(expires_in=3600.0)
+    plan = _plan_with(record, window=window_of(record, read_window=1.5))
     assert plan.choice.reuse is Reuse.RECOMPUTE and "lease ends in 1.50 s" in plan.choice.reason
-    assert _plan_with(retention(expires_in=3600.0)).choice.reuse is Reuse.PULL
+    assert _plan_with(record).choice.reuse is Reuse.PULL
+    # A window opened 9 s ago (a slow tokenization since the lookup) has 1 s left.
+    late = _plan_with(record, window=ReadWindow.opened(NOW - 9.0, READ_WINDOW_SECONDS, 3600.0))
+    assert late.choice.reuse is Reuse.RECOMPUTE and "lease ends in 1.00 s" in late.choice.reason
 
 
 def test_fragmented_retained_blocks_price_more_descriptors() -> None:
@@ -270,9 +355,7 @@ def test_fragmented_retained_blocks_price_more_descriptors() -> None:
         descriptors_per_block=10,
         block_size_tokens=BS,
     )
-    settings = PlanSettings(
-        CostSettings(profile, fallback_kv_bytes_per_token=10_000), read_window_seconds=10.0
-    )
+    settings = PlanSettings(CostSettings(profile, fallback_kv_bytes_per_token=10_000), READ_WINDOW_SECONDS)
     ordered = _plan_with(retention(), settings=settings)
     scattered = _plan_with(replace(retention(), block_ids=tuple(range(100, 0, -10))), settings=settings)
     assert ordered.choice.reuse is Reuse.PULL and scattered.choice.reuse is Reuse.RECOMPUTE
@@ -298,6 +381,7 @@ def _plan_with(
     *,
     engines: list[EngineInfo] | None = None,
     settings: PlanSettings = SETTINGS,
+    window: ReadWindow | None = None,
 ) -> TurnPlan:
     return plan_turn(
         PROMPT,
@@ -306,14 +390,82 @@ def _plan_with(
         engines=EngineTable(engines if engines is not None else TWO_BY_TWO),
         load=LoadTracker(),
         settings=settings,
+        window=window if window is not None else window_of(record),
         now=NOW,
     )
 
 
 def test_engine_rates_measured_by_the_prefill_engine_win() -> None:
     slow = EngineInfo(
-        "p1", P, "http://p1", "h", 1, "m", SALT, BS, 4096, EngineStats(transfer_bytes_per_second=1e7)
+        "p1", P, "http://p1", "h", 1, "m", SALT, BS, 4096, EngineStats(peer_pull_rates={"d1": 1e7})
     )
     plan = _plan_with(retention(), engines=[slow, engine("d1", D)])
     assert plan.choice.reuse is Reuse.RECOMPUTE and "cheaper" in plan.choice.reason
+    assert "pull rate: measured" in plan.choice.reason
     assert math.isfinite(plan.choice.estimated_pull_seconds)
+
+
+def test_a_rate_measured_from_another_peer_does_not_price_this_holder() -> None:
+    # p1 pulls slowly from d2 (say, the same GPU); d1 is another pair: the profile still prices it.
+    measured = EngineInfo(
+        "p1", P, "http://p1", "h", 1, "m", SALT, BS, 4096, EngineStats(peer_pull_rates={"d2": 1e7})
+    )
+    plan = _plan_with(retention(), engines=[measured, engine("d1", D), engine("d2", D)])
+    assert plan.choice.reuse is Reuse.PULL and "pull rate: profile" in plan.choice.reason
+
+
+def _stats_proto(**peer_rates: float) -> resources_pb2.EngineStats:
+    return resources_pb2.EngineStats(
+        kv_bytes_per_token=10_000,
+        peer_pull_rates=[
+            resources_pb2.PeerPullRate(peer_engine_id=peer, bytes_per_second=rate, pulls=1)
+            for peer, rate in peer_rates.items()
+        ],
+    )
+
+
+def _registered(
+    engine_id: str, role: resources_pb2.EngineRole.ValueType, stats: resources_pb2.EngineStats
+) -> EngineInfo:
+    return EngineInfo.from_proto(
+        resources_pb2.Engine(
+            engine_id=engine_id,
+            role=role,
+            http_endpoint=f"http://{engine_id}",
+            nixl_host="10.0.0.1",
+            nixl_port=5600,
+            model="m",
+            kv_compatibility_hash=SALT,
+            block_size=BS,
+            max_model_len=4096,
+            stats=stats,
+            release_grace_seconds=30.0,
+        )
+    )
+
+
+def test_the_choice_flips_to_recompute_once_a_slow_pull_was_measured() -> None:
+    """The profile promises fast pulls; the pair really pulls at 5 MB/s. The first reuse pulls (the
+    one slow turn a wrong profile costs); the prefill engine's report of that pull, as the registry's
+    watch delivers it, turns the next turn of the same size into a recompute; a transport that got
+    fast again turns it back."""
+    table = EngineTable([_registered("p1", P, _stats_proto()), _registered("d1", D, _stats_proto())])
+
+    def choose() -> Reuse:
+        return plan_turn(
+            PROMPT,
+            retention(),
+            model="m",
+            engines=table,
+            load=LoadTracker(),
+            settings=SETTINGS,
+            window=window_of(retention()),
+            now=NOW,
+        ).choice.reuse
+
+    assert choose() is Reuse.PULL
+    # 160 tokens x 10 kB at 5 MB/s: 0.32 s, where recomputing them takes 0.16 s at the profile's rate.
+    table.upsert(_registered("p1", P, _stats_proto(d1=5e6)))
+    assert choose() is Reuse.RECOMPUTE
+    table.upsert(_registered("p1", P, _stats_proto(d1=1e10)))
+    assert choose() is Reuse.PULL

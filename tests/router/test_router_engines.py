@@ -30,7 +30,7 @@ from kvferry.stack.engine import EngineProcess
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
-from tests.fixtures.engines import EnginePair
+from tests.fixtures.engines import ENGINE_SETTINGS, TEST_READ_WINDOW_SECONDS, EnginePair
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
 from tests.fixtures.sidecar import TEST_BACKOFF, SidecarHandle, sidecar_test_config
@@ -151,8 +151,9 @@ async def routed(engine_pair: EnginePair, registry: RegistryHandle) -> AsyncIter
                 await start_router(
                     RouterConfig(
                         registry_address=registry.address,
-                        # The test engines free released blocks after 4 s and refuse reads within 1 s.
-                        read_window_seconds=3.0,
+                        # The test engines free released blocks after 6 s and refuse reads within 1 s.
+                        read_window_seconds=TEST_READ_WINDOW_SECONDS,
+                        min_release_grace_seconds=ENGINE_SETTINGS.release_grace_seconds,
                         lease_margin_seconds=1.0,
                         # Show reuse whatever the tiny CPU model's rates say; the cost model has its
                         # own tests.
@@ -228,6 +229,31 @@ async def test_openai_client_multi_turn_reuse_shows_in_engine_counters(routed: R
     assert all(p >= routed.pair.block_size * 4 for p in pulled[1:]), pulled
     # The prefill engine's own counter saw exactly the pulls the router reported.
     assert pulled_total(after) - pulled_total(before) == sum(pulled)
+
+
+async def test_the_prefill_engine_reports_what_its_pulls_and_prefills_measured(routed: Routed) -> None:
+    """connector -> sidecar -> registry -> router: after a turn that pulled, the router's engine table
+    holds the pull rate P measured reading from D (per peer) and P's prefill rate."""
+    prefill_id, decode_id = routed.pair.prefill.engine_id, routed.pair.decode.engine_id
+    conv = f"rates-{uuid.uuid4().hex[:8]}"
+    messages = [("system", SYSTEM), ("user", "What is a dataclass?")]
+    pulled = 0
+    for turn in range(3):
+        text, _, summary = await generate(routed.stub(), chat(conv, routed.pair.model, messages))
+        pulled += summary.pulled_tokens
+        messages += [("assistant", text), ("user", f"And then ({turn})?")]
+    assert pulled > 0
+
+    def measured() -> bool:
+        engine = routed.routers[0].engines.get(prefill_id)
+        return engine is not None and decode_id in engine.stats.peer_pull_rates
+
+    # Reported at once when measured; well within one stats interval plus a heartbeat.
+    await until(measured, 15)
+    engine = routed.routers[0].engines.get(prefill_id)
+    assert engine is not None
+    assert engine.stats.peer_pull_rates[decode_id] > 0
+    assert engine.stats.prefill_tokens_per_second > 0
 
 
 async def test_two_replicas_alternate_turns_with_reuse_and_outputs_equal_a_recompute(routed: Routed) -> None:

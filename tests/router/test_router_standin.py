@@ -7,8 +7,11 @@ are in test_router_engines.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import sys
 import uuid
+from collections.abc import Callable
 
 import grpc
 import httpx
@@ -109,7 +112,7 @@ async def test_grpc_multi_turn_pulls_the_retained_prefix(stack: Stack) -> None:
     params = stack.prefill.counters.prefill_params[-1]
     assert params["remote_engine_id"] == stack.decode.engine_id
     assert params["kvferry"]["conversation_id"] == conv
-    assert params["kvferry"]["lease_expire_time"] > 0
+    assert 0 < params["kvferry_read_ms"] <= 10_000
     # Every decode carried the mark for the next turn.
     marks = [p["kvferry"]["turn"] for p in stack.decode.counters.decode_params]
     assert marks == [1, 2, 3]
@@ -228,6 +231,60 @@ async def test_small_match_below_threshold_recomputes(stack: Stack) -> None:
     request.tokens.token_ids.extend(range(60, 70))
     _, _, summary = await generate(stub, request)
     assert summary.reuse == router_pb2.REUSE_DECISION_RECOMPUTE and summary.pulled_tokens == 0
+
+
+async def test_an_unretained_turn_s_pull_carries_its_read_window(stack: Stack) -> None:
+    stub = stack.grpc_stub()
+    conv = f"nrp-{uuid.uuid4().hex[:8]}"
+    history = [("user", "Tell me about KV caches. " * 8)]
+    text, _, _ = await generate(stub, chat_request(conv, stack.model, history))
+    request = chat_request(conv, stack.model, [*history, ("assistant", text), ("user", "and more? " * 4)])
+    request.retain = False
+    _, _, summary = await generate(stub, request)
+    assert summary.reuse == router_pb2.REUSE_DECISION_PULL and summary.turn == 0
+    params = stack.prefill.counters.prefill_params[-1]
+    assert params["remote_engine_id"] == stack.decode.engine_id and "kvferry" not in params
+    assert 0 < params["kvferry_read_ms"] <= 10_000
+
+
+async def test_a_holder_whose_release_grace_is_too_short_is_recomputed(
+    router_factory: RouterFactory, standin_factory: StandInFactory
+) -> None:
+    model = f"standin-{uuid.uuid4().hex[:6]}"
+    prefill = await standin_factory("prefill", model=model)
+    # A 10 s read window (the default) needs a grace of 20 s at least.
+    decode = await standin_factory("decode", model=model, release_grace_seconds=19.0)
+    router = await router_factory()
+    await wait_for_engines(router, {prefill.engine_id, decode.engine_id})
+    stub = Stack(model, prefill, decode, router).grpc_stub()
+    conv = f"g-{uuid.uuid4().hex[:8]}"
+    history = [("user", "Tell me about KV caches. " * 8)]
+    text, _, first = await generate(stub, chat_request(conv, model, history))
+    assert first.turn == 1
+    _, _, second = await generate(
+        stub, chat_request(conv, model, [*history, ("assistant", text), ("user", "more? " * 4)])
+    )
+    assert second.reuse == router_pb2.REUSE_DECISION_RECOMPUTE and second.pulled_tokens == 0
+    assert "remote_engine_id" not in prefill.counters.prefill_params[-1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"read_window_seconds": 20.0},
+            r"--read-window 20 s is not safely under .* at most half of it, 15 s",
+        ),
+        ({"read_window_seconds": 3.0, "min_release_grace_seconds": 4.0}, r"at most half of it, 2 s"),
+        ({"min_release_grace_seconds": 0.0}, r"--min-release-grace is 0 s"),
+        ({"read_window_seconds": 0.0}, r"--read-window is 0 s"),
+    ],
+)
+async def test_start_refuses_a_read_window_not_safely_under_the_release_grace(
+    router_factory: RouterFactory, overrides: dict[str, float], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        await router_factory(**overrides)
 
 
 async def test_retain_false_and_no_conversation_id_retain_nothing(stack: Stack) -> None:
@@ -455,7 +512,7 @@ async def test_http_prompt_over_max_model_len_and_oversized_body(
             json={"model": stack.model, "prompt": "x" * 5000},
             headers={"Authorization": f"Bearer {ACME}"},
         )
-    assert big.status_code == 400 and "at most 1000" in big.json()["error"]["message"]
+    assert big.status_code == 413 and "at most 1000" in big.json()["error"]["message"]
 
 
 async def test_grpc_bad_input(stack: Stack) -> None:
@@ -794,3 +851,130 @@ async def test_non_streaming_client_that_leaves_aborts_the_decode(stack: Stack) 
             await asyncio.sleep(0.02)
     finally:
         stack.decode.decode_token_delay_seconds = 0.0
+
+
+# -- one turn in flight per conversation, across router replicas --------------------------------------
+
+
+async def _until(condition: Callable[[], bool], within: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_two_routers_run_one_turn_of_a_conversation_at_a_time(
+    router_factory: RouterFactory, standin_factory: StandInFactory
+) -> None:
+    model = f"standin-{uuid.uuid4().hex[:6]}"
+    prefill = await standin_factory("prefill", model=model)
+    # 40 tokens at 50 ms: the first turn streams for about 2 s.
+    decode = await standin_factory("decode", model=model, decode_token_delay_seconds=0.05)
+    first_router, second_router = await router_factory(), await router_factory()
+    for router in (first_router, second_router):
+        await wait_for_engines(router, {prefill.engine_id, decode.engine_id})
+    conv = f"one-{uuid.uuid4().hex[:8]}"
+    history = [("user", "Tell me about KV caches. " * 8)]
+    first_stub = Stack(model, prefill, decode, first_router).grpc_stub()
+    second_stub = Stack(model, prefill, decode, second_router).grpc_stub()
+    running = asyncio.ensure_future(generate(first_stub, chat_request(conv, model, history, max_tokens=40)))
+    await _until(lambda: decode.counters.decode_requests == 1, 10, "the first turn's decode")
+    running_id = decode.counters.decode_headers[-1]["x-request-id"].removesuffix("-1-d")
+
+    # gRPC: ABORTED, naming the running turn.
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await generate(second_stub, chat_request(conv, model, [*history, ("user", "again")]))
+    assert refused.value.code() == grpc.StatusCode.ABORTED
+    assert f"has a turn in flight: request {running_id}" in (refused.value.details() or "")
+    # HTTP: 409, which OpenAI's clients retry with backoff.
+    async with httpx.AsyncClient(base_url=second_router.http_url, timeout=10) as http:
+        answer = await http.post(
+            "/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": "again"}], "max_tokens": 2},
+            headers={"authorization": f"Bearer {ACME}", "x-conversation-id": conv},
+        )
+    assert answer.status_code == 409
+    assert answer.json()["error"]["type"] == "conflict_error"
+    assert running_id in answer.json()["error"]["message"]
+    # Nothing of the refused turns reached an engine; another tenant's conversation of that id runs.
+    assert decode.counters.decode_requests == 1
+    _, _, other = await generate(second_stub, chat_request(conv, model, history), key=GLOBEX)
+    assert other.turn == 1
+    assert not running.done()
+
+    text, _, first = await running
+    assert first.turn == 1
+    # As soon as the first turn's answer is in, the conversation is free, on either router.
+    _, _, second = await generate(
+        second_stub, chat_request(conv, model, [*history, ("assistant", text), ("user", "more? " * 4)])
+    )
+    assert second.turn == 2 and second.reuse == router_pb2.REUSE_DECISION_PULL
+
+
+async def test_a_crashed_router_s_turn_frees_its_conversation_within_the_mark_s_lease(
+    router_factory: RouterFactory, standin_factory: StandInFactory, router_registry_address: str
+) -> None:
+    """A router process killed (SIGKILL) mid-turn never clears its mark: the conversation is refused
+    until the mark's lease (2 s here) runs out, then served by the other router."""
+    model = f"standin-{uuid.uuid4().hex[:6]}"
+    prefill = await standin_factory("prefill", model=model)
+    decode = await standin_factory("decode", model=model, decode_token_delay_seconds=0.2)
+    survivor = await router_factory()
+    await wait_for_engines(survivor, {prefill.engine_id, decode.engine_id})
+    doomed = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvferry.cli.main",
+        "router",
+        "--registry",
+        router_registry_address,
+        "--grpc-listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--api-keys",
+        f"{ACME}=acme",
+        "--turn-mark-lease",
+        "2",
+        "--event-loop",
+        "asyncio",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert doomed.stdout is not None
+        line = (await asyncio.wait_for(doomed.stdout.readline(), 30)).decode()
+        assert line.startswith("kvferry router: gRPC "), line
+        grpc_address = line.split()[3].rstrip(",")
+        channel = grpc.aio.insecure_channel(grpc_address)
+        conv = f"crash-{uuid.uuid4().hex[:8]}"
+        request = chat_request(conv, model, [("user", "hello " * 20)], max_tokens=100)
+
+        async def stream_until_killed() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await generate(router_grpc.RouterServiceStub(channel), request)
+
+        streaming = asyncio.ensure_future(stream_until_killed())
+        await _until(lambda: decode.counters.decode_requests == 1, 30, "the doomed router's decode")
+        doomed.kill()
+        await doomed.wait()
+        killed_at = asyncio.get_running_loop().time()
+        await streaming
+        await channel.close()
+
+        stub = Stack(model, prefill, decode, survivor).grpc_stub()
+        refusals = 0
+        while True:
+            try:
+                _, _, summary = await generate(stub, chat_request(conv, model, [("user", "hello " * 20)]))
+                break
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.ABORTED, error
+                refusals += 1
+                waited = asyncio.get_running_loop().time() - killed_at
+                assert waited < 8.0, "the crashed router's mark outlived its lease"
+                await asyncio.sleep(0.1)
+        assert refusals >= 1 and summary.finish_reason
+    finally:
+        if doomed.returncode is None:
+            doomed.kill()
+            await doomed.wait()

@@ -27,7 +27,13 @@ from kvferry.stack.etcd_process import free_port
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
-from tests.fixtures.engines import BLOCK_SIZE, ENGINE_SETTINGS, UNMARKED_DECODE_TTL_SECONDS, EnginePair
+from tests.fixtures.engines import (
+    BLOCK_SIZE,
+    ENGINE_SETTINGS,
+    TEST_READ_WINDOW_SECONDS,
+    UNMARKED_DECODE_TTL_SECONDS,
+    EnginePair,
+)
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
 from tests.fixtures.sidecar import SidecarHandle
@@ -82,7 +88,8 @@ async def three(
         router = await start_router(
             RouterConfig(
                 registry_address=registry.address,
-                read_window_seconds=3.0,
+                read_window_seconds=TEST_READ_WINDOW_SECONDS,
+                min_release_grace_seconds=ENGINE_SETTINGS.release_grace_seconds,
                 lease_margin_seconds=1.0,
                 reuse_policy="always",
                 publish_wait_seconds=5.0,
@@ -110,6 +117,18 @@ async def three(
                 )
             )
             linked |= {s.decode_engine_id for _, _, s in results if s.turn == 1}
+        # ...and their release grace (said on the connector's watch) must have reached the router: without
+        # it the router recomputes instead of pulling.
+        deadline = asyncio.get_running_loop().time() + 30
+        graces: dict[str, float] = {}
+        while not all(grace > 0 for grace in graces.values()) or len(graces) < len(linked):
+            assert asyncio.get_running_loop().time() < deadline, f"release graces never published: {graces}"
+            graces = {
+                engine.engine_id: engine.release_grace_seconds
+                for engine in router.engines.all()
+                if engine.engine_id in linked
+            }
+            await asyncio.sleep(0.05)
         yield three
     finally:
         if router is not None:
@@ -148,9 +167,15 @@ async def test_affinity_keeps_conversations_on_their_decode_engine_and_load_spre
 
 async def test_decode_engine_killed_mid_conversation_costs_only_a_recompute(three: ThreeEngines) -> None:
     model = three.pair.model
-    conv = f"kill-{uuid.uuid4().hex[:6]}"
     history: list[tuple[str, str]] = [("system", SYSTEM), ("user", "Explain iterators.")]
-    text, _, first = await generate(three.stub(), chat(conv, model, history))
+    # A conversation the extra engine holds. A new conversation goes to the less loaded decode engine,
+    # which depends on what the module's earlier tests left retained; each one placed on the other
+    # engine adds to its load, so a few new conversations reach the extra engine.
+    for _ in range(6):
+        conv = f"kill-{uuid.uuid4().hex[:6]}"
+        text, _, first = await generate(three.stub(), chat(conv, model, history))
+        if first.decode_engine_id == EXTRA_DECODE_ID:
+            break
     assert first.decode_engine_id == EXTRA_DECODE_ID and first.turn == 1
     # Kill the engine that holds the conversation (its whole process group, no goodbye).
     assert three.extra.pid is not None

@@ -5,6 +5,7 @@ stand-in engines in test_router_standin.py and with real engines in test_router_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -19,13 +20,14 @@ from kvferry.pd.vllm_params import PROMPT_TOKEN_IDS
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
-from kvferry.router.registry_client import RegistryUnavailable, RetentionRecord
+from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
 from kvferry.router.tenants import Tenant
 from kvferry.router.turns import (
     ChatOut,
     ChatPrompt,
     PreparedTurn,
     TextOut,
+    TextPrompt,
     TokenPrompt,
     TurnEvent,
     TurnRequest,
@@ -33,7 +35,7 @@ from kvferry.router.turns import (
     TurnRunner,
     TurnSettings,
 )
-from kvferry.runtime.errors import ErrorKind, ServiceError
+from kvferry.runtime.errors import Aborted, ErrorKind, ServiceError
 from kvferry.v1 import resources_pb2
 
 from tests.pd.fake_engine import FakeEngine, render
@@ -63,11 +65,43 @@ class FakeRegistry:
         self.retentions: dict[tuple[str, str], RetentionRecord] = {}
         self.renewed: list[str] = []
         self.down = False
+        # Turn marks: (tenant, conversation) -> request id; every call, in order.
+        self.marks: dict[tuple[str, str], str] = {}
+        self.mark_calls: list[tuple[str, str]] = []
+        self.marks_down = False
+        self.lookups = 0
+        # What BeginTurn says was retained when it took the mark (None: the truth).
+        self.retained_turn_at_mark: int | None = None
 
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None:
+        self.lookups += 1
         if self.down:
             raise RegistryUnavailable("fake registry down")
         return self.retentions.get((tenant, conversation_id))
+
+    async def begin_turn(
+        self, tenant: str, conversation_id: str, request_id: str, *, holder: str, ttl_seconds: int
+    ) -> BegunTurn:
+        await asyncio.sleep(0)
+        if self.down or self.marks_down:
+            raise RegistryUnavailable("fake registry down")
+        held = self.marks.setdefault((tenant, conversation_id), request_id)
+        if held != request_id:
+            self.mark_calls.append(("refused", request_id))
+            raise Aborted(f"conversation {conversation_id} has a turn in flight: {held}")
+        self.mark_calls.append(("begin", request_id))
+        record = self.retentions.get((tenant, conversation_id))
+        retained = record.turn if record is not None else 0
+        if self.retained_turn_at_mark is not None:
+            retained = self.retained_turn_at_mark
+        return BegunTurn(ttl_seconds=ttl_seconds, retained_turn=retained)
+
+    async def end_turn(self, tenant: str, conversation_id: str, request_id: str) -> bool:
+        self.mark_calls.append(("end", request_id))
+        if self.marks.get((tenant, conversation_id)) != request_id:
+            return False
+        del self.marks[(tenant, conversation_id)]
+        return True
 
     async def renew_retention(self, tenant: str, conversation_id: str) -> float | None:
         self.renewed.append(conversation_id)
@@ -99,12 +133,25 @@ class Cluster:
     registry: FakeRegistry = field(default_factory=FakeRegistry)
     fakes: dict[str, FakeEngine] = field(default_factory=dict)
     load: LoadTracker = field(default_factory=LoadTracker)
+    # Both the monotonic and the wall clock the runner reads (tests move it).
+    now: float = NOW
 
     def __post_init__(self) -> None:
         for engine_id in ("p1", "p2", "d1", "d2"):
             self.fakes[engine_id] = FakeEngine(engine_id, block_size=BS, on_finished=self.registry.publish)
         infos = [
-            EngineInfo(e, P if e[0] == "p" else D, f"http://{e}", "10.0.0.1", 5600, "m", SALT, BS, 4096)
+            EngineInfo(
+                e,
+                P if e[0] == "p" else D,
+                f"http://{e}",
+                "10.0.0.1",
+                5600,
+                "m",
+                SALT,
+                BS,
+                4096,
+                release_grace_seconds=2 * SETTINGS.read_window_seconds,
+            )
             for e in self.fakes
         ]
         self.runner = TurnRunner(
@@ -113,19 +160,21 @@ class Cluster:
             clients=self,
             registry=self.registry,
             settings=SETTINGS,
-            clock=lambda: NOW,
+            clock=lambda: self.now,
+            wall_clock=lambda: self.now,
         )
 
     def get(self, engine: EngineInfo) -> EngineApi:
         return self.fakes[engine.engine_id]
 
     async def prepare(
-        self, prompt: list[int], *, conversation: str | None = "c1", retain: bool = True
+        self, prompt: list[int] | str, *, conversation: str | None = "c1", retain: bool = True
     ) -> PreparedTurn:
-        request = TurnRequest(TENANT, conversation, "", TokenPrompt(tuple(prompt)), retain=retain)
+        as_prompt = TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(tuple(prompt))
+        request = TurnRequest(TENANT, conversation, "", as_prompt, retain=retain)
         return await self.runner.prepare(request)
 
-    async def turn(self, prompt: list[int], **options: object) -> tuple[list[TextOut], TurnResult]:
+    async def turn(self, prompt: list[int] | str, **options: object) -> tuple[list[TextOut], TurnResult]:
         prepared = await self.prepare(prompt, **options)  # type: ignore[arg-type]
         texts: list[TextOut] = []
         result = None
@@ -178,9 +227,43 @@ async def test_the_next_turn_pulls_the_proven_prefix_from_the_holder(cluster: Cl
     assert second.decode_engine_id == first.decode_engine_id == "d1" and second.turn == 2
     prefill = cluster.fakes["p1"].prefills[-1]
     assert prefill.reuse is not None and prefill.reuse.engine_id == "d1" and prefill.reuse.num_tokens == 40
-    # The read deadline: the lease end (NOW + 120) or the read window, whichever comes first.
+    # The read window's time left: the read window (the lease, NOW + 120, ends later), from the lookup.
     assert prefill.mark == ConversationMark("acme", "c1", 2)
-    assert prefill.lease_expire_time == NOW + SETTINGS.read_window_seconds
+    assert prefill.read_ms == SETTINGS.read_window_seconds * 1000
+
+
+async def test_a_slow_tokenization_eats_into_the_read_window_not_past_it(cluster: Cluster) -> None:
+    text = "".join(chr(c) for c in PROMPT)
+    await cluster.turn(text)
+    tokenize = cluster.fakes["p1"].tokenize
+
+    async def slow_tokenize(text: str, *, add_special_tokens: bool = True) -> list[int]:
+        # The lookup went out first (it opened the window); then tokenization takes 4 s.
+        await asyncio.sleep(0)
+        cluster.now += 4.0
+        return await tokenize(text, add_special_tokens=add_special_tokens)
+
+    cluster.fakes["p1"].tokenize = slow_tokenize  # type: ignore[method-assign]
+    _, second = await cluster.turn(text + "".join(chr(c) for c in (101, 102, 103, 7)))
+    assert second.reuse is Reuse.PULL
+    # The window opened at the lookup: 4 s of it went to tokenizing, P gets the 6 s left.
+    assert cluster.fakes["p1"].prefills[-1].read_ms == (SETTINGS.read_window_seconds - 4.0) * 1000
+
+
+async def test_a_read_window_that_closed_while_tokenizing_means_recompute(cluster: Cluster) -> None:
+    text = "".join(chr(c) for c in PROMPT)
+    await cluster.turn(text)
+    tokenize = cluster.fakes["p1"].tokenize
+
+    async def stalled_tokenize(text: str, *, add_special_tokens: bool = True) -> list[int]:
+        await asyncio.sleep(0)
+        cluster.now += SETTINGS.read_window_seconds
+        return await tokenize(text, add_special_tokens=add_special_tokens)
+
+    cluster.fakes["p1"].tokenize = stalled_tokenize  # type: ignore[method-assign]
+    _, second = await cluster.turn(text + "".join(chr(c) for c in (101, 102, 103, 7)))
+    assert (second.reuse, second.matched_tokens, second.pulled_tokens) == (Reuse.RECOMPUTE, 40, 0)
+    assert cluster.fakes["p1"].prefills[-1].reuse is None
 
 
 async def test_a_declined_pull_is_reported_as_recompute(cluster: Cluster) -> None:
@@ -259,8 +342,10 @@ async def test_an_unretained_turn_releases_its_blocks_and_renews_the_conversatio
     _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7], retain=False)
     assert second.turn == 0 and second.reuse is Reuse.PULL
     assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark()
-    # The pull still carries no conversation mark: nothing of this turn is retained.
-    assert cluster.fakes["p1"].prefills[-1].mark is None
+    # The pull carries no conversation mark (nothing of this turn is retained), but its read window.
+    prefill = cluster.fakes["p1"].prefills[-1]
+    assert prefill.mark is None and prefill.read_ms == SETTINGS.read_window_seconds * 1000
+    assert prefill.transfer_params()["kvferry_read_ms"] == prefill.read_ms
     await cluster.background()
     assert cluster.registry.renewed == ["c1"]
 
@@ -379,3 +464,101 @@ async def test_a_chat_turn_not_streamed_carries_the_engine_s_answer(cluster: Clu
     assert events == []
     assert result.answer is not None and result.answer["choices"][0]["message"]["content"] == "efg"
     assert "kv_transfer_params" not in result.answer and result.turn == 1 and result.ttft_ms > 0
+
+
+# -- one turn in flight per conversation --------------------------------------------------------------
+
+
+async def test_a_turn_holds_its_conversation_s_mark_until_just_before_its_result(cluster: Cluster) -> None:
+    prepared = await cluster.prepare(PROMPT)
+    assert cluster.registry.marks == {("acme", "c1"): prepared.request_id}
+    async for event in cluster.runner.execute(prepared):
+        if isinstance(event, TurnResult):
+            # Cleared before the client has the result: its next turn finds the conversation free.
+            assert cluster.registry.marks == {}
+    assert cluster.registry.mark_calls == [("begin", prepared.request_id), ("end", prepared.request_id)]
+
+
+async def test_a_second_concurrent_turn_is_refused_naming_the_running_one(cluster: Cluster) -> None:
+    running = await cluster.prepare(PROMPT)
+    with pytest.raises(Aborted) as refused:
+        await cluster.prepare([*PROMPT, 1])
+    assert running.request_id in refused.value.message
+    # Nothing ran for the refused turn, and the running one is untouched.
+    assert cluster.fakes["p1"].prefills == [] and cluster.registry.marks == {
+        ("acme", "c1"): running.request_id
+    }
+    async for _ in cluster.runner.execute(running):
+        pass
+    # Other conversations and one-off turns never wait for it.
+    await cluster.turn(PROMPT, conversation="c2")
+    await cluster.turn(PROMPT, conversation=None)
+    assert cluster.registry.marks == {}
+
+
+async def test_a_failed_turn_frees_its_conversation_before_the_client_hears(cluster: Cluster) -> None:
+    for engine in ("d1", "d2"):
+        cluster.fakes[engine].fail_decodes = 1
+    prepared = await cluster.prepare(PROMPT)
+    with pytest.raises(ServiceError):
+        async for _ in cluster.runner.execute(prepared):
+            pass
+    assert cluster.registry.marks == {}
+    await cluster.turn(PROMPT)  # sent again at once: not refused
+
+
+async def test_a_turn_refused_before_it_ran_or_abandoned_frees_the_mark(cluster: Cluster) -> None:
+    # The prompt is too long for the model: refused in prepare, after the mark was taken.
+    with pytest.raises(ServiceError) as refused:
+        await cluster.prepare(list(range(5000)))
+    assert refused.value.kind is ErrorKind.INVALID_ARGUMENT and cluster.registry.marks == {}
+    # The engine refuses the prompt while the mark is being taken: cleared before the error is out.
+    cluster.fakes["p1"].fail_tokenizes, cluster.fakes["p1"].fail_status = 1, 400
+    with pytest.raises(ServiceError) as rejected:
+        await cluster.prepare("some text")
+    assert rejected.value.kind is ErrorKind.INVALID_ARGUMENT and cluster.registry.marks == {}
+    # Prepared, then the client went away before the stream ended.
+    prepared = await cluster.prepare(PROMPT)
+    events = cluster.runner.execute(prepared)
+    await anext(events)
+    await events.aclose()
+    await cluster.background()
+    assert cluster.registry.marks == {}
+
+
+async def test_the_mark_is_renewed_while_the_turn_runs(cluster: Cluster) -> None:
+    stall = asyncio.Event()
+    cluster.fakes["d1"].stall = stall
+    cluster.runner._settings = dataclasses.replace(SETTINGS, turn_mark_seconds=1)
+    prepared = await cluster.prepare(PROMPT)
+    events = cluster.runner.execute(prepared)
+    await anext(events)  # streaming, then stalled
+    await asyncio.sleep(0.8)
+    stall.set()
+    async for _ in events:
+        pass
+    begins = [call for call in cluster.registry.mark_calls if call[0] == "begin"]
+    assert len(begins) >= 3 and cluster.registry.marks == {}
+
+
+async def test_a_lookup_made_before_the_mark_is_repeated_when_a_turn_came_in_between(
+    cluster: Cluster,
+) -> None:
+    await cluster.turn(PROMPT)
+    # The mark's transaction saw turn 2 retained while the concurrent lookup read turn 1.
+    cluster.registry.retained_turn_at_mark = 2
+    before = cluster.registry.lookups
+    await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    assert cluster.registry.lookups == before + 2 + 1  # the lookup, its repetition, the publication poll
+    cluster.registry.retained_turn_at_mark = None
+    before = cluster.registry.lookups
+    await cluster.turn([*PROMPT, 101, 102, 103, 7, 101, 102, 103, 8])
+    assert cluster.registry.lookups == before + 1 + 1
+
+
+async def test_without_its_mark_a_turn_neither_reuses_nor_retains(cluster: Cluster) -> None:
+    await cluster.turn(PROMPT)
+    cluster.registry.marks_down = True
+    _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    assert (second.reuse, second.turn, second.pulled_tokens) == (Reuse.NONE, 0, 0)
+    assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark()

@@ -44,7 +44,7 @@ async def example_env(router_factory: RouterFactory, standin_factory: StandInFac
     router = await router_factory()
     return {
         "KVFERRY_ADDRESS": router.grpc_address,
-        "KVFERRY_HTTP_URL": router.http_url,
+        "KVFERRY_HTTP_URL": f"{router.http_url}/v1",  # an OpenAI base URL, as `kvferry up` writes it
         "KVFERRY_API_KEY": next(iter(ROUTER_API_KEYS)),
         "KVFERRY_MODEL": model,
     }

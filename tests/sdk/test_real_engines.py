@@ -18,7 +18,7 @@ import pytest
 from kvferry.router.server import RunningRouter
 from kvferry.sdk import ChatMessage, Client, NotFoundError, ReuseDecision
 
-from tests.fixtures.engines import EngineHandle, EnginePair
+from tests.fixtures.engines import TEST_READ_WINDOW_SECONDS, EngineHandle, EnginePair
 from tests.fixtures.router import ROUTER_API_KEYS, RouterFactory
 from tests.fixtures.sidecar import SidecarFactory
 
@@ -77,7 +77,13 @@ async def real_stack(
         pytest.skip("tests.fixtures.engines is not in tests/conftest.py's pytest_plugins")
     for engine in (engine_pair.prefill, engine_pair.decode):
         await _start_sidecar(sidecar_factory, engine)
-    router = await router_factory(startup_sync_seconds=10.0)
+    # Read windows safely under the test engines' release grace (the defaults suit a 30 s grace).
+    router = await router_factory(
+        startup_sync_seconds=10.0,
+        read_window_seconds=TEST_READ_WINDOW_SECONDS,
+        min_release_grace_seconds=engine_pair.settings.release_grace_seconds,
+        lease_margin_seconds=1.0,
+    )
     yield RealStack(engine_pair, router)
 
 

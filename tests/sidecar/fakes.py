@@ -113,13 +113,20 @@ class FakeRegistry:
         )
 
     async def heartbeat_engine(
-        self, engine_id: str, stats: resources_pb2.EngineStats | None, incarnation: int = 0
+        self,
+        engine_id: str,
+        stats: resources_pb2.EngineStats | None,
+        incarnation: int = 0,
+        *,
+        release_grace_seconds: float = 0.0,
     ) -> registry_pb2.HeartbeatEngineResponse:
         self._enter("heartbeat_engine")
         if engine_id not in self.engines:
             raise RegistryError(ErrorKind.NOT_FOUND, f"engine {engine_id} is not registered")
         if incarnation and incarnation != self.incarnations.get(engine_id):
             raise RegistryError(ErrorKind.NOT_FOUND, f"engine {engine_id} registered again")
+        if release_grace_seconds:
+            self.engines[engine_id].release_grace_seconds = release_grace_seconds
         return registry_pb2.HeartbeatEngineResponse(header=self._header(), ttl_seconds=10)
 
     async def deregister_engine(self, engine_id: str) -> None:
@@ -128,7 +135,7 @@ class FakeRegistry:
             raise RegistryError(ErrorKind.NOT_FOUND, f"engine {engine_id} is not registered")
 
     async def publish_retention(
-        self, retention: resources_pb2.Retention
+        self, retention: resources_pb2.Retention, incarnation: int = 0
     ) -> registry_pb2.PublishRetentionResponse:
         self._enter("publish_retention")
         if retention.engine_id not in self.engines:

@@ -95,10 +95,15 @@ async def eventually(check: Callable[[], Any], within: float = 10.0, what: str =
 
 
 class Releases:
-    """A WatchReleases stream read in the background, as the connector would read it."""
+    """A WatchReleases stream read in the background, as the connector would read it (saying its
+    ``release_grace_seconds`` when given)."""
 
-    def __init__(self, stub: sidecar_grpc.SidecarServiceStub, engine_id: str) -> None:
-        self.call = stub.WatchReleases(sidecar_pb2.WatchReleasesRequest(engine_id=engine_id))
+    def __init__(
+        self, stub: sidecar_grpc.SidecarServiceStub, engine_id: str, release_grace_seconds: float = 0.0
+    ) -> None:
+        self.call = stub.WatchReleases(
+            sidecar_pb2.WatchReleasesRequest(engine_id=engine_id, release_grace_seconds=release_grace_seconds)
+        )
         self.events: asyncio.Queue[sidecar_pb2.WatchReleasesResponse | None] = asyncio.Queue()
         self.error: grpc.aio.AioRpcError | None = None
         self._reader = asyncio.create_task(self._read())

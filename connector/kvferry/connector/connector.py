@@ -19,8 +19,13 @@ between them. What kvferry changes:
   retentions idles like any idle engine), until the registry has confirmed the retention ended,
   plus a grace period, or the hard cap (kvferry.connector.retention). A prefill reading them frees
   nothing. Every free goes through ``_free_due`` and is logged as ``freed retained blocks``.
-- prefill engine: declines a pull whose read deadline is too near, and counts pulled versus
-  computed tokens.
+- prefill engine: declines a pull whose read window is too near its end as it schedules it, fails
+  one whose window closed before the READ is posted (kvferry.connector.read_deadlines), and counts
+  pulled versus computed tokens.
+- pull-time fencing (``fence_pulls``): every block has a generation, bumped when a retained block
+  goes back to vLLM's pool (kvferry.connector.generations); a retention publishes its blocks'
+  generations, and a prefill that pulled them reads them again from the holder after the data
+  arrived, reporting the pull failed (vLLM recomputes) on any difference (kvferry.connector.fence).
 - both: report to the local sidecar (retentions, evictions, engine stats) from a background
   thread; NIXL's progress thread sleeps between polls instead of spinning; vLLM's READs (D->P
   and P->D pulls) are posted as the fewest, largest descriptors the block ids and KV layout
@@ -33,26 +38,37 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvferry.connector import vllm_internals
-from kvferry.connector.accounting import Accounting, StatsSnapshot, pull_allowed
+from kvferry.connector.accounting import Accounting, StatsSnapshot
 from kvferry.connector.compat import KvLayout, kv_compatibility_hash
+from kvferry.connector.fence import PulledBlocks, PullFence
+from kvferry.connector.generations import (
+    FENCED_PULLS,
+    GenerationArray,
+    GenerationBook,
+    GenerationError,
+    GenerationFile,
+)
 from kvferry.connector.keeper import RetentionKeeper
 from kvferry.connector.logs import setup_logging
 from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullRecord
-from kvferry.connector.retention import RetainedEntry, RetentionTable
+from kvferry.connector.read_deadlines import pull_allowed, read_deadline, read_may_start
+from kvferry.connector.retention import Clock, RetainedEntry, RetentionTable, SystemClock
 from kvferry.connector.settings import KvferrySettings, SettingsError, parse_settings
 from kvferry.connector.sidecar_link import BackgroundLoop, DueTimer, SidecarLink
 from kvferry.pd import vllm_params
 from kvferry.pd.digest import block_digests
 from kvferry.pd.kvferry_params import (
+    GENERATIONS_KEY,
     KVFERRY_PARAMS_VERSION,
+    BlockGenerations,
     ConversationMark,
     Mark,
     PullOptions,
     ReleaseMark,
-    lease_expire_time_from_params,
     parse_mark,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -63,6 +79,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlPullConnectorWorker,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -77,6 +94,10 @@ logger = logging.getLogger("kvferry.connector")
 _FORGET_AFTER_SECONDS = 600.0
 # Per-request pull options the worker keeps at most (a request whose pull never starts is dropped).
 _MAX_PULL_OPTIONS = 1024
+# The decode engine's oracle lines (docs/connector.md#pull-time-fencing): a retention's blocks went back
+# to the pool; published blocks' generations changed. The prefill's is kvferry.connector.fence's.
+FREED_LOG = "freed retained blocks"
+BUMPED_LOG = "generations bumped"
 
 
 def engine_layout(vllm_config: VllmConfig) -> KvLayout:
@@ -95,14 +116,17 @@ def engine_layout(vllm_config: VllmConfig) -> KvLayout:
 
 
 class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
-    """vLLM's NIXL metadata plus which requests kvferry retains and per-request pull options
-    (scheduler -> worker)."""
+    """vLLM's NIXL metadata plus which requests kvferry retains, per-request pull options, the read
+    deadlines of pulls and the generations each pull of a retention must find (scheduler -> worker)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.retained_added: list[str] = []
         self.retained_released: list[str] = []
         self.pull_options: dict[str, PullOptions] = {}
+        # Monotonic deadlines (one host: the engine core and its workers share CLOCK_MONOTONIC).
+        self.read_deadlines: dict[str, float] = {}
+        self.pull_generations: dict[str, tuple[int, ...]] = {}
 
     @classmethod
     def extend(
@@ -111,17 +135,35 @@ class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
         added: list[str],
         released: list[str],
         pull_options: dict[str, PullOptions] | None = None,
+        read_deadlines: dict[str, float] | None = None,
+        pull_generations: dict[str, tuple[int, ...]] | None = None,
     ) -> KvferryConnectorMetadata:
         meta = cls()
         meta.__dict__.update(base.__dict__)
         meta.retained_added = added
         meta.retained_released = released
         meta.pull_options = pull_options or {}
+        meta.read_deadlines = read_deadlines or {}
+        meta.pull_generations = pull_generations or {}
         return meta
+
+
+@dataclass
+class KvferryHandshakePayload(NixlHandshakePayload):  # type: ignore[misc]
+    """vLLM's handshake payload plus where the worker's block generations are (kvferry's fence).
+
+    The worker hands it to its scheduler (which maps the generations to bump them) and the scheduler
+    serves it on vLLM's side channel; vLLM's decoder ignores the extra field, kvferry's prefill workers
+    read it (vllm_internals.fetch_handshake_payload)."""
+
+    kvferry_generations: GenerationArray | None = None
 
 
 class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     """Scheduler half: retention table, block holds, accounting, sidecar link."""
+
+    # Read deadlines are measured on it (tests skew it).
+    clock: Clock = SystemClock()
 
     def __init__(
         self,
@@ -149,6 +191,14 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._worker_added: list[str] = []
         self._worker_released: list[str] = []
         self._pull_options: dict[str, PullOptions] = {}
+        self._read_deadlines: dict[str, float] = {}
+        self._pull_generations: dict[str, tuple[int, ...]] = {}
+        # Pulls of a retention under way (prefill side), until vLLM reports them received or failed.
+        self._pulls: dict[str, Request] = {}
+        # Generations of this engine's blocks; mapped to the workers' files once they hand them over
+        # (set_xfer_handshake_metadata), before any request runs.
+        self.generations = GenerationBook(num_blocks, on_bump=self._generations_bumped)
+        self._freeing: str | None = None
         self._waker = vllm_internals.EngineWaker(vllm_internals.find_engine_core_input_queue())
         self._loop = BackgroundLoop("kvferry-connector")
         self._timer = DueTimer(self._loop, self.table.next_due, self._waker.wake)
@@ -168,6 +218,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 stats=self._stats,
                 timeout_seconds=settings.sidecar_timeout_seconds,
                 stats_interval_seconds=settings.stats_interval_seconds,
+                release_grace_seconds=settings.release_grace_seconds,
             )
             self._link.start()
         else:
@@ -192,23 +243,76 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 
     def bind_block_pool(self, block_pool: Any) -> None:
         self._block_pool = block_pool
+        vllm_internals.watch_frees(block_pool, self.generations.on_freed)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """vLLM hands over its workers' handshake payloads (then serves them to peers): kvferry's carry
+        each worker's generation file, which this scheduler maps to bump generations itself."""
+        super().set_xfer_handshake_metadata(metadata)
+        if not self.settings.fence_pulls:
+            return
+        arrays = [
+            payload.kvferry_generations if isinstance(payload, KvferryHandshakePayload) else None
+            for payload in metadata.values()
+        ]
+        if not arrays or any(array is None for array in arrays):
+            raise GenerationError(
+                "a worker handed over no generation array although kvferry.fence_pulls is on "
+                f"({sum(a is not None for a in arrays)} of {len(arrays)} ranks did)"
+            )
+        self.generations.attach([GenerationFile.attach(array) for array in arrays if array is not None])
+        logger.info(
+            "pull fencing on",
+            extra={
+                "engine_id": self.engine_id,
+                "worker_files": len(arrays),
+                "generation_base": self.generations.base,
+            },
+        )
 
     # -- prefill side -----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and vllm_params.wants_remote_decode(params) and vllm_params.names_remote_blocks(params):
-            deadline = lease_expire_time_from_params(params)
-            if not pull_allowed(deadline, time.time(), self.settings.min_read_seconds):
-                vllm_params.strip_remote_blocks(params)
-                self.accounting.on_declined()
-                logger.info(
-                    "declined a pull: read deadline too near, recomputing",
-                    extra={"request_id": request.request_id, "seconds_left": (deadline or 0) - time.time()},
+            self._check_read_window(request, params)
+        if params and vllm_params.names_remote_blocks(params):
+            if (problem := _generations_problem(params)) is not None:
+                self._decline(
+                    request, params, "declined a pull: unusable generations, recomputing", problem=problem
                 )
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         self.accounting.on_matched(request.request_id, request.num_prompt_tokens, num_computed_tokens)
         return count, is_async
+
+    def _check_read_window(self, request: Request, params: dict[str, Any]) -> None:
+        """Declines the pull (P recomputes) when its read window has less than ``min_read_seconds`` left;
+        otherwise keeps its deadline for the worker, which checks it again as it posts the READ."""
+        now = self.clock.monotonic()
+        try:
+            deadline = read_deadline(params, float(request.arrival_time), self.clock)
+        except ValueError as bad:
+            self._decline(
+                request, params, "declined a pull: malformed read window, recomputing", error=str(bad)
+            )
+            return
+        if not pull_allowed(deadline, now, self.settings.min_read_seconds):
+            assert deadline is not None
+            self._decline(
+                request,
+                params,
+                "declined a pull: read deadline too near, recomputing",
+                seconds_left=round(deadline - now, 3),
+            )
+        elif deadline is not None:
+            self._read_deadlines[request.request_id] = deadline
+
+    def _decline(self, request: Request, params: dict[str, Any], message: str, **fields: Any) -> None:
+        vllm_params.strip_remote_blocks(params)
+        self._read_deadlines.pop(request.request_id, None)
+        params.pop(GENERATIONS_KEY, None)
+        self.accounting.on_declined()
+        logger.info(message, extra={"request_id": request.request_id, **fields})
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -229,24 +333,46 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             # pull fills are sorted into ascending runs, which coalesce with each other.
             vllm_internals.order_new_blocks(blocks)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        self.accounting.on_allocated(request.request_id, num_external_tokens, time.monotonic())
+        peer = (request.kv_transfer_params or {}).get(vllm_params.REMOTE_ENGINE_ID)
+        self.accounting.on_allocated(
+            request.request_id, num_external_tokens, time.monotonic(), peer if isinstance(peer, str) else ""
+        )
         if options is not None:
             self._pull_options[request.request_id] = options
+        params = request.kv_transfer_params
+        if num_external_tokens > 0 and vllm_params.wants_remote_decode(params):
+            self._pulls[request.request_id] = request
+            # Checked when matched: get_num_new_matched_tokens declines a pull with unusable ones.
+            generations = BlockGenerations.from_params(params)
+            if generations is not None:
+                self._pull_generations[request.request_id] = generations.values
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         failed = getattr(connector_output, "failed_recving", None) or set()  # absent before vLLM 0.32
         now = time.monotonic()
+        measured = False
         for request_id in connector_output.finished_recving or ():
-            self.accounting.on_received(request_id, now, failed=request_id in failed)
+            measured |= self.accounting.on_received(request_id, now, failed=request_id in failed)
+            request = self._pulls.pop(request_id, None)
+            if request is not None and request_id in failed:
+                # Fenced, or the transfer failed: vLLM recomputes (kv_load_failure_policy "recompute").
+                vllm_internals.compute_after_failed_pull(request)
+                logger.info("pull failed; computing the prompt instead", extra={"request_id": request_id})
+        if measured and self._link is not None:
+            self._link.rates_measured()
 
     # -- decode side: retention -------------------------------------------------------------------
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         mark = self._mark(request)
         self._pull_options.pop(request.request_id, None)
+        self._read_deadlines.pop(request.request_id, None)
+        self._pull_generations.pop(request.request_id, None)
+        self._pulls.pop(request.request_id, None)
         delay_free, params = super().request_finished(request, block_ids)
-        self.accounting.on_finished(request.request_id, time.monotonic())
+        if self.accounting.on_finished(request.request_id, time.monotonic()) and self._link is not None:
+            self._link.rates_measured()
         if isinstance(mark, ReleaseMark):
             return self._release_at_finish(request, delay_free, params)
         if (
@@ -269,6 +395,9 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         vllm_params.set_blocks_expiry_time(
             params, time.perf_counter() + (entry.free_at(self.table.max_retention_seconds) - time.monotonic())
         )
+        if entry.block_generations:
+            # As the registry record has them: a client pulling straight from this answer can be fenced too.
+            params.update(BlockGenerations(entry.block_generations).to_params())
         return False, params
 
     def _release_at_finish(
@@ -300,6 +429,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         tokens = list(request.all_token_ids[:num_tokens])
         digests = block_digests(tokens, self.block_size, salt=self.compat_hash)
         self._held[request_id] = vllm_internals.hold_blocks(self._block_pool, block_ids)
+        # Bumped when the blocks go back to the pool (GenerationBook.on_freed).
+        generations = self.generations.publish(block_ids) if self.generations.enabled else []
         entry, superseded = self.table.add(
             request_id=request_id,
             tenant=mark.tenant,
@@ -308,6 +439,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             block_ids=block_ids,
             num_tokens=num_tokens,
             block_digests=digests,
+            block_generations=generations,
         )
         self._worker_added.append(request_id)
         for evicted in self.table.evict_over_budget():
@@ -337,9 +469,21 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         base = super().build_connector_meta(scheduler_output)
         assert isinstance(base, NixlConnectorMetadata)
         self._free_due()
-        # Options travel with the step that asks the worker to pull (reqs_to_recv).
+        # Options, read deadlines and generations travel with the step that asks the worker to pull
+        # (reqs_to_recv).
         options = {r: self._pull_options.pop(r) for r in base.reqs_to_recv if r in self._pull_options}
-        meta = KvferryConnectorMetadata.extend(base, self._worker_added, self._worker_released, options)
+        deadlines = {r: self._read_deadlines.pop(r) for r in base.reqs_to_recv if r in self._read_deadlines}
+        generations = {
+            r: self._pull_generations.pop(r) for r in base.reqs_to_recv if r in self._pull_generations
+        }
+        meta = KvferryConnectorMetadata.extend(
+            base,
+            self._worker_added,
+            self._worker_released,
+            options,
+            read_deadlines=deadlines,
+            pull_generations=generations,
+        )
         self._worker_added, self._worker_released = [], []
         return meta
 
@@ -357,23 +501,32 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 
     def _before_unconfirmed_free(self, entries: list[RetainedEntry]) -> None:
         """Blocks about to be freed without the registry's confirmation (it stayed unreachable past
-        the hard cap), so the registry may still hand them out. Pull-time fencing hooks in here:
-        it makes these blocks unpullable (bumps their generations) before vLLM can reuse them."""
+        the hard cap), so the registry may still hand them out. What makes them unpullable is pull-time
+        fencing: each block's generation is bumped as it returns to vLLM's pool, inside the free that
+        follows and before vLLM can hand it to another request (GenerationBook.on_freed); a prefill
+        that pulls it under the published generation then recomputes. A block another request still
+        holds (prefix caching) keeps its bytes, and its generation, until that one lets it go too."""
         logger.warning(
             "freeing retained blocks the registry never confirmed ended (hard cap)",
             extra={
                 "request_ids": [e.request_id for e in entries],
                 "unconfirmed_frees_total": self.table.unconfirmed_frees,
+                # False: pull fencing is off on this engine, nothing stops a pull of these blocks.
+                "fenced": self.generations.enabled,
             },
         )
 
     def _free(self, entry: RetainedEntry) -> None:
         blocks = self._held.pop(entry.request_id, [])
         if self._block_pool is not None and blocks:
-            vllm_internals.release_blocks(self._block_pool, blocks)
+            self._freeing = entry.request_id  # names the free in the "generations bumped" line
+            try:
+                vllm_internals.release_blocks(self._block_pool, blocks)
+            finally:
+                self._freeing = None
         self._worker_released.append(entry.request_id)
         logger.info(
-            "freed retained blocks",
+            FREED_LOG,
             extra={
                 "request_id": entry.request_id,
                 "tenant": entry.tenant,
@@ -385,6 +538,30 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 # False: freed at the hard cap without the registry confirming the end.
                 "confirmed": entry.confirmed,
                 "end_revision": entry.end_revision,
+                **self._generation_fields(entry),
+            },
+        )
+
+    def _generation_fields(self, entry: RetainedEntry) -> dict[str, Any]:
+        """The free line's generations: as the record published them, and right after the free (a block
+        another request still holds keeps its generation; its bytes stay as published)."""
+        if not entry.block_generations:
+            return {}
+        return {
+            "generations": list(entry.block_generations),
+            "generations_after": self.generations.current(entry.block_ids),
+            "unix_time": time.time(),
+        }
+
+    def _generations_bumped(self, block_ids: list[int], generations: list[int]) -> None:
+        # The oracle line: from now on a pull of these blocks under an older generation is fenced.
+        logger.info(
+            BUMPED_LOG,
+            extra={
+                "request_id": self._freeing,
+                "block_ids": block_ids,
+                "generations": generations,
+                "unix_time": time.time(),
             },
         )
 
@@ -409,6 +586,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._timer.poke()
 
     def _stats(self) -> tuple[int, StatsSnapshot]:
+        self.accounting.set_fenced_pulls(self.generations.counter(FENCED_PULLS))
         return self.accounting.version, self.accounting.snapshot()
 
 
@@ -432,7 +610,16 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._retained: set[str] = set()
         self._released_at: dict[str, float] = {}
         self._pull_options: dict[str, PullOptions] = {}
+        self._read_deadlines: dict[str, float] = {}
         agent: Any = getattr(self, "nixl_wrapper")  # noqa: B009 - set by vLLM's __init__
+        self._kvferry_agent = agent
+        # This worker's generations (peers READ them; the scheduler bumps them) and the landing slots of
+        # its own fence reads (kvferry.connector.generations).
+        self.generation_file: GenerationFile | None = None
+        self.fence: PullFence | None = None
+        if settings.fence_pulls:
+            self.generation_file = GenerationFile.create(int(kv_cache_config.num_blocks))
+            self.fence = PullFence(agent, self.generation_file, wait_seconds=settings.fence_wait_us / 1e6)
         transfer = vllm_config.kv_transfer_config
         self.pulls = PullCoalescer(
             agent,
@@ -458,9 +645,64 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             self._pull_options.update(metadata.pull_options)
             while len(self._pull_options) > _MAX_PULL_OPTIONS:
                 self._pull_options.pop(next(iter(self._pull_options)))
+            self._read_deadlines.update(metadata.read_deadlines)
+            while len(self._read_deadlines) > _MAX_PULL_OPTIONS:
+                self._read_deadlines.pop(next(iter(self._read_deadlines)))
+            if self.fence is not None:
+                for request_id, generations in metadata.pull_generations.items():
+                    self.fence.expect(request_id, generations)
         super().start_load_kv(metadata)
 
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        file = self.generation_file
+        if file is not None:
+            # Before vLLM builds the handshake metadata: peers learn this registration with it.
+            address, nbytes = file.registration()
+            agent = self._kvferry_agent
+            agent.register_memory(agent.get_reg_descs([(address, nbytes, 0, "")], "DRAM"))
+        super().register_kv_caches(kv_caches)
+        payload: Any = getattr(self, "xfer_handshake_metadata", None)
+        if file is not None and payload is not None:
+            self.xfer_handshake_metadata = KvferryHandshakePayload(
+                compatibility_hash=payload.compatibility_hash,
+                agent_metadata_bytes=payload.agent_metadata_bytes,
+                kvferry_generations=file.describe(),
+            )
+
+    def _nixl_handshake(
+        self, host: str, port: int, remote_tp_size: int, expected_engine_id: str, *args: Any, **kwargs: Any
+    ) -> tuple[dict[tuple[int, int], str], float]:
+        agents, clock_offset = super()._nixl_handshake(
+            host, port, remote_tp_size, expected_engine_id, *args, **kwargs
+        )
+        if self.fence is not None:
+            for (pp_rank, tp_rank), agent_name in agents.items():
+                self.fence.add_peer(agent_name, _peer_generations(host, port, pp_rank, tp_rank))
+        return agents, clock_offset
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+        done, failed = super()._pop_done_transfers(transfers)
+        if self.fence is None or transfers is not self._recving_transfers:
+            return done, failed
+        # After the data: the pulls of retentions wait for their generations (kvferry.connector.fence).
+        return self.fence.settle(done, failed, self._pulled_blocks)
+
+    def _pulled_blocks(self, request_id: str) -> PulledBlocks | None:
+        return vllm_internals.pulled_blocks(self, request_id)
+
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        # Called again for a request that first waited for a handshake with its remote engine: checked then.
+        deadline = self._read_deadlines.get(req_id)
+        now = time.monotonic()
+        if not read_may_start(deadline, now):
+            assert deadline is not None
+            del self._read_deadlines[req_id]
+            logger.warning(
+                "failed a pull: its read window closed before the READ was posted, recomputing",
+                extra={"request_id": req_id, "seconds_late": round(now - deadline, 3)},
+            )
+            vllm_internals.fail_pull(self, req_id)
+            return
         # vLLM posts this request's READs inside: tell the coalescer whose they are.
         options = self._pull_options.get(req_id)
         local_ids, remote_ids = vllm_internals.pull_block_ids(meta)
@@ -480,6 +722,48 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def _pulled(self, record: PullRecord) -> None:
         self._pull_options.pop(record.request_id, None)
+        self._read_deadlines.pop(record.request_id, None)
+
+
+def _generations_problem(params: dict[str, Any]) -> str | None:
+    """Why a pull's generations are unusable (None: usable or absent; a pull without is not checked)."""
+    try:
+        generations = BlockGenerations.from_params(params)
+    except ValueError as bad:
+        return str(bad)
+    if generations is None:
+        return None
+    groups = vllm_params.block_id_groups(params)
+    blocks = len(groups[0]) if groups else 0
+    if len(generations.values) != blocks:
+        return f"{len(generations.values)} generations for {blocks} remote blocks"
+    return None
+
+
+def _peer_generations(host: str, port: int, pp_rank: int, tp_rank: int) -> GenerationArray | None:
+    """Where a holder's rank keeps its generations (None: it advertises none; its pulls are fenced)."""
+    try:
+        payload = vllm_internals.fetch_handshake_payload(
+            host, port, pp_rank, tp_rank, KvferryHandshakePayload
+        )
+    except Exception as error:
+        logger.warning(
+            "could not ask a holder for its generation array; pulls from it will be fenced",
+            extra={
+                "host": host,
+                "port": port,
+                "tp_rank": tp_rank,
+                "error": f"{type(error).__name__}: {error}",
+            },
+        )
+        return None
+    array: GenerationArray | None = payload.kvferry_generations
+    if array is None:
+        logger.warning(
+            "holder advertises no generation array; pulls of its retentions will be fenced",
+            extra={"host": host, "port": port, "tp_rank": tp_rank},
+        )
+    return array
 
 
 class KvferryConnector(NixlPullConnector):  # type: ignore[misc]
@@ -508,6 +792,12 @@ class KvferryConnector(NixlPullConnector):  # type: ignore[misc]
         self.connector_scheduler: KvferryScheduler | None = None
         self.connector_worker: KvferryWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if settings.fence_pulls and transfer.kv_load_failure_policy != "recompute":
+                logger.warning(
+                    "a fenced pull fails its request: set kv_transfer_config.kv_load_failure_policy to "
+                    '"recompute" so the engine recomputes instead (docs/connector.md#pull-time-fencing)',
+                    extra={"kv_load_failure_policy": transfer.kv_load_failure_policy},
+                )
             self.connector_scheduler = KvferryScheduler(
                 vllm_config, self.engine_id, kv_cache_config, settings, compat_hash
             )
@@ -520,8 +810,11 @@ class KvferryConnector(NixlPullConnector):  # type: ignore[misc]
 
 
 __all__ = [
+    "BUMPED_LOG",
+    "FREED_LOG",
     "KvferryConnector",
     "KvferryConnectorMetadata",
+    "KvferryHandshakePayload",
     "KvferryScheduler",
     "KvferryWorker",
 ]

@@ -63,6 +63,7 @@ class RetentionKeeper:
             block_digests=entry.block_digests,
             turn=entry.turn,
             ttl_seconds=self.lease_ttl_seconds,
+            block_generations=entry.block_generations,
         )
 
     def collect_frees(self) -> list[RetainedEntry]:

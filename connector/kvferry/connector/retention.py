@@ -11,10 +11,10 @@ retention any more (rule 1), plus ``grace`` seconds for reads handed out just be
 - LIVE until something ends it;
 - ENDING while an end waits for that confirmation. Ends that start here ask the registry:
   a newer turn retained here (local supersession) waits for that turn's publish (accepted: the
-  older one is superseded in the registry too; refused: the older one is LIVE again and the
-  refused one ends instead), the budget's evictions, the hard cap and refused reports need an
-  EndRetention call (``take_call``), which the registry answers once the record is gone and that
-  request can never be published again;
+  older one is superseded in the registry too; refused, or ended before it was acknowledged: the
+  older one is LIVE again and the newer one ends instead), the budget's evictions, the hard cap
+  and refused reports need an EndRetention call (``take_call``), which the registry answers once
+  the record is gone and that request can never be published again;
 - ENDED (confirmed) once the registry confirmed it: an EndRetention answered, or the registry's own
   word (an ENDED event, a SYNC no longer listing it) arrived, provided no report of it can still
   land (a report in flight or unanswered asks for an EndRetention first). Its blocks are freed
@@ -117,6 +117,8 @@ class RetainedEntry:
     release_at: float | None = None
     # Set when collected: freed after the registry confirmed the end (else at the hard cap).
     confirmed: bool = False
+    # The blocks' generations when retained (published with the record; kvferry.connector.generations).
+    block_generations: tuple[int, ...] = ()
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -194,6 +196,7 @@ class RetentionTable:
         block_ids: Sequence[int],
         num_tokens: int,
         block_digests: Sequence[bytes] = (),
+        block_generations: Sequence[int] = (),
     ) -> tuple[RetainedEntry, list[RetainedEntry]]:
         """Records a new retention. Returns it and the live turns of the same conversation (not
         newer) it supersedes here: they end once this one's publish is accepted."""
@@ -206,6 +209,7 @@ class RetentionTable:
             block_ids=tuple(block_ids),
             num_tokens=num_tokens,
             block_digests=tuple(block_digests),
+            block_generations=tuple(block_generations),
             created_at=now,
             last_used=now,
             last_contact=now,
@@ -387,8 +391,11 @@ class RetentionTable:
                 self._begin_end(entry, reason, now)
             self._set_superseded_by(entry, None)
             self._confirm_or_call(entry, now, revision)
-            # It was published (the registry ended it): the turns it superseded here are superseded there.
-            self._settle_superseded(request_id, accepted=True, revision=revision, now=now)
+            # Only an accepted publish replaced the turns it superseded here (``acknowledged`` settled
+            # those). Never acknowledged, the registry not holding it says nothing of them: its report
+            # may never have landed (no answer, e.g. etcd out of space, then the sidecar's sweep found
+            # the older turn held), so they are live again until the registry's own word ends them.
+            self._settle_superseded(request_id, accepted=entry.published, revision=revision, now=now)
             return True
 
     def sync(self, live_request_ids: Iterable[str], revision: int = 0) -> list[str]:

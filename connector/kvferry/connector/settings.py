@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvferry.pd.reuse import max_read_window
+
 # Keys vLLM's NixlConnector reads from the same dictionary (left to vLLM).
 VLLM_KEYS = frozenset(
     {
@@ -40,8 +42,9 @@ class KvferrySettings:
     # (report acknowledged, renewal), even if the sidecar or registry is unreachable (rule 4).
     max_retention_seconds: float = 1800.0
     # After the registry ends a retention, D keeps its blocks this much longer, so a prefill
-    # that was handed the retention just before can still read it (rule 1). Must exceed the
-    # read window routers hand out.
+    # that was handed the retention just before can still read it (rule 1). Published in the
+    # engine's registry record; routers hand out read windows of at most half of it
+    # (kvferry.pd.reuse.max_read_window).
     release_grace_seconds: float = 30.0
     # Lease length the connector asks for when it reports a retention.
     lease_ttl_seconds: int = 120
@@ -68,27 +71,44 @@ class KvferrySettings:
     # request receives by id so they form ascending runs (docs/coalesced-pulls.md). False keeps vLLM's
     # own block order and descriptors (for comparison).
     coalesce_pulls: bool = True
+    # Pull-time fencing (docs/connector.md#pull-time-fencing): every block carries a generation, bumped
+    # when a retained block goes back to vLLM's pool; retentions publish their blocks' generations, and
+    # a prefill reads them again from the holder after each pull of a retention, recomputing on any
+    # difference. Needs the engine core and its workers on one host. False: no generations published,
+    # pulls not checked.
+    fence_pulls: bool = True
+    # How long, microseconds, a worker waits for a pull's generation read right after the data arrived
+    # before it checks again at its next poll (a few microseconds on one host, tens over a network).
+    fence_wait_us: int = 2000
 
     def validate(self) -> None:
         problems: list[str] = []
         if self.max_retention_seconds <= 0:
             problems.append("max_retention_seconds must be > 0")
-        if self.release_grace_seconds < 0:
-            problems.append("release_grace_seconds must be >= 0")
+        if not self.release_grace_seconds > 0:
+            problems.append(
+                "release_grace_seconds must be > 0: it is what lets a prefill that was handed a retention "
+                "just before it ended still read it (routers hand out read windows of at most half of it)"
+            )
         if self.lease_ttl_seconds <= 0:
             problems.append("lease_ttl_seconds must be > 0")
         if not 0.0 < self.retained_kv_fraction <= 1.0:
             problems.append("retained_kv_fraction must be in (0, 1]")
         if self.min_read_seconds < 0:
             problems.append("min_read_seconds must be >= 0")
-        if self.min_read_seconds >= self.release_grace_seconds > 0:
-            problems.append("min_read_seconds must be smaller than release_grace_seconds")
+        if self.min_read_seconds >= max_read_window(self.release_grace_seconds) > 0:
+            problems.append(
+                "min_read_seconds must be smaller than half of release_grace_seconds (the longest read "
+                "window a router hands out): no pull could start otherwise"
+            )
         if self.stats_interval_seconds <= 0:
             problems.append("stats_interval_seconds must be > 0")
         if self.sidecar_timeout_seconds <= 0:
             problems.append("sidecar_timeout_seconds must be > 0")
         if self.nixl_progress_delay_us < 0:
             problems.append("nixl_progress_delay_us must be >= 0")
+        if self.fence_wait_us < 0:
+            problems.append("fence_wait_us must be >= 0")
         if problems:
             raise SettingsError("invalid kvferry connector settings: " + "; ".join(problems))
 

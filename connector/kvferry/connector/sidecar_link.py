@@ -8,8 +8,10 @@ One daemon thread hosts an asyncio loop with four tasks:
   call is ever dropped or sent for a retention that no longer needs it; the scheduler thread only
   pokes the sender (:meth:`SidecarLink.poke`).
 - watcher: the WatchReleases stream (SYNC, RENEWED, ENDED), fed to a :class:`ReleaseListener`;
-  reconnects with backoff.
-- stats: ReportEngineStats every ``stats_interval_seconds`` while the stats change.
+  reconnects with backoff. Each watch says the engine's release grace, which the sidecar publishes.
+- stats: ReportEngineStats every ``stats_interval_seconds`` while the stats change, and at once when a
+  rate the router decides on moved (:func:`~kvferry.connector.accounting.rates_moved`): the router's
+  next turn should already follow a pull that turned out slow.
 - timer: wakes the engine when the next retained block is due to be freed, so frees happen on
   time even when no request runs (the engine's loop sleeps otherwise).
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
-from kvferry.connector.accounting import StatsSnapshot
+from kvferry.connector.accounting import StatsSnapshot, rates_moved
 from kvferry.connector.retention import EndReason
 from kvferry.v1 import resources_pb2, sidecar_service_pb2, sidecar_service_pb2_grpc
 
@@ -45,6 +47,11 @@ _REASONS = {
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 # The sender looks for calls at least this often (an end refused is asked again after a while).
 _IDLE_RECHECK_SECONDS = 5.0
+# The sidecar is the engine's neighbour: after it restarts, relink within about a second (gRPC's own
+# reconnect backoff grows to 120 s, and until the watch is back the sidecar lacks the release grace and
+# no retention is published).
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+_MAX_RETRY_SECONDS = 1.0
 # The reason an EndRetention gives the registry, from why the connector ends the retention.
 _END_REASONS = {
     EndReason.EVICTED: resources_pb2.RELEASE_REASON_EVICTED,
@@ -65,6 +72,8 @@ class RetentionReport:
     block_digests: tuple[bytes, ...]
     turn: int
     ttl_seconds: int
+    # One per block id (empty: the engine does not fence pulls).
+    block_generations: tuple[int, ...] = ()
 
     def to_proto(self) -> resources_pb2.Retention:
         return resources_pb2.Retention(
@@ -77,6 +86,7 @@ class RetentionReport:
             block_digests=list(self.block_digests),
             turn=self.turn,
             ttl_seconds=self.ttl_seconds,
+            block_generations=list(self.block_generations),
         )
 
 
@@ -230,15 +240,19 @@ class SidecarLink:
         stats: Callable[[], tuple[int, StatsSnapshot]],
         timeout_seconds: float,
         stats_interval_seconds: float,
+        release_grace_seconds: float = 0.0,
     ) -> None:
         self._loop = loop
         self.address = address
         self.engine_id = engine_id
+        # Said on every watch: the sidecar publishes it in the engine's registry record.
+        self.release_grace_seconds = release_grace_seconds
         self._listener = listener
         self._stats = stats
         self._timeout = timeout_seconds
         self._stats_interval = stats_interval_seconds
         self._wakeup: asyncio.Event | None = None
+        self._measured: asyncio.Event | None = None
         self._connected: asyncio.Event | None = None
         self._link_up: bool | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -253,6 +267,10 @@ class SidecarLink:
         """Something may need sending (a retention to report, an end to confirm)."""
         self._loop.call_soon(self._wake_sender)
 
+    def rates_measured(self) -> None:
+        """A new pull or prefill sample: report the rates now if they moved."""
+        self._loop.call_soon(self._wake_stats)
+
     @property
     def connected(self) -> bool:
         return bool(self._link_up)
@@ -263,10 +281,15 @@ class SidecarLink:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    def _wake_stats(self) -> None:
+        if self._measured is not None:
+            self._measured.set()
+
     async def _main(self) -> None:
         self._wakeup = asyncio.Event()
+        self._measured = asyncio.Event()
         self._connected = asyncio.Event()
-        self._channel = grpc.aio.insecure_channel(self.address)
+        self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
         self._stub = sidecar_service_pb2_grpc.SidecarServiceStub(self._channel)
         try:
             await asyncio.gather(self._watch(), self._send(), self._send_stats())
@@ -299,7 +322,9 @@ class SidecarLink:
     async def _watch(self) -> None:
         assert self._stub is not None
         backoff = 0.5
-        request = sidecar_service_pb2.WatchReleasesRequest(engine_id=self.engine_id)
+        request = sidecar_service_pb2.WatchReleasesRequest(
+            engine_id=self.engine_id, release_grace_seconds=self.release_grace_seconds
+        )
         while True:
             try:
                 call = self._stub.WatchReleases(request)
@@ -318,7 +343,7 @@ class SidecarLink:
                 logger.exception("sidecar watch failed")
                 self._set_link(False, error)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, _MAX_RETRY_SECONDS)
 
     def _dispatch(self, event: sidecar_service_pb2.WatchReleasesResponse) -> None:
         kind = event.type
@@ -355,7 +380,7 @@ class SidecarLink:
                         self._listener.on_report_failed(call)
                     self._set_link(False, error)
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 10.0)
+                    backoff = min(backoff * 2, _MAX_RETRY_SECONDS)
                     continue
                 details = error.details() or ""
                 if isinstance(call, RetentionReport):
@@ -385,24 +410,33 @@ class SidecarLink:
             self._listener.on_end_confirmed(call, ended.ended, ended.revision)
 
     async def _send_stats(self) -> None:
-        assert self._stub is not None and self._connected is not None
+        assert self._stub is not None and self._connected is not None and self._measured is not None
         sent_version = -1
+        sent: StatsSnapshot | None = None
         idle_rounds = 0
         while True:
-            await asyncio.sleep(self._stats_interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._measured.wait(), self._stats_interval)
+            early = self._measured.is_set()
+            self._measured.clear()
             if not self.connected:
                 continue
             version, snapshot = self._stats()
-            idle_rounds += 1
-            # Unchanged stats still go out now and then, so the sidecar sees the engine is alive.
-            if version == sent_version and idle_rounds < 12:
-                continue
+            if early:
+                if not rates_moved(sent, snapshot):
+                    continue
+            else:
+                idle_rounds += 1
+                # Unchanged stats still go out now and then, so the sidecar sees the engine is alive.
+                if version == sent_version and idle_rounds < 12:
+                    continue
             try:
                 await self._stub.ReportEngineStats(
                     sidecar_service_pb2.ReportEngineStatsRequest(stats=stats_to_proto(snapshot)),
                     timeout=self._timeout,
                 )
                 sent_version = version
+                sent = snapshot
                 idle_rounds = 0
             except grpc.aio.AioRpcError as error:
                 if error.code() in _RETRYABLE:
@@ -419,6 +453,13 @@ def stats_to_proto(snapshot: StatsSnapshot) -> resources_pb2.EngineStats:
         retained_blocks=snapshot.retained_blocks,
         pulled_tokens_total=snapshot.pulled_tokens_total,
         computed_tokens_total=snapshot.computed_tokens_total,
+        fenced_pulls_total=snapshot.fenced_pulls_total,
+        peer_pull_rates=[
+            resources_pb2.PeerPullRate(
+                peer_engine_id=p.peer_engine_id, bytes_per_second=p.bytes_per_second, pulls=p.pulls
+            )
+            for p in snapshot.peer_pull_rates
+        ],
     )
 
 

@@ -28,6 +28,26 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
    sorts those fresh blocks by id (:func:`order_new_blocks`), so that prompts and pulls occupy
    ascending runs whatever order vLLM's free queue handed the blocks out in. Blocks that carry a
    prefix-cache hash (vLLM hashes blocks it computes at allocation when caching is on) never move.
+8. A failed pull: a pull whose read window closed before its READ was posted is failed the way vLLM
+   fails an expired read of its own (``_handle_failed_transfer`` into ``_recv_failures``, without
+   counting a transport failure): the scheduler sees it in ``failed_recving`` and recomputes.
+9. Pull-time fencing (kvferry.connector.generations, kvferry.connector.fence):
+   - the block pool's ``free_blocks`` is wrapped on the instance (:func:`watch_frees`): after it ran,
+     a block whose ``ref_cnt`` is 0 is back in the free queue, the only source of blocks vLLM hands
+     out (``get_new_blocks``), so its generation is bumped there;
+   - the worker's NIXL handshake payload (``xfer_handshake_metadata``, a ``NixlHandshakePayload``
+     vLLM passes to the scheduler and serves on its side channel) carries kvferry's generation array
+     as an extra field, which vLLM's decoder ignores; a prefill's worker asks the holder's side
+     channel for it again after vLLM's ``_nixl_handshake`` (:func:`fetch_handshake_payload`);
+   - a pull's blocks and the holder's agents come from the worker's ``_recving_metadata`` and
+     ``_remote_agents`` (:func:`pulled_blocks`); the worker's ``_pop_done_transfers`` is where a
+     finished pull becomes done or failed.
+   - a failed pull of a prefill from a decode engine (``do_remote_decode`` with
+     ``remote_block_ids``): vLLM 0.32 retries the request (``kv_load_failure_policy: "recompute"``)
+     by matching it again, and its scheduler offers the remote tokens again but never posts a second
+     pull (``_remote_blocks_processed``), so the request would wait for KV forever. The connector
+     removes the remote blocks from the request's params first (:func:`compute_after_failed_pull`):
+     the retry computes the prompt.
 """
 
 from __future__ import annotations
@@ -39,8 +59,12 @@ import queue
 import sys
 import threading
 import types
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
+
+from kvferry.connector.fence import PulledBlocks
+from kvferry.pd import vllm_params
+from kvferry.pd.kvferry_params import GENERATIONS_KEY
 
 logger = logging.getLogger("kvferry.connector.vllm_internals")
 
@@ -82,7 +106,18 @@ def check_vllm() -> str:
     for owner, names in (
         (BlockPool, ("touch", "free_blocks")),
         (NixlPullConnectorScheduler, ("request_finished", "build_connector_meta", "has_pending_push_work")),
-        (NixlPullConnectorWorker, ("start_load_kv", "_get_new_notifs", "_read_blocks_for_req")),
+        (
+            NixlPullConnectorWorker,
+            (
+                "start_load_kv",
+                "_get_new_notifs",
+                "_read_blocks_for_req",
+                "_handle_failed_transfer",
+                "register_kv_caches",
+                "_nixl_handshake",
+                "_pop_done_transfers",
+            ),
+        ),
         (EngineCore, ("step",)),
     ):
         missing += [f"{owner.__name__}.{n}" for n in names if not hasattr(owner, n)]
@@ -95,6 +130,16 @@ def check_vllm() -> str:
         f"NixlBaseConnectorScheduler.{n}"
         for n in ("_reqs_need_send", "_reqs_not_processed")
         if n not in source
+    ]
+    worker_source = inspect.getsource(NixlPullConnectorWorker.__mro__[1].__init__)
+    if "_recv_failures" not in worker_source:
+        missing.append("NixlBaseConnectorWorker._recv_failures")
+    if not hasattr(NixlPullConnectorScheduler, "set_xfer_handshake_metadata"):
+        missing.append("NixlPullConnectorScheduler.set_xfer_handshake_metadata")
+    missing += [
+        f"NixlBaseConnectorWorker.{n}"
+        for n in ("_recving_metadata", "_remote_agents", "xfer_handshake_metadata")
+        if n not in worker_source
     ]
     if missing:
         raise UnsupportedVllmError(
@@ -361,3 +406,84 @@ def _fresh(block: Any) -> bool:
 
 def filter_known(ids: Collection[str], known: Callable[[str], bool]) -> list[str]:
     return [i for i in ids if known(i)]
+
+
+# -- 8. a failed pull -----------------------------------------------------------------------------
+
+
+def fail_pull(worker_half: Any, request_id: str) -> None:
+    """Reports ``request_id``'s pull failed without posting it; vLLM then recomputes the request's prompt."""
+    worker_half._handle_failed_transfer(
+        request_id, None, worker_half._recv_failures, record_failed_transfer=False
+    )
+
+
+# -- 9. Pull-time fencing ---------------------------------------------------------------------------
+
+
+def watch_frees(block_pool: Any, on_freed: Callable[[list[Any]], object]) -> None:
+    """Calls ``on_freed(blocks)`` after every ``free_blocks`` of vLLM's block pool (instance attribute;
+    the class is untouched), on the engine core's thread, before vLLM can hand any block out again."""
+    free_blocks = block_pool.free_blocks
+
+    def free_and_report(ordered_blocks: Iterable[Any]) -> None:
+        blocks = list(ordered_blocks)  # vLLM may pass an iterator; both calls need the blocks
+        free_blocks(blocks)
+        on_freed(blocks)
+
+    block_pool.free_blocks = free_and_report
+
+
+def fetch_handshake_payload(host: str, port: int, pp_rank: int, tp_rank: int, payload_type: type) -> Any:
+    """The handshake payload a holder's side channel serves for one rank, decoded as ``payload_type``
+    (vLLM's own request: ``(GET_META_MSG, pp_rank, tp_rank)`` answered by ``[payload, clock]``)."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
+    from vllm.utils.network_utils import make_zmq_path
+
+    with zmq_ctx(zmq.REQ, make_zmq_path("tcp", host, port)) as sock:
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.send(msgspec.msgpack.encode((GET_META_MSG, pp_rank, tp_rank)))
+        reply = sock.recv_multipart()
+    return msgspec.msgpack.Decoder(payload_type).decode(reply[0])
+
+
+def pulled_blocks(worker: Any, request_id: str) -> PulledBlocks | None:
+    """What a finished pull read (first KV-cache group, logical block ids), from the pull worker's state;
+    None when the worker no longer knows the request."""
+    meta = worker._recving_metadata.get(request_id)
+    remote = getattr(meta, "remote", None)
+    if meta is None or remote is None:
+        return None
+    local_ids = _first_group(meta.local_block_ids)
+    remote_ids = _first_group(remote.block_ids)
+    # vLLM reads the tail of the remote list when this engine already holds a prefix of it.
+    if len(remote_ids) > len(local_ids):
+        remote_ids = remote_ids[len(remote_ids) - len(local_ids) :]
+    agents = list(worker._remote_agents.get(remote.engine_id, {}).values())
+    return PulledBlocks(
+        remote_engine_id=str(remote.engine_id),
+        remote_request_id=str(remote.request_id),
+        local_block_ids=local_ids,
+        remote_block_ids=remote_ids,
+        remote_agents=agents,
+    )
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """The first KV-cache group's ids (vLLM lists one list per group; a flat list is one group)."""
+    if not block_ids:
+        return []
+    first = block_ids[0]
+    return [int(b) for b in (first if isinstance(first, list | tuple) else block_ids)]
+
+
+def compute_after_failed_pull(request: Any) -> None:
+    """Makes vLLM's retry of a request whose pull failed compute its prompt instead of pulling again
+    (module doc, 9): the remote blocks, and the generations that came with them, leave its params."""
+    params = request.kv_transfer_params
+    if params:
+        vllm_params.strip_remote_blocks(params)
+        params.pop(GENERATIONS_KEY, None)

@@ -17,6 +17,7 @@ BENCHMARKS: list[tuple[str, str, str]] = [
         "kvferry.bench.faults",
         "turns under injected faults, checked by the no-served-after-freed oracle",
     ),
+    ("fence", "kvferry.bench.fence", "what pull-time fencing adds to the pull of a long retained prompt"),
 ]
 
 

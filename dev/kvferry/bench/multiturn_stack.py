@@ -16,7 +16,7 @@ import psutil
 from kvferry.connector.settings import KvferrySettings
 from kvferry.stack.engine import REPO_ROOT, EngineProcess
 from kvferry.stack.etcd_process import EtcdProcess, free_port
-from kvferry.stack.processes import StackState, spawn, spawn_registry, start_etcd, stop_processes
+from kvferry.stack.processes import StackState, registry_command, spawn, start_etcd, stop_processes
 from kvferry.stack.readiness import wait_engines_healthy, wait_grpc_serving, wait_router_ready
 
 BENCH_MODEL_DIR = REPO_ROOT / "deploy" / "models" / "bench-qwen3"
@@ -125,7 +125,8 @@ def start_stack(options: StackOptions, progress: Progress) -> BenchStack:
     try:
         progress("etcd: starting")
         start_etcd(etcd, state)
-        registry = spawn_registry(kvferry, etcd.endpoint, options.lease_ttl_seconds, logs, state)
+        registry, command = registry_command(kvferry, etcd.endpoint, options.lease_ttl_seconds)
+        spawn("registry", command, logs / "registry.log", state)
         wait_grpc_serving("registry", registry, 30.0)
         for engine in (prefill, decode):
             progress(f"engine {engine.engine_id}: starting ({engine.role}, core {engine.cpu_core})")

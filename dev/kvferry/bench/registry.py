@@ -10,6 +10,9 @@ Phases (``--phases``):
 - ``hold``: publishes ``--hold-retentions`` retentions with ``--hold-ttl`` and renews each one
   every TTL/3 for ``--hold-seconds``; reports how many are still live at the end, the renewal
   rate it needed and reached, and how late renewals ran.
+- ``scale`` (not in the default set): many live retentions of realistic size renewed in
+  ``RenewRetentions`` batches, with etcd's own byte counters and a projection to a million
+  (``kvferry.bench.registry_scale``).
 
 With no ``--registry`` it starts its own etcd (unless ``--etcd-endpoints``) and a registry
 subprocess, and reports the CPU each process used per phase (evidence of what limits).
@@ -39,9 +42,11 @@ from typing import Any
 
 import numpy as np
 import psutil
+from kvferry.bench import registry_scale
 from kvferry.stack.readiness import grpc_serving
 
 PHASES = ("throughput", "paced", "hold")
+OPTIONAL_PHASES = ("scale",)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +63,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="subprocess",
         help="run the started registry in its own process (realistic) or in this one",
     )
-    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {PHASES}")
+    parser.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help=f"comma-separated subset of {PHASES + OPTIONAL_PHASES}",
+    )
     parser.add_argument("--clients", default="1,16,64", help="concurrent clients for the throughput phase")
     parser.add_argument(
         "--ops", default="publish,lookup,renew", help="operations the throughput phase measures"
@@ -84,6 +93,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold-workers", type=int, default=64, help="concurrent renewals in the hold phase")
     parser.add_argument("--channels", type=int, default=4, help="gRPC channels the clients spread over")
     parser.add_argument("--json", default="", help="also write the results to this file")
+    registry_scale.configure(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -271,6 +281,9 @@ class Workload:
 
     def stub(self, client: int) -> Any:
         return self.stubs[client % len(self.stubs)]
+
+    def channel(self, client: int) -> Any:
+        return self._channels[client % len(self._channels)]
 
     async def start(self) -> None:
         from kvferry.v1 import registry_service_pb2 as api
@@ -569,9 +582,9 @@ async def _paced_etcd_floor(
 
 async def _main(args: argparse.Namespace) -> int:
     phases = [phase.strip() for phase in args.phases.split(",") if phase.strip()]
-    unknown = set(phases) - set(PHASES)
+    unknown = set(phases) - set(PHASES + OPTIONAL_PHASES)
     if unknown:
-        raise SystemExit(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
+        raise SystemExit(f"unknown phases {sorted(unknown)}; choose from {PHASES + OPTIONAL_PHASES}")
     levels = [int(level) for level in args.clients.split(",")]
     deployment = await deploy(args)
     cpu = CpuMeter(deployment.pids)
@@ -657,6 +670,10 @@ async def _main(args: argparse.Namespace) -> int:
                 f"cpu {held['renew_cpu']}",
                 flush=True,
             )
+        if "scale" in phases:
+            scaled = await registry_scale.scale(workload, args, cpu, deployment.etcd_endpoint, percentile)
+            results["scale"] = scaled
+            print(registry_scale.scale_line(scaled), flush=True)
     finally:
         await workload.close()
         await deployment.close()

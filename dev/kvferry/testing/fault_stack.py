@@ -178,6 +178,8 @@ class FaultStack:
                 f"{API_KEY}={TENANT}",
                 "--read-window",
                 str(self.settings.read_window_seconds),
+                "--min-release-grace",
+                str(self.settings.grace_seconds),
                 "--reuse-policy",
                 "always",
                 # The read window (1 s) is what limits a pull here, not the lease: pull whenever it is open.

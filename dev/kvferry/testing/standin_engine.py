@@ -143,8 +143,11 @@ class StandInEngine:
         decode_token_delay_seconds: float = 0.0,
         prefill_token_delay_seconds: float = 0.0,
         kv_recompute_threshold: int = 64,
+        release_grace_seconds: float = 30.0,
     ) -> None:
         self.engine_id = engine_id
+        # Published in its registry record, as a kvferry engine's sidecar does.
+        self.release_grace_seconds = release_grace_seconds
         self.role = role
         self.model = model
         self.registry_address = registry_address
@@ -185,6 +188,7 @@ class StandInEngine:
             block_size=self.block_size,
             kv_capacity_blocks=1_000_000,
             max_model_len=self.max_model_len,
+            release_grace_seconds=self.release_grace_seconds,
         )
 
     async def start(self) -> None:

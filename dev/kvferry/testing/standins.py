@@ -16,8 +16,9 @@ Both log JSON lines (kvferry.testing.oracle reads them):
 - D ``retained`` / ``freed retained blocks`` (request_id, block_ids, generations, reason, confirmed),
   the same names and fields as the connector's lines, and ``kv read`` for every read of its memory
   (request_id, block_ids, held: whether that request still held every block);
-- P ``kv pull`` (remote engine and request, block_ids, content_ok: whether the KV read equals the KV of
-  the prompt's tokens, fenced, recomputed).
+- P ``kv pull`` (remote engine and request, block_ids, generations: the record's, generations_read,
+  content_ok: whether the KV read equals the KV of the prompt's tokens, fenced: the generations differ,
+  so the pull was dropped, recomputed).
 
 Run one with ``python -m kvferry.testing.standins --role decode --port N --sidecar HOST:PORT ...``.
 """
@@ -41,13 +42,14 @@ from typing import Any
 
 import httpx
 import uvicorn
-from kvferry.connector.accounting import Accounting, pull_allowed
+from kvferry.connector.accounting import Accounting
 from kvferry.connector.keeper import RetentionKeeper
+from kvferry.connector.read_deadlines import pull_allowed, read_deadline, read_may_start
 from kvferry.connector.retention import RetainedEntry, RetentionTable
 from kvferry.connector.sidecar_link import BackgroundLoop, SidecarLink
 from kvferry.pd import vllm_params
 from kvferry.pd.digest import block_digests
-from kvferry.pd.kvferry_params import ConversationMark, lease_expire_time_from_params, parse_mark
+from kvferry.pd.kvferry_params import BlockGenerations, ConversationMark, parse_mark
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 from kvferry.runtime.logs import JsonFormatter
 from kvferry.testing.standin_engine import (
@@ -165,6 +167,14 @@ class StandInEngine:
     def now_wall(self) -> float:
         return time.time() + self.clock_offset_seconds
 
+    # The engine's clocks as the connector reads them (kvferry.connector.retention.Clock): a skewed wall
+    # clock, an unskewed monotonic one.
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return self.now_wall()
+
     # -- life ------------------------------------------------------------------------------------------
 
     async def serve(self) -> None:
@@ -177,6 +187,7 @@ class StandInEngine:
                 stats=lambda: (self.accounting.version, self.accounting.snapshot()),
                 timeout_seconds=5.0,
                 stats_interval_seconds=5.0,
+                release_grace_seconds=self.settings.grace_seconds,
             )
             self._link.start()
         self._loop.start()
@@ -272,6 +283,7 @@ class StandInEngine:
         return JSONResponse({"offset_seconds": self.clock_offset_seconds})
 
     async def _completions(self, request: Request) -> Response:
+        arrival_wall = self.now_wall()  # as vLLM stamps arrival_time
         body = await request.json()
         prompt = body.get("prompt")
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
@@ -279,23 +291,34 @@ class StandInEngine:
         params = body.get("kv_transfer_params") or {}
         request_id = request.headers.get("x-request-id") or f"standin-{uuid.uuid4().hex[:12]}"
         if vllm_params.wants_remote_decode(params):
-            return await self._prefill(prompt, params, request_id)
+            return await self._prefill(prompt, params, request_id, arrival_wall)
         return await self._decode(prompt, params, body, request_id)
 
     # -- P ---------------------------------------------------------------------------------------------
 
-    async def _prefill(self, prompt: list[int], params: dict[str, Any], request_id: str) -> Response:
+    async def _prefill(
+        self, prompt: list[int], params: dict[str, Any], request_id: str, arrival_wall: float
+    ) -> Response:
         remote = RemoteBlocks.from_params(params)
         pulled = 0
         if remote is not None and vllm_params.names_remote_blocks(params):
-            deadline = lease_expire_time_from_params(params)
-            if not pull_allowed(deadline, self.now_wall(), self.settings.min_read_seconds):
+            # What the connector does: the read window becomes a deadline on this engine's own clocks.
+            deadline = read_deadline(params, arrival_wall, self)
+            if not pull_allowed(deadline, self.monotonic(), self.settings.min_read_seconds):
                 log.info(
                     "declined a pull: read deadline too near, recomputing",
                     extra={"request_id": request_id, "remote_request_id": remote.request_id},
                 )
             else:
-                pulled = await self._pull(prompt, remote, request_id)
+                try:
+                    expected = BlockGenerations.from_params(params)
+                except ValueError as bad:  # as the connector: a pull it cannot check is declined
+                    log.info(
+                        "declined a pull: unusable generations, recomputing",
+                        extra={"request_id": request_id, "problem": str(bad)},
+                    )
+                else:
+                    pulled = await self._pull(prompt, remote, request_id, deadline, expected)
         self.accounting.on_matched(request_id, len(prompt), 0)
         first = standin_generate(prompt, 1)
         return JSONResponse(
@@ -332,8 +355,20 @@ class StandInEngine:
             }
         )
 
-    async def _pull(self, prompt: list[int], remote: RemoteBlocks, request_id: str) -> int:
-        """Reads the retained blocks from D; returns the tokens reused (0: recomputed)."""
+    async def _pull(
+        self,
+        prompt: list[int],
+        remote: RemoteBlocks,
+        request_id: str,
+        deadline: float | None,
+        expected: BlockGenerations | None,
+    ) -> int:
+        """Reads the retained blocks from D; returns the tokens reused (0: recomputed).
+
+        Pull-time fencing as the connector does it (kvferry.connector.fence): the generations read with
+        the blocks must equal the ones the record published (``expected``), else the pull is dropped and
+        the prompt recomputed. D answers contents and generations in one go, as the data READ followed
+        by the generation READ would see them."""
         block_size = self.settings.block_size
         reusable = min(remote.num_tokens or 0, len(prompt) - 1) // block_size
         block_ids = list(remote.block_ids[0][:reusable]) if remote.block_ids else []
@@ -345,6 +380,13 @@ class StandInEngine:
             "remote_request_id": remote.request_id,
             "block_ids": block_ids,
         }
+        if not read_may_start(deadline, self.monotonic()):
+            # As the connector's worker: the window closed before the READ was posted; vLLM recomputes.
+            log.info(
+                "kv pull",
+                extra={**fields, "failed": "read window closed", "content_ok": None, "recomputed": True},
+            )
+            return 0
         try:
             answer = await self._http.post(
                 f"http://{remote.host}:{remote.port}/kvferry/read",
@@ -358,20 +400,24 @@ class StandInEngine:
             )
             return 0
         read = answer.json()
-        expected = [d.hex() for d in block_digests(prompt[: reusable * block_size], block_size, salt=KV_HASH)]
-        content_ok = read["contents"] == expected
+        expected_contents = [
+            d.hex() for d in block_digests(prompt[: reusable * block_size], block_size, salt=KV_HASH)
+        ]
+        content_ok = read["contents"] == expected_contents
+        published = list(expected.values[: len(block_ids)]) if expected is not None else None
+        fenced = published is not None and read["generations"] != published
         log.info(
             "kv pull",
             extra={
                 **fields,
+                "generations": published,
                 "generations_read": read["generations"],
                 "content_ok": content_ok,
-                # The record carries no generations yet (fencing): nothing to compare with here.
-                "fenced": False,
-                "recomputed": False,
+                "fenced": fenced,
+                "recomputed": fenced,
             },
         )
-        return reusable * block_size
+        return 0 if fenced else reusable * block_size
 
     # -- D ---------------------------------------------------------------------------------------------
 
@@ -463,6 +509,8 @@ class StandInEngine:
             block_ids=blocks,
             num_tokens=num_tokens,
             block_digests=block_digests(tokens[:num_tokens], self.settings.block_size, salt=KV_HASH),
+            # Published with the record, as the connector's GenerationBook.publish does.
+            block_generations=[self.pool.generations[b] for b in blocks],
         )
         self.table.evict_over_budget()
         self.accounting.set_retained_blocks(self.table.held_blocks())

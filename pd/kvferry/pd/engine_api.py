@@ -13,7 +13,14 @@ from typing import Any, Literal, Protocol
 
 from kvferry.pd import vllm_params
 from kvferry.pd.chat import ChatRequest
-from kvferry.pd.kvferry_params import ConversationMark, Mark, PullOptions, mark_params
+from kvferry.pd.kvferry_params import (
+    BlockGenerations,
+    ConversationMark,
+    Mark,
+    PullOptions,
+    mark_params,
+    read_ms_params,
+)
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 
 
@@ -46,12 +53,18 @@ def prefill_transfer_params(
     mark: ConversationMark | None,
     reuse: RemoteBlocks | None,
     *,
-    lease_expire_time: float | None,
+    read_ms: int | None,
     pull_options: PullOptions | None = None,
+    generations: BlockGenerations | None = None,
 ) -> dict[str, Any]:
-    """``kv_transfer_params`` for a prefill request (P computes, D will pull), pulling ``reuse`` first."""
+    """``kv_transfer_params`` for a prefill request (P computes, D will pull), pulling ``reuse`` first within
+    ``read_ms`` milliseconds (and checking its blocks' ``generations`` after the pull)."""
     params = vllm_params.prefill_params(reuse)
-    params.update(mark_params(mark, lease_expire_time=lease_expire_time if reuse else None))
+    params.update(mark_params(mark))
+    if reuse is not None and read_ms is not None:
+        params.update(read_ms_params(read_ms))
+    if reuse is not None and generations is not None:
+        params.update(generations.to_params())
     if pull_options is not None:
         params.update(pull_options.to_params())
     return params
@@ -110,19 +123,26 @@ class PrefillRequest:
     mark: ConversationMark | None = None
     # Pull this prefix from a decode engine instead of computing it.
     reuse: RemoteBlocks | None = None
-    # The reused retention's read deadline, unix seconds (required with ``reuse`` and a mark).
-    lease_expire_time: float | None = None
+    # Milliseconds left to start reading the reused retention (kvferry.pd.reuse.ReadWindow); required with
+    # ``reuse`` and a mark. None without a mark: blocks vLLM holds on its own (its own expiry guards them).
+    read_ms: int | None = None
     # Sent as X-Request-Id; vLLM's engine request id is derived from it.
     request_id: str | None = None
     pull_options: PullOptions | None = None
+    # The generations the reused retention published for ``reuse``'s blocks (P checks them after the pull).
+    generations: BlockGenerations | None = None
     # Served through the chat endpoint (kvferry.pd.chat) instead of as a token-id completion.
     chat: ChatRequest | None = None
 
     def transfer_params(self) -> dict[str, Any]:
-        if self.reuse is not None and self.mark is not None and self.lease_expire_time is None:
-            raise ValueError("a marked prefill that reuses a retention must carry its lease_expire_time")
+        if self.reuse is not None and self.mark is not None and self.read_ms is None:
+            raise ValueError("a marked prefill that reuses a retention must carry its read window (read_ms)")
         params = prefill_transfer_params(
-            self.mark, self.reuse, lease_expire_time=self.lease_expire_time, pull_options=self.pull_options
+            self.mark,
+            self.reuse,
+            read_ms=self.read_ms,
+            pull_options=self.pull_options,
+            generations=self.generations,
         )
         if self.chat is not None and self.token_ids:
             params[vllm_params.PROMPT_TOKEN_IDS] = list(self.token_ids)
@@ -218,6 +238,8 @@ class DecodeResult:
     # A chat decode: the engine's chat completion as it came, without its kv_transfer_params (``text``:
     # its message's content).
     body: Mapping[str, Any] | None = None
+    # The generations D published with the retained blocks (None: it does not fence pulls).
+    retained_generations: BlockGenerations | None = None
 
 
 @dataclass(frozen=True)

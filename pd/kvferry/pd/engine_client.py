@@ -46,6 +46,7 @@ from kvferry.pd.engine_api import (
     Usage,
 )
 from kvferry.pd.engine_metrics import EngineMetrics, parse_metrics
+from kvferry.pd.kvferry_params import BlockGenerations
 from kvferry.pd.vllm_params import KvHandoff
 
 
@@ -212,7 +213,7 @@ class VllmEngineClient:
         """Non-streaming decode; its answer names the blocks D retained (``retained``)."""
         path, body = self._decode_body(request, stream=False)
         answer = await self._post_json(path, body, request_id=request.request_id)
-        retained = KvHandoff.from_params(answer.pop("kv_transfer_params", None))
+        params = answer.pop("kv_transfer_params", None)
         choice = (answer.get("choices") or [{}])[0]
         if request.chat is not None:
             text = str((choice.get("message") or {}).get("content") or "")
@@ -223,7 +224,8 @@ class VllmEngineClient:
             text=text,
             finish_reason=choice.get("finish_reason"),
             usage=Usage.from_body(answer.get("usage")),
-            retained=retained,
+            retained=KvHandoff.from_params(params),
+            retained_generations=BlockGenerations.from_params(params),
             body=answer if request.chat is not None else None,
         )
 

@@ -8,8 +8,10 @@ Wire forms (JSON, inside ``kv_transfer_params``)::
 
     decode, retain for the conversation:  "kvferry": {"tenant": "acme", "conversation_id": "c-42", "turn": 3}
     decode, free the blocks at finish:    "kvferry": {"retain": false}
-    prefill reusing a retention:          "kvferry": {"tenant": ..., "conversation_id": ..., "turn": ...,
-                                                      "lease_expire_time": 1767225600.0}
+    prefill pulling a retention:          "kvferry_read_ms": 8500  (beside vLLM's remote_* keys; with the
+                                          conversation mark when the turn has one)
+    the generations of the reused blocks: "kvferry_generations": [4503599627370497, ...]  (beside vLLM's
+                                          remote_block_ids, one per block)
     per-request pull options (tests):     "kvferry_pull": {"coalesce": false, "digest": true}
 """
 
@@ -34,20 +36,36 @@ from typing import Any
 #   3: "kvferry_pull" {coalesce, digest}: per-request pull options (vLLM's descriptors for one request,
 #      a digest of the received bytes in the pull's log line).
 #   4: the release mark {"retain": false} on decode requests: D frees the blocks as the request finishes.
+#   5: "kvferry_read_ms" (integer milliseconds) on every prefill request that pulls a retention, with or
+#      without a mark (retain=false turns too): how long P may still start reading it, counted from the
+#      retention's lookup and sent as the time left, never as a wall-clock instant (clocks of different
+#      machines disagree). P's connector turns it into its own monotonic deadline from the request's
+#      arrival and checks it when it schedules the pull and again when it posts the READ. Replaces
+#      "lease_expire_time", which the connector still honours from older clients when this key is absent.
+#   6: "kvferry_generations" [int, ...] on a prefill request that pulls a retention: the generations its
+#      record published, one per entry of remote_block_ids; P reads them again from D after the pull and
+#      recomputes on any difference (pull-time fencing). Absent: no check (earlier routers).
 #
-KVFERRY_PARAMS_VERSION: int = 4
+KVFERRY_PARAMS_VERSION: int = 6
 
 # The mark: which conversation a request belongs to, or that nothing will reuse it.
 MARK_KEY = "kvferry"
 RETAIN_KEY = "retain"
-# Inside the mark of a prefill request that reuses a retention: the latest time (unix seconds) the prefill
-# may start reading it. The prefill engine's connector declines the pull (and recomputes) when less than its
-# ``min_read_seconds`` is left. Clients send :func:`kvferry.pd.reuse.read_deadline`: never later than the
-# lease end, and within a read window shorter than the decode engine's release grace, so a retention
-# released meanwhile is still intact (rule 1 of docs/design.md).
+# On a prefill request that pulls a retention: milliseconds left to start reading it (version 5). Clients
+# send :meth:`kvferry.pd.reuse.ReadWindow.ms_left`: a window opened when the retention was looked up, never
+# past its lease end, and safely under the holder's release grace, so a retention released meanwhile is
+# still intact when P reads it (rule 1 of docs/design.md). The prefill engine's connector declines the pull
+# (and recomputes) when less than its ``min_read_seconds`` is left.
+READ_MS_KEY = "kvferry_read_ms"
+# Version 2's form of the same deadline, inside the mark: unix seconds. Older clients only; the connector
+# reads it when READ_MS_KEY is absent.
 LEASE_EXPIRE_KEY = "lease_expire_time"
 # Per-request pull options, beside the mark.
 PULL_OPTIONS_KEY = "kvferry_pull"
+# The published generations of the blocks a prefill pulls, beside vLLM's remote_block_ids (one per block).
+GENERATIONS_KEY = "kvferry_generations"
+# Generations are below 2**53 so that every JSON parser (IEEE doubles included) carries them exactly.
+MAX_GENERATION = 2**53 - 1
 
 _CONVERSATION_FIELDS = ("tenant", "conversation_id", "turn")
 
@@ -104,19 +122,31 @@ def _conversation_mark(raw: Mapping[str, Any]) -> ConversationMark:
     return ConversationMark(tenant=tenant, conversation_id=conversation_id, turn=turn)
 
 
-def mark_params(mark: Mark | None, *, lease_expire_time: float | None = None) -> dict[str, Any]:
-    """The mark for ``kv_transfer_params`` (empty without one); a reused retention's read deadline rides
-    along with a conversation mark."""
-    if mark is None:
-        return {}
-    params = mark.to_params()
-    if lease_expire_time is not None and isinstance(mark, ConversationMark):
-        params[MARK_KEY][LEASE_EXPIRE_KEY] = lease_expire_time
-    return params
+def mark_params(mark: Mark | None) -> dict[str, Any]:
+    """The mark for ``kv_transfer_params`` (empty without one)."""
+    return {} if mark is None else mark.to_params()
+
+
+def read_ms_params(ms_left: int) -> dict[str, Any]:
+    """The read window's time left for ``kv_transfer_params`` of a prefill that pulls."""
+    if ms_left < 0:
+        raise ValueError(f"the read window's time left must be >= 0 ms, got {ms_left}")
+    return {READ_MS_KEY: ms_left}
+
+
+def read_ms_from_params(params: Mapping[str, Any] | None) -> int | None:
+    """Milliseconds a prefill request has left to start reading the retention it pulls; None when absent.
+    Raises ValueError when malformed (not a non-negative integer)."""
+    raw = (params or {}).get(READ_MS_KEY)
+    if raw is None:
+        return None
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
+        raise ValueError(f"{READ_MS_KEY} must be a non-negative integer (milliseconds), got {raw!r:.100}")
+    return raw
 
 
 def lease_expire_time_from_params(params: Mapping[str, Any] | None) -> float | None:
-    """The read deadline a prefill request carries for the retention it reuses, if any."""
+    """Version 2's read deadline (unix seconds, inside the mark) of a prefill request from an older client."""
     if not params:
         return None
     raw = params.get(MARK_KEY)
@@ -156,3 +186,30 @@ class PullOptions:
         if self.coalesce is not None:
             body["coalesce"] = self.coalesce
         return {PULL_OPTIONS_KEY: body}
+
+
+@dataclass(frozen=True)
+class BlockGenerations:
+    """``kv_transfer_params["kvferry_generations"]``: the generations a retention's record published for the
+    blocks a prefill pulls, in the order of vLLM's ``remote_block_ids`` (its first KV-cache group).
+
+    P's connector reads the holder's generations of the pulled blocks after the data arrived and drops the
+    pull (recomputing) when any differs: the holder bumps a block's generation before it can reuse it.
+    """
+
+    values: tuple[int, ...]
+
+    def to_params(self) -> dict[str, Any]:
+        return {GENERATIONS_KEY: list(self.values)}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> BlockGenerations | None:
+        """The generations in ``params``; None when absent. Raises ValueError when malformed."""
+        raw = (params or {}).get(GENERATIONS_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, list | tuple) or not all(
+            isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GENERATION for g in raw
+        ):
+            raise ValueError(f"{GENERATIONS_KEY} must be a list of integers in [0, 2**53), got {raw!r:.200}")
+        return cls(values=tuple(raw))

@@ -1,8 +1,8 @@
 """The one prefill-then-decode sequence of a turn, used by the router, the stack, the benchmarks and tools.
 
 1. Prefill on P with ``max_tokens=1``. With a :class:`Pull`, P first pulls the retained prefix from D; the
-   request then carries the conversation mark with a read deadline (:func:`~kvferry.pd.reuse.read_deadline`)
-   so P's connector can decline a pull that might start too late.
+   request then carries the time left of the pull's read window (:class:`~kvferry.pd.reuse.ReadWindow`,
+   opened when the retention was looked up) so P's connector can decline a pull that might start too late.
 2. Reconcile: P's own count of cached tokens says how many it really pulled (it may decline the pull: the
    deadline too near, fewer tokens than its ``kv_recompute_threshold``).
 3. Decode on D with P's handoff and the mark: streamed (tokens as they come; closing the stream aborts the
@@ -32,8 +32,8 @@ from kvferry.pd.engine_api import (
     Sampling,
     Usage,
 )
-from kvferry.pd.kvferry_params import ConversationMark, Mark, PullOptions
-from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, read_deadline
+from kvferry.pd.kvferry_params import BlockGenerations, ConversationMark, Mark, PullOptions
+from kvferry.pd.reuse import ReadWindow
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 
 
@@ -42,9 +42,11 @@ class Pull:
     """The retained prefix P pulls from D instead of computing it."""
 
     blocks: RemoteBlocks
-    # When the retention's lease ends (unix seconds); the prefill's read deadline is drawn from it. None:
-    # blocks vLLM holds on its own (no lease; the request then carries no mark either).
-    lease_expire_time: float | None = None
+    # Until when P may start reading, opened when the retention was looked up. None: blocks vLLM holds on
+    # its own (no lease, no kvferry deadline: vLLM's own expiry check guards them).
+    window: ReadWindow | None = None
+    # The generations the retention published for ``blocks`` (P checks them after pulling; None: no check).
+    generations: BlockGenerations | None = None
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,6 @@ class EngineTurn:
     request_id: str | None = None
     # Options for P's pull (tests and comparisons; routers send none).
     pull_options: PullOptions | None = None
-    # How long after the prefill is sent it may still start reading the retention; below the decode engines'
-    # release grace (rule 1 of docs/design.md).
-    read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
     # Served through the engines' chat endpoint (kvferry.pd.chat): templates, tool and reasoning parsers and
     # structured outputs run in the engines.
     chat: ChatRequest | None = None
@@ -106,6 +105,8 @@ class Decoded:
     seconds: float
     # A non-streamed chat decode: D's chat completion as it came (without its kv_transfer_params).
     body: Mapping[str, Any] | None = None
+    # The generations D published with the retained blocks (non-streamed decodes of fencing engines).
+    retained_generations: BlockGenerations | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -127,7 +128,7 @@ async def prefill_then_decode(
     turn: EngineTurn,
     *,
     stream: bool = True,
-    clock: Callable[[], float] = time.time,
+    clock: Callable[[], float] = time.monotonic,
 ) -> AsyncGenerator[TurnEvent, None]:
     """The turn's engine calls: :class:`Prefilled`, the decode's chunks, :class:`Decoded` (module docs)."""
     prefilled = await prefill(prefill_engine, turn, clock=clock)
@@ -142,7 +143,7 @@ async def run_turn(
     decode_engine: EngineApi,
     turn: EngineTurn,
     *,
-    clock: Callable[[], float] = time.time,
+    clock: Callable[[], float] = time.monotonic,
 ) -> FinishedTurn:
     """:func:`prefill_then_decode` to its end, the decode not streamed (D's answer names what it retained)."""
     prefilled: Prefilled | None = None
@@ -159,23 +160,23 @@ async def run_turn(
 
 
 async def prefill(
-    engine: EngineApi, turn: EngineTurn, *, clock: Callable[[], float] = time.time
+    engine: EngineApi, turn: EngineTurn, *, clock: Callable[[], float] = time.monotonic
 ) -> Prefilled:
-    """Step 1 and 2: P computes the prompt (pulling the offered prefix first), and what it pulled."""
+    """Step 1 and 2: P computes the prompt (pulling the offered prefix first), and what it pulled. ``clock``:
+    the monotonic clock the pull's read window was opened on."""
     pull = turn.pull
-    deadline = None
-    if pull is not None and pull.lease_expire_time is not None:
-        deadline = read_deadline(pull.lease_expire_time, clock(), turn.read_window_seconds)
+    read_ms = pull.window.ms_left(clock()) if pull is not None and pull.window is not None else None
     started = time.perf_counter()
     result = await engine.prefill(
         PrefillRequest(
             token_ids=turn.token_ids,
             mark=turn.mark if pull is not None and isinstance(turn.mark, ConversationMark) else None,
             reuse=pull.blocks if pull is not None else None,
-            lease_expire_time=deadline,
+            read_ms=read_ms,
             request_id=f"{turn.request_id}-p" if turn.request_id else None,
             pull_options=turn.pull_options,
             chat=turn.chat,
+            generations=pull.generations if pull is not None else None,
         )
     )
     seconds = time.perf_counter() - started
@@ -205,6 +206,7 @@ async def decode(
     usage: Usage | None = None
     retained: KvHandoff | None = None
     body: Mapping[str, Any] | None = None
+    retained_generations: BlockGenerations | None = None
     if stream:
         # Closing the stream (here, or when our caller closes us) closes the HTTP request: vLLM aborts it.
         async with aclosing(engine.decode_stream(request)) as chunks:
@@ -218,6 +220,7 @@ async def decode(
         answer = await engine.decode(request)
         finish_reason, usage, retained = answer.finish_reason or "", answer.usage, answer.retained
         body = answer.body
+        retained_generations = answer.retained_generations
         token_ids.extend(answer.token_ids)
         texts.append(answer.text)
         yield DecodeChunk(answer.token_ids, answer.text, answer.finish_reason, answer.usage)
@@ -231,4 +234,5 @@ async def decode(
         retained=retained,
         seconds=time.perf_counter() - started,
         body=body,
+        retained_generations=retained_generations,
     )

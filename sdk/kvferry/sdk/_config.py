@@ -47,7 +47,8 @@ class TlsConfig:
 
     root_certificates: bytes | None = None
     certificate_chain: bytes | None = None
-    private_key: bytes | None = None
+    # Secret: never in a repr (nor in logs or errors that print the config).
+    private_key: bytes | None = field(default=None, repr=False)
     server_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -76,7 +77,8 @@ class ClientConfig:
     """Everything a ``Client`` needs; build it directly or with ``ClientConfig.load``."""
 
     address: str
-    api_key: str | None = None
+    # Secret: never in a repr (nor in logs or errors that print the config).
+    api_key: str | None = field(default=None, repr=False)
     tls: TlsConfig | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     deadlines: Deadlines = field(default_factory=Deadlines)

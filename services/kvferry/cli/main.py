@@ -19,6 +19,11 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("router", "kvferry.router.cli", "run the router: gRPC and OpenAI-compatible HTTP front door"),
     ("up", "kvferry.stack.up", "start the local stack (etcd, registry, router, engines, sidecars) + demo"),
     ("down", "kvferry.stack.down", "stop everything `kvferry up` started"),
+    (
+        "status",
+        "kvferry.stack.status",
+        "what the local stack runs: processes, health, retained KV per engine",
+    ),
     ("bench", "kvferry.bench.cli", "benchmarks: registry, router, multiturn, idle"),
 ]
 

@@ -6,7 +6,9 @@ transactions of one etcd transaction, each still judged by its own compares. A l
 out at once, unchanged, so an idle registry pays no delay. A gRPC call from Python costs about
 0.2 ms of CPU whatever it carries, and for writes one raft entry serves the whole batch.
 
-Two calls that write the same key never share a batch (etcd refuses that). If etcd refuses a
+Two calls that write the same key never share a batch (etcd refuses that), and a batch stays
+under ``MAX_BATCH_BYTES`` (etcd refuses requests past --max-request-bytes, 1.5 MiB by default;
+a few 170 KB records of 128k-token conversations reach it). If etcd refuses a
 batch as a whole (say a nested put names an expired lease), each call is sent again on its own,
 so one caller's problem stays its own.
 """
@@ -21,12 +23,17 @@ from kvferry.registry.etcd import Compare, EtcdGateway, LeaseNotFound, Op, Txn, 
 
 # Operations at one level of an etcd transaction are capped (--max-txn-ops, default 128).
 MAX_BATCH = 100
+# Bytes of keys and values in one batch; a single larger call still goes out, alone.
+MAX_BATCH_BYTES = 1024 * 1024
 
 
 class TxnBatcher:
-    def __init__(self, etcd: EtcdGateway, max_batch: int = MAX_BATCH) -> None:
+    def __init__(
+        self, etcd: EtcdGateway, max_batch: int = MAX_BATCH, max_batch_bytes: int = MAX_BATCH_BYTES
+    ) -> None:
         self._etcd = etcd
         self._max_batch = max_batch
+        self._max_batch_bytes = max_batch_bytes
         self._pending: list[tuple[Txn, asyncio.Future[TxnResult]]] = []
         self._drainer: asyncio.Task[None] | None = None
 
@@ -46,19 +53,22 @@ class TxnBatcher:
 
     def _next_batch(self) -> list[tuple[Txn, asyncio.Future[TxnResult]]]:
         """Takes pending calls in order, leaving for later any that writes a key already taken
-        (etcd refuses a transaction that writes one key twice)."""
+        (etcd refuses a transaction that writes one key twice) or that would make the batch too large."""
         batch: list[tuple[Txn, asyncio.Future[TxnResult]]] = []
         deferred: list[tuple[Txn, asyncio.Future[TxnResult]]] = []
         written: set[bytes] = set()
+        size = 0
         for item in self._pending:
             if len(batch) >= self._max_batch:
                 deferred.append(item)
                 continue
             keys = item[0].written_keys()
-            if keys & written:
+            weight = item[0].request_bytes()
+            if keys & written or (batch and size + weight > self._max_batch_bytes):
                 deferred.append(item)
                 continue
             written |= keys
+            size += weight
             batch.append(item)
         self._pending = deferred
         return batch

@@ -7,10 +7,12 @@ the round trip it was meant to save.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvferry.registry.records import StoredRetention
+from kvferry.v1 import resources_pb2 as resources
 
 # Per-entry bookkeeping beyond the record bytes (dict slot, key, small objects).
 _OVERHEAD_BYTES = 256
@@ -23,6 +25,8 @@ class CachedRetention:
     lease: int
     mod_revision: int
     size: int
+    # The renewal summary this registry last wrote (the latest expiry it knows); None: never renewed here.
+    renewal: resources.Retention | None = None
 
 
 class RetentionCache:
@@ -58,6 +62,12 @@ class RetentionCache:
         while self._bytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.size
+
+    def renewed(self, key: bytes, renewal: resources.Retention) -> None:
+        """Remembers the renewal written for a cached record (the record itself never changes)."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries[key] = dataclasses.replace(entry, renewal=renewal)
 
     def drop(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)

@@ -13,6 +13,7 @@ from kvferry.registry.config import RegistryConfig, TtlPolicy
 from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
 from kvferry.runtime.host import run_service
 from kvferry.runtime.logs import setup_logging
+from kvferry.runtime.tls import add_tls_flags, tls_from_args
 
 _DEFAULTS = RegistryConfig()
 
@@ -81,6 +82,15 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         type=int,
         default=_DEFAULTS.history_seconds,
     )
+    flags.add(
+        "--max-concurrent-streams",
+        "KVFERRY_MAX_CONCURRENT_STREAMS",
+        "calls one client connection may have open at once; more wait for one to end",
+        type=int,
+        default=_DEFAULTS.max_concurrent_streams,
+    )
+    add_tls_flags(flags)
+    add_tls_flags(flags, peer="etcd", prefix="etcd-tls")
     add_log_level_flag(flags)
     add_telemetry_flags(flags)
 
@@ -102,6 +112,9 @@ def config_from_args(args: argparse.Namespace) -> RegistryConfig:
         history_seconds=args.etcd_history,
         metrics_address=args.metrics_address or None,
         otlp_endpoint=args.otlp_endpoint or None,
+        tls=tls_from_args(args),
+        etcd_tls=tls_from_args(args, "etcd-tls"),
+        max_concurrent_streams=args.max_concurrent_streams,
     )
 
 

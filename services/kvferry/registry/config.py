@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvferry.runtime.tls import TlsFiles
+
 
 @dataclass(frozen=True)
 class TtlPolicy:
@@ -13,15 +15,24 @@ class TtlPolicy:
     max_engine_ttl_seconds: int = 300
     default_retention_ttl_seconds: int = 300
     max_retention_ttl_seconds: int = 3600
+    # A turn's mark (BeginTurn): short, so a router that dies frees its conversations soon.
+    default_turn_ttl_seconds: int = 5
+    max_turn_ttl_seconds: int = 60
 
     def __post_init__(self) -> None:
-        for name in ("default_engine_ttl_seconds", "default_retention_ttl_seconds"):
+        for name in (
+            "default_engine_ttl_seconds",
+            "default_retention_ttl_seconds",
+            "default_turn_ttl_seconds",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 s")
         if self.default_engine_ttl_seconds > self.max_engine_ttl_seconds:
             raise ValueError("the default engine TTL exceeds the maximum engine TTL")
         if self.default_retention_ttl_seconds > self.max_retention_ttl_seconds:
             raise ValueError("the default retention TTL exceeds the maximum retention TTL")
+        if self.default_turn_ttl_seconds > self.max_turn_ttl_seconds:
+            raise ValueError("the default turn TTL exceeds the maximum turn TTL")
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,13 @@ class RegistryConfig:
     metrics_address: str | None = None
     # OTLP/gRPC collector for traces; None: tracing off (incoming trace context is still passed on).
     otlp_endpoint: str | None = None
+    # Mutual TLS on the gRPC port, with each caller's role checked (kvferry.registry.access); None:
+    # plaintext, every caller served alike (the local stack).
+    tls: TlsFiles | None = None
+    # Mutual TLS to etcd (etcd's --client-cert-auth); None: plaintext.
+    etcd_tls: TlsFiles | None = None
+    # Concurrent streams (calls) one client connection may have open; more wait for one to end.
+    max_concurrent_streams: int = 1000
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
@@ -50,3 +68,5 @@ class RegistryConfig:
             raise ValueError("history seconds cannot be negative (0 turns compaction off)")
         if self.etcd_timeout_seconds <= 0:
             raise ValueError("the etcd timeout must be positive")
+        if self.max_concurrent_streams < 1:
+            raise ValueError("max concurrent streams must be at least 1")

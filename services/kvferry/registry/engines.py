@@ -162,13 +162,22 @@ class EngineStore:
         return RegisteredEngine(stored, lease.ttl_seconds, written.revision, lease.id, str(epoch))
 
     async def heartbeat_engine(
-        self, engine_id: str, stats: resources.EngineStats | None, incarnation: int = 0
+        self,
+        engine_id: str,
+        stats: resources.EngineStats | None,
+        incarnation: int = 0,
+        *,
+        release_grace_seconds: float = 0.0,
     ) -> LeaseRenewal:
-        """Renews the engine's lease (and stores fresh stats): the TTL left, and the revision.
+        """Renews the engine's lease (and stores fresh stats, and a release grace its connector said after
+        the registration; 0: unchanged): the TTL left, and the revision.
 
         With ``incarnation``, only that registration: another one live is NOT_FOUND (register again).
         """
         validation.require_id("engine_id", engine_id)
+        validation.release_grace(release_grace_seconds, "release_grace_seconds")
+        if stats is not None:
+            validation.engine_stats(stats, "stats")
         key = self.layout.engine(engine_id)
         read = await self.etcd.range(key)
         kv = read.first
@@ -185,12 +194,16 @@ class EngineStore:
         except LeaseNotFound:
             raise _not_registered(engine_id) from None
         self._metrics.lease_renewed(LEASE_ENGINE)
-        if stats is None:
+        engine = decode_engine(kv.value)
+        grace_changed = bool(release_grace_seconds) and release_grace_seconds != engine.release_grace_seconds
+        if stats is None and not grace_changed:
             # The keep-alive's revision comes from etcd's leader, which may apply a little behind the
             # member that served the read; callers compare revisions, so never answer below the read.
             return LeaseRenewal(renewal.ttl_seconds, max(renewal.revision, read.revision))
-        engine = decode_engine(kv.value)
-        engine.stats.CopyFrom(stats)
+        if stats is not None:
+            engine.stats.CopyFrom(stats)
+        if grace_changed:
+            engine.release_grace_seconds = release_grace_seconds
         try:
             update = await self.etcd.txn(
                 [LeaseIs(key, kv.lease)], [Put(key, engine.SerializeToString(), kv.lease)]

@@ -36,9 +36,10 @@ from typing import Any, TypeVar
 import aetcd
 import grpc
 from aetcd import rpc
-from kvferry.registry.errors import EtcdFailure, EtcdUnavailable
+from kvferry.registry.errors import EtcdFailure, EtcdNoSpace, EtcdUnavailable
 from kvferry.runtime.backoff import BackoffPolicy
 from kvferry.runtime.errors import ServiceError
+from kvferry.runtime.tls import TlsFiles, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,19 @@ class Txn:
             elif isinstance(operation, Txn):
                 keys |= operation.written_keys()
         return keys
+
+    def request_bytes(self) -> int:
+        """About what it weighs on the wire (keys and values): etcd refuses requests past
+        ``--max-request-bytes`` (1.5 MiB by default)."""
+        size = sum(len(compare.key) for compare in self.compare)
+        for operation in (*self.success, *self.failure):
+            if isinstance(operation, Put):
+                size += len(operation.key) + len(operation.value)
+            elif isinstance(operation, Txn):
+                size += operation.request_bytes()
+            else:
+                size += len(operation.key)
+        return size
 
 
 Op = Get | Put | Delete | Txn
@@ -378,6 +392,8 @@ class EtcdSettings:
 
     endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     timeout_seconds: float = 2.0
+    # Mutual TLS to etcd (its --client-cert-auth); None: plaintext.
+    tls: TlsFiles | None = None
 
 
 def grpc_target(endpoints: Sequence[str]) -> tuple[str, int]:
@@ -501,6 +517,21 @@ async def _ignore_rewind(seen_revision: int, revision: int) -> None:
     pass
 
 
+# How etcd words a write refused for its space quota (RESOURCE_EXHAUSTED).
+_NOSPACE_DETAIL = "database space exceeded"
+# How gRPC words a request past the server's limit (RESOURCE_EXHAUSTED, not an outage).
+_TOO_LARGE_DETAIL = "larger than max"
+
+
+@dataclass(frozen=True)
+class EtcdStatus:
+    """What one etcd member says of itself: its database size, and the space in use in it."""
+
+    db_size: int
+    db_size_in_use: int
+    revision: int
+
+
 class EtcdGateway:
     """etcd's KV, Lease and Watch calls with deadlines, typed values and registry errors.
 
@@ -528,9 +559,11 @@ class EtcdGateway:
         self._rewind: asyncio.Future[None] | None = None
         host, port = grpc_target(settings.endpoints)
         self._client = aetcd.Client(host=host, port=port, timeout=None, options=dict(_CHANNEL_OPTIONS))
+        self._tls_channel: grpc.aio.Channel | None = None
         self._kv: Any = None
         self._lease: Any = None
         self._watch: Any = None
+        self._maintenance: Any = None
         self._keepalives: list[_KeepAliveStream] = []
         self._next_keepalive = 0
 
@@ -540,10 +573,19 @@ class EtcdGateway:
 
     async def connect(self) -> None:
         """Builds the channel; it connects lazily and reconnects by itself when etcd returns."""
-        await self._client.connect()
-        self._kv = rpc.KVStub(self._client.channel)
-        self._lease = rpc.LeaseStub(self._client.channel)
-        self._watch = rpc.WatchStub(self._client.channel)
+        if self.settings.tls is None:
+            await self._client.connect()
+            channel = self._client.channel
+        else:
+            # aetcd builds plaintext channels only; the gateway uses nothing of its client but the channel.
+            host, port = grpc_target(self.settings.endpoints)
+            channel = self._tls_channel = open_channel(
+                f"{host}:{port}", self.settings.tls, options=list(_CHANNEL_OPTIONS.items())
+            )
+        self._kv = rpc.KVStub(channel)
+        self._lease = rpc.LeaseStub(channel)
+        self._watch = rpc.WatchStub(channel)
+        self._maintenance = rpc.MaintenanceStub(channel)
         self._keepalives = [
             _KeepAliveStream(self._lease, self._describe) for _ in range(self.KEEPALIVE_STREAMS)
         ]
@@ -552,6 +594,8 @@ class EtcdGateway:
         for stream in self._keepalives:
             await stream.close()
         await self._client.close()
+        if self._tls_channel is not None:
+            await self._tls_channel.close()
 
     def _describe(self, error: BaseException) -> Exception:
         if isinstance(error, grpc.aio.AioRpcError):
@@ -562,6 +606,18 @@ class EtcdGateway:
 
     def _translate(self, error: grpc.aio.AioRpcError, what: str) -> Exception:
         code = error.code()
+        if _TOO_LARGE_DETAIL in (error.details() or ""):
+            return EtcdFailure(
+                f"etcd at {self.endpoints_text} refused {what} as too large ({error.details()}); keep "
+                "requests under etcd's --max-request-bytes"
+            )
+        if _NOSPACE_DETAIL in (error.details() or ""):
+            return EtcdNoSpace(
+                f"etcd at {self.endpoints_text} refused {what}: it is out of space (NOSPACE alarm: its "
+                "database reached --quota-backend-bytes) and refuses every write until an operator frees "
+                "space: compact, defragment (etcdctl defrag) and disarm the alarm (etcdctl alarm disarm). "
+                "Reads still work; the registry reports NOT_SERVING meanwhile"
+            )
         if code in _UNAVAILABLE_CODES:
             return EtcdUnavailable(
                 f"etcd at {self.endpoints_text} did not answer {what} within "
@@ -674,6 +730,17 @@ class EtcdGateway:
             if isinstance(error, EtcdFailure) and "compacted" in str(error):
                 return
             raise self._failed("compact", error) from None
+
+    async def alarms(self) -> list[str]:
+        """etcd's raised alarms, by name (``NOSPACE``: out of quota, every write refused)."""
+        request = rpc.AlarmRequest(action=rpc.AlarmRequest.GET, memberID=0, alarm=rpc.AlarmType.NONE)
+        response = await self._call("alarm", "an alarm query", self._maintenance.Alarm, request)
+        return sorted({rpc.AlarmType.Name(member.alarm) for member in response.alarms})
+
+    async def status(self) -> EtcdStatus:
+        """The answering member's status (database size, space in use)."""
+        response = await self._call("status", "a status query", self._maintenance.Status, rpc.StatusRequest())
+        return EtcdStatus(int(response.dbSize), int(response.dbSizeInUse), int(response.header.revision))
 
     # --- leases -----------------------------------------------------------------------------
 

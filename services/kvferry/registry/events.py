@@ -1,13 +1,17 @@
 """Retention events per engine: one etcd watch, fanned out to every WatchRetentions stream.
 
-The watch covers ``retention/`` (live records and tombstones) with previous values, so each
-event explains itself:
+The watch covers ``retention/`` (live records, renewals and tombstones) with previous values, so
+each event explains itself:
 
 - DELETE of a live key, with a tombstone PUT in the same revision: ENDED with the tombstone's
   reason (RELEASED, EVICTED, ENGINE_GONE);
 - DELETE of a live key without one: the lease ran out, ENDED with EXPIRED;
 - PUT over a live key held by another lease: the older turn ENDED with SUPERSEDED;
-- PUT over a live key under the same lease: RENEWED, with the new expiry.
+- PUT of a renewal key: RENEWED, with the new expiry (the retention without its blocks: a
+  renewal ships the same few bytes whatever the conversation's length);
+- PUT over a live key under the same lease (a registry from before immutable records): RENEWED;
+- PUT of a live key: PUBLISHED, the whole record, to streams of every engine only
+  (WatchAllRetentions, which starts with a snapshot of every live retention).
 
 Events are routed by the engine named in the (previous) record. The watch resumes from the last
 revision it saw when etcd comes back, so no ending is lost across an outage. When etcd no longer
@@ -45,6 +49,10 @@ log = logging.getLogger(__name__)
 
 # Events buffered per stream before it is cut off as too slow (the client re-watches).
 SUBSCRIBER_QUEUE_SIZE = 10_000
+# The subscription key of streams that follow every engine (ids never are empty).
+ALL_ENGINES = ""
+# A stream of every engine buffers more: it waits while its snapshot is sent.
+ALL_ENGINES_QUEUE_SIZE = 200_000
 
 
 @dataclass(frozen=True)
@@ -131,7 +139,8 @@ class RetentionEventHub:
     @contextlib.asynccontextmanager
     async def attach(self, engine_id: str) -> AsyncIterator[Subscription]:
         """Receives what the hub dispatches for ``engine_id``, without starting its etcd watch."""
-        subscription = Subscription(engine_id)
+        size = ALL_ENGINES_QUEUE_SIZE if engine_id == ALL_ENGINES else SUBSCRIBER_QUEUE_SIZE
+        subscription = Subscription(engine_id, asyncio.Queue(maxsize=size))
         self._subscribers.setdefault(engine_id, set()).add(subscription)
         try:
             yield subscription
@@ -215,7 +224,28 @@ class RetentionEventHub:
             if event.type is EventType.PUT:
                 tombstones[(layout.conversation_of_tombstone(key), revision)] = decode_tombstone(kv.value)
             return
-        if not key.startswith(layout.live_retentions) or prev_kv is None:
+        if key.startswith(layout.renewals):
+            # Written under the record's own lease by a publish (no previous value, or the older
+            # turn's under another lease) and rewritten by each renewal (same lease): RENEWED.
+            if event.type is EventType.PUT and prev_kv is not None and prev_kv.lease == kv.lease:
+                renewed = decode_record(kv.value).retention
+                conversation = layout.conversation_of_renewal(key)
+                renewed.tenant = conversation.tenant
+                renewed.conversation_id = conversation.conversation_id
+                renewed.name = conversation.name
+                unspecified = resources.RELEASE_REASON_UNSPECIFIED
+                self._publish(
+                    RetentionEvent(registry.RETENTION_EVENT_TYPE_RENEWED, renewed, unspecified, 0.0, revision)
+                )
+            return  # its deletion goes with the record's, which says why
+        if not key.startswith(layout.live_retentions):
+            return
+        if event.type is EventType.PUT and ALL_ENGINES in self._subscribers:
+            published = decode_record(kv.value).retention
+            unspecified = resources.RELEASE_REASON_UNSPECIFIED
+            event_type = registry.RETENTION_EVENT_TYPE_PUBLISHED
+            self._publish(RetentionEvent(event_type, published, unspecified, 0.0, revision), engines=False)
+        if prev_kv is None:
             return  # a first publish: nothing ended, nothing renewed
         previous = decode_record(prev_kv.value).retention
         if event.type is EventType.DELETE:
@@ -244,6 +274,10 @@ class RetentionEventHub:
                 RetentionEvent(registry.RETENTION_EVENT_TYPE_ENDED, previous, superseded, end_time, revision)
             )
 
-    def _publish(self, event: RetentionEvent) -> None:
-        for subscription in self._subscribers.get(event.retention.engine_id, ()):
+    def _publish(self, event: RetentionEvent, *, engines: bool = True) -> None:
+        """To the streams of the retention's engine (unless not ``engines``) and of every engine."""
+        if engines:
+            for subscription in self._subscribers.get(event.retention.engine_id, ()):
+                subscription.offer(event)
+        for subscription in self._subscribers.get(ALL_ENGINES, ()):
             subscription.offer(event)

@@ -3,15 +3,21 @@
     {prefix}engines/{engine_id}                              Engine          engine lease
     {prefix}retention/live/{tenant}/{conversation_id}        stored record   the retention's lease
     {prefix}retention/ended/{tenant}/{conversation_id}       tombstone       the retention's lease
+    {prefix}retention/renewed/{tenant}/{conversation_id}     renewal         the retention's lease
     {prefix}engine-retentions/{engine_id}/{tenant}/{conversation_id}
                                                              incarnation     the retention's lease
     {prefix}ended-requests/{engine_id}/{engine_request_id}   tombstone       a lease of its own
+    {prefix}turns/{tenant}/{conversation_id}                 RunningTurn     a lease of its own
     {prefix}epoch                                            epoch           none
 
 Ids are restricted to ``[A-Za-z0-9._:-]`` (kvferry.runtime.ids), so ``/`` separates fields
 unambiguously. The tenant is part of every retention key: no request names another tenant's
-conversation. ``live`` and ``ended`` share the ``retention/`` prefix so one watch sees a
-deletion and its tombstone in the same revision.
+conversation. ``live``, ``ended`` and ``renewed`` share the ``retention/`` prefix so one watch
+sees a deletion and its tombstone in the same revision, and every renewal.
+
+A live record is written once (publish) and never rewritten: a renewal keeps its lease alive and
+writes only the small ``renewed`` key (the new expiry and the record's identity, no blocks), so
+what a renewal writes to etcd and ships on the watch does not grow with the conversation.
 """
 
 from __future__ import annotations
@@ -73,6 +79,13 @@ class KeyLayout:
     def tombstone(self, conversation: ConversationKey) -> bytes:
         return self.tombstones + f"{conversation.tenant}/{conversation.conversation_id}".encode()
 
+    @property
+    def renewals(self) -> bytes:
+        return self.retention_events + b"renewed/"
+
+    def renewal(self, conversation: ConversationKey) -> bytes:
+        return self.renewals + f"{conversation.tenant}/{conversation.conversation_id}".encode()
+
     @staticmethod
     def _conversation(tail: bytes) -> ConversationKey:
         tenant, _, conversation_id = tail.decode().partition("/")
@@ -83,6 +96,9 @@ class KeyLayout:
 
     def conversation_of_tombstone(self, key: bytes) -> ConversationKey:
         return self._conversation(key[len(self.tombstones) :])
+
+    def conversation_of_renewal(self, key: bytes) -> ConversationKey:
+        return self._conversation(key[len(self.renewals) :])
 
     # per-engine index
     @property
@@ -105,3 +121,7 @@ class KeyLayout:
     def index_entry_of(self, key: bytes) -> tuple[str, ConversationKey]:
         engine_id, _, tail = key[len(self.engine_indexes) :].partition(b"/")
         return engine_id.decode(), self._conversation(tail)
+
+    # turns in flight (one per conversation)
+    def turn(self, conversation: ConversationKey) -> bytes:
+        return f"{self.prefix}turns/{conversation.tenant}/{conversation.conversation_id}".encode()

@@ -13,6 +13,7 @@ Counting rules that keep sums across registry replicas exact:
 from __future__ import annotations
 
 from kvferry.runtime.metrics import (
+    LEASE_TURN,
     lease_renewals_counter,
     release_reason_label,
     releases_counter,
@@ -45,6 +46,11 @@ class RegistryMetrics:
             "Live retention records in etcd (cluster-wide; refreshed every few seconds).",
             registry=r,
         )
+        self.turns_refused = Counter(
+            "kvferry_registry_turns_refused",
+            "BeginTurn calls refused because another turn of the conversation was in flight.",
+            registry=r,
+        )
         self.epochs_started = Counter(
             "kvferry_registry_epochs_started",
             "New epochs this registry started because etcd was found restored from an older snapshot.",
@@ -53,6 +59,7 @@ class RegistryMetrics:
         # Closed label sets start at zero so rates exist before the first event.
         for op in ETCD_OPS:
             self.etcd_errors.labels(op=op)
+        self.lease_renewals.labels(kind=LEASE_TURN)
 
     def etcd_error(self, op: str) -> None:
         self.etcd_errors.labels(op=op).inc()
@@ -63,6 +70,9 @@ class RegistryMetrics:
     def released(self, reason: resources.ReleaseReason.ValueType, count: int = 1) -> None:
         if count > 0:
             self.releases.labels(reason=release_reason_label(reason)).inc(count)
+
+    def turn_refused(self) -> None:
+        self.turns_refused.inc()
 
     def restore_detected(self) -> None:
         self.epochs_started.inc()

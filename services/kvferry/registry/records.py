@@ -5,6 +5,10 @@ a small header naming the engine incarnation (the engine's lease id when the ret
 published). A lookup accepts the record only while that same incarnation is registered: a
 re-registered engine (a restart, whose KV blocks are gone) never serves retentions from before
 (rule 3 of docs/design.md).
+
+A record is immutable; a renewal writes a renewal value instead: the same header and a summary
+of the record (``renewal_summary``: holder, turn, TTL, the new ``expire_time``), a size bounded by
+the ids, whatever the number of blocks.
 """
 
 from __future__ import annotations
@@ -37,6 +41,25 @@ def decode_record(value: bytes) -> StoredRetention:
     retention = resources.Retention()
     retention.ParseFromString(value[_RECORD_HEADER.size :])
     return StoredRetention(retention=retention, engine_incarnation=incarnation)
+
+
+def encode_renewal(retention: resources.Retention, engine_incarnation: int) -> bytes:
+    """A renewal value: the new ``expire_time`` and what names the retention's holder, no blocks."""
+    return encode_record(renewal_summary(retention), engine_incarnation)
+
+
+def renewal_summary(retention: resources.Retention) -> resources.Retention:
+    """What a renewal writes and watchers see: the holder (engine, request, turn), the size in
+    tokens, TTL and expiry. Tenant, conversation and name are in the key (``KeyLayout.renewal``);
+    a few dozen bytes whatever the number of blocks."""
+    return resources.Retention(
+        engine_id=retention.engine_id,
+        engine_request_id=retention.engine_request_id,
+        turn=retention.turn,
+        num_tokens=retention.num_tokens,
+        ttl_seconds=retention.ttl_seconds,
+        expire_time=retention.expire_time,
+    )
 
 
 def encode_tombstone(reason: resources.ReleaseReason.ValueType, end_time: float) -> bytes:

@@ -9,8 +9,12 @@ etcd transaction guarded by compares, so a concurrent change is never overwritte
   (rule 3), checked in the same transaction, so correctness never depends on the reaper;
 - ending a retention writes a tombstone with the reason under the retention's lease and deletes
   the record and its index entry (``end_operations``, shared with the reaper);
-- a record is expired when its ``expire_time`` has passed (``is_expired``, the one definition);
-  whichever call finds it so first ends it in etcd, so nothing renews it back to life;
+- a record is written once and never rewritten: a renewal keeps its lease alive and writes the
+  new expiry to the record's small renewal key (``records.encode_renewal``, no blocks), so its
+  cost in etcd bytes and watch traffic does not grow with the conversation;
+- a record is expired when its ``expire_time`` (the later of the record's and its renewal's) has
+  passed (``is_expired``, the one definition); whichever call finds it so first ends it in etcd,
+  so nothing renews it back to life;
 - an engine ending its own retention (``end_engine_retention``) also leaves a marker that refuses
   any later publish of that engine request, so a publish still in flight cannot bring it back.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from kvferry.registry import validation
@@ -40,6 +45,7 @@ from kvferry.registry.etcd import (
     Op,
     Put,
     TxnResult,
+    prefix_end,
 )
 from kvferry.registry.keys import ConversationKey, KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
@@ -49,7 +55,9 @@ from kvferry.registry.records import (
     decode_record,
     encode_incarnation,
     encode_record,
+    encode_renewal,
     encode_tombstone,
+    renewal_summary,
 )
 from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.runtime.errors import Aborted, FailedPrecondition, NotFound, ServiceError
@@ -61,6 +69,8 @@ log = logging.getLogger(__name__)
 
 # Optimistic transactions retry this often before answering ABORTED.
 _TXN_ATTEMPTS = 4
+# Records per snapshot read (a 128k-token record is ~170 KB: a page stays under ~35 MB).
+SNAPSHOT_PAGE = 200
 # Records kept in memory to answer lookups and renewals in one etcd round trip.
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 # How long an engine request its engine ended stays unpublishable. A publish of it can only be in
@@ -93,16 +103,33 @@ class EngineEnd:
 
 @dataclass(frozen=True)
 class _LiveRecord:
-    """A live record as read: its lease and the revision that wrote it, and the revision of the read."""
+    """A live record as read (with its latest expiry): its lease, the revisions that wrote it and
+    its renewal (0: never renewed), and the revision of the read."""
 
     stored: StoredRetention
     lease: int
     mod_revision: int
+    renewal_revision: int
     revision: int
+
+
+def with_renewal(stored: StoredRetention, lease: int, renewal: KeyValue | None) -> StoredRetention:
+    """The record with the expiry its renewal key holds (a renewal of this record: same lease)."""
+    if renewal is None or renewal.lease != lease:
+        return stored
+    renewed = decode_record(renewal.value).retention
+    if renewed.expire_time.ToNanoseconds() <= stored.retention.expire_time.ToNanoseconds():
+        return stored
+    retention = resources.Retention()
+    retention.CopyFrom(stored.retention)
+    retention.expire_time.CopyFrom(renewed.expire_time)
+    return StoredRetention(retention, stored.engine_incarnation)
 
 
 def is_expired(retention: resources.Retention, now: float) -> bool:
     """The one definition of an expired retention: its ``expire_time`` has passed on the registry's clock.
+
+    ``retention`` is the record as read with its renewal key (``with_renewal``): the latest expiry.
 
     The lease alone does not say it: etcd deletes an expired lease's keys up to ~0.5 s late, and an
     etcd restart or leader change restores leases with a fresh TTL. Lookups, renewals, releases and
@@ -127,6 +154,7 @@ def end_operations(
     return [
         Put(layout.tombstone(conversation), encode_tombstone(reason, end_time), lease),
         Delete(layout.live(conversation)),
+        Delete(layout.renewal(conversation)),
         Delete(layout.engine_index(engine_id, conversation)),
     ]
 
@@ -189,8 +217,13 @@ class RetentionStore:
 
     # --- publish ----------------------------------------------------------------------------
 
-    async def publish_retention(self, retention: resources.Retention) -> PublishedRetention:
-        """Stores a conversation's retention under its own lease, superseding an older turn atomically."""
+    async def publish_retention(
+        self, retention: resources.Retention, incarnation: int = 0
+    ) -> PublishedRetention:
+        """Stores a conversation's retention under its own lease, superseding an older turn atomically.
+
+        With ``incarnation``, only for that registration of the engine: another one live is
+        FAILED_PRECONDITION (the publish comes from a sidecar that missed a re-registration)."""
         conversation = validation.validate_retention_shape(retention)
         ttl = validation.retention_ttl(retention.ttl_seconds, self.ttl)
         # The lease is granted while the current state is read: one round trip less per publish.
@@ -198,7 +231,7 @@ class RetentionStore:
         published: PublishedRetention | None = None
         try:
             for _ in range(_TXN_ATTEMPTS):
-                published = await self._try_publish(retention, conversation, grant)
+                published = await self._try_publish(retention, conversation, grant, incarnation)
                 if published is not None:
                     if published.superseded_turn:
                         self._metrics.released(resources.RELEASE_REASON_SUPERSEDED)
@@ -224,13 +257,20 @@ class RetentionStore:
             await self.etcd.revoke_quietly(lease.id, "unused lease")
 
     async def _try_publish(
-        self, retention: resources.Retention, conversation: ConversationKey, grant: asyncio.Future[Lease]
+        self,
+        retention: resources.Retention,
+        conversation: ConversationKey,
+        grant: asyncio.Future[Lease],
+        expected_incarnation: int,
     ) -> PublishedRetention | None:
         """One optimistic attempt; None when a concurrent change won and the caller should retry."""
         engine_key = self.layout.engine(retention.engine_id)
         live_key = self.layout.live(conversation)
         ended_key = self.layout.ended_request(retention.engine_id, retention.engine_request_id)
-        snapshot = await self._reads.txn([], [Get(engine_key), Get(live_key), Get(ended_key)])
+        renewal_key = self.layout.renewal(conversation)
+        snapshot = await self._reads.txn(
+            [], [Get(engine_key), Get(live_key), Get(ended_key), Get(renewal_key)]
+        )
         engine_kv, live_kv = snapshot.range(0).first, snapshot.range(1).first
         if engine_kv is None:
             raise FailedPrecondition(
@@ -240,13 +280,18 @@ class RetentionStore:
         if snapshot.range(2).first is not None:
             raise _ended_by_engine(retention)
         incarnation = engine_kv.lease
+        if expected_incarnation and expected_incarnation != incarnation:
+            raise FailedPrecondition(
+                f"engine {retention.engine_id} is registered under incarnation {incarnation:x}, not "
+                f"{expected_incarnation:x} (it registered again); publish under the current registration"
+            )
         validation.validate_against_engine(retention, decode_engine(engine_kv.value))
         superseded_turn = 0
         operations: list[Op] = []
         live_revision = 0
         if live_kv is not None:
             live_revision = live_kv.mod_revision
-            current = decode_record(live_kv.value)
+            current = with_renewal(decode_record(live_kv.value), live_kv.lease, snapshot.range(3).first)
             # An expired record is not live (is_expired: the one definition), though etcd may keep it a
             # while: a new request replaces it whatever its turn. Its own retry does not revive it.
             replaceable = is_expired(current.retention, self._clock.time()) and not _is_same_publish(
@@ -282,6 +327,8 @@ class RetentionStore:
             Put(live_key, record, lease.id),
             Put(index_key, encode_incarnation(incarnation), lease.id),
         ]
+        # The renewal key starts with the record (replacing an older turn's): renewals read it alone.
+        operations.append(Put(renewal_key, encode_renewal(stored, incarnation), lease.id))
         committed = await self._writes.txn(
             [
                 LeaseIs(engine_key, incarnation),
@@ -321,29 +368,40 @@ class RetentionStore:
     async def _read_live(self, conversation: ConversationKey) -> _LiveRecord:
         """The live record while its engine incarnation is registered; NotFound otherwise."""
         live_key = self.layout.live(conversation)
+        renewal_key = self.layout.renewal(conversation)
         cached = self._cache.get(live_key)
         engine_kv: KeyValue | None = None
         if cached is not None:
+            # The record never changes while it lives: only its (small) renewal is read.
             engine_key = self.layout.engine(cached.stored.retention.engine_id)
             checked = await self._reads.txn(
                 [
                     ModRevisionIs(live_key, cached.mod_revision),
                     LeaseIs(engine_key, cached.stored.engine_incarnation),
                 ],
-                [],
-                [Get(live_key), Get(engine_key)],
+                [Get(renewal_key)],
+                [Get(live_key), Get(engine_key), Get(renewal_key)],
             )
             if checked.succeeded:
-                return _LiveRecord(cached.stored, cached.lease, cached.mod_revision, checked.revision)
+                renewal = checked.range(0).first
+                return _LiveRecord(
+                    with_renewal(cached.stored, cached.lease, renewal),
+                    cached.lease,
+                    cached.mod_revision,
+                    renewal.mod_revision if renewal is not None else 0,
+                    checked.revision,
+                )
             live_kv, engine_kv, revision = checked.range(0).first, checked.range(1).first, checked.revision
+            renewal = checked.range(2).first
         else:
-            read = await self._reads.txn([], [Get(live_key)])
-            live_kv, revision = read.range(0).first, read.revision
+            read = await self._reads.txn([], [Get(live_key), Get(renewal_key)])
+            live_kv, renewal, revision = read.range(0).first, read.range(1).first, read.revision
         if live_kv is None:
             self._cache.drop(live_key)
             raise _no_retention(conversation)
-        stored = decode_record(live_kv.value)
-        self._cache.put(live_key, stored, live_kv.lease, live_kv.mod_revision, len(live_kv.value))
+        record = decode_record(live_kv.value)
+        self._cache.put(live_key, record, live_kv.lease, live_kv.mod_revision, len(live_kv.value))
+        stored = with_renewal(record, live_kv.lease, renewal)
         if cached is None or cached.stored.retention.engine_id != stored.retention.engine_id:
             # The engine this record names was not read yet.
             engine = await self._reads.txn([], [Get(self.layout.engine(stored.retention.engine_id))])
@@ -353,10 +411,12 @@ class RetentionStore:
                 f"conversation {conversation.conversation_id} of tenant {conversation.tenant} was retained "
                 f"on engine {stored.retention.engine_id}, which left the registry; recompute"
             )
-        return _LiveRecord(stored, live_kv.lease, live_kv.mod_revision, revision)
+        renewal_revision = renewal.mod_revision if renewal is not None else 0
+        return _LiveRecord(stored, live_kv.lease, live_kv.mod_revision, renewal_revision, revision)
 
     async def _end_expired(self, conversation: ConversationKey, record: _LiveRecord) -> bool:
-        """Ends a record found expired (EXPIRED), guarded by the revision it was read at.
+        """Ends a record found expired (EXPIRED), guarded by the revisions of the record and its
+        renewal as read: a renewal that landed meanwhile (judged unexpired elsewhere) stands.
 
         True when the record is gone now; False when it changed since the read (judge it again).
         """
@@ -372,7 +432,13 @@ class RetentionStore:
             self._clock.time(),
         )
         try:
-            committed = await self.etcd.txn([ModRevisionIs(live_key, record.mod_revision)], ending)
+            committed = await self.etcd.txn(
+                [
+                    ModRevisionIs(live_key, record.mod_revision),
+                    ModRevisionIs(self.layout.renewal(conversation), record.renewal_revision),
+                ],
+                ending,
+            )
         except LeaseNotFound:
             return True  # its lease ran out meanwhile, and etcd deleted it
         if not committed.succeeded:
@@ -395,28 +461,45 @@ class RetentionStore:
     async def renew_retention(self, tenant: str, conversation_id: str) -> FoundRetention:
         """Extends the retention's lease and records the new expiry (watchers see RENEWED).
 
-        An expired record is not renewed (NOT_FOUND) but ended. One round trip (a keep-alive and a
-        guarded re-put, sent together) when this registry knows the record; a read first otherwise.
+        The record itself is never read nor rewritten: a renewal reads and writes the record's
+        small renewal key (holder, turn, expiry; no blocks), guarded by the record's lease, so it
+        costs the same whatever the conversation's length. An expired record is not renewed
+        (NOT_FOUND) but ended. One round trip (a keep-alive and a guarded put, sent together) when
+        this registry knows the retention; a small read first otherwise.
         """
         conversation = validation.conversation_key(tenant, conversation_id)
         live_key = self.layout.live(conversation)
         cached = self._cache.get(live_key)
-        # A renewal elsewhere only moves the expiry later: unexpired in the cache is unexpired in etcd.
-        if cached is not None and not is_expired(cached.stored.retention, self._clock.time()):
-            renewed = await self._renew_once(live_key, cached.stored, cached.lease)
-            if renewed is not None:
-                return renewed
+        if cached is not None:
+            current = (
+                cached.renewal if cached.renewal is not None else renewal_summary(cached.stored.retention)
+            )
+            # A renewal elsewhere only moves the expiry later: unexpired here is unexpired in etcd.
+            if not is_expired(current, self._clock.time()):
+                state = StoredRetention(current, cached.stored.engine_incarnation)
+                renewed = await self._renew_once(conversation, state, cached.lease)
+                if renewed is not None:
+                    return renewed
         self._cache.drop(live_key)
         for _ in range(_TXN_ATTEMPTS):
-            kv = await self.etcd.get(live_key)
-            if kv is None:
+            live, renewal = await self._renewal_state(conversation)
+            if live is None:
                 raise _no_retention(conversation)
-            stored = decode_record(kv.value)
-            if is_expired(stored.retention, self._clock.time()):
-                if await self._end_expired(conversation, _LiveRecord(stored, kv.lease, kv.mod_revision, 0)):
+            if renewal is not None and renewal.lease == live.lease:
+                state = decode_record(renewal.value)
+            else:  # a record from before renewal keys were written at publish: read it once
+                record_kv = await self.etcd.get(live_key)
+                if record_kv is None or record_kv.lease != live.lease:
+                    continue
+                record = decode_record(record_kv.value)
+                state = StoredRetention(renewal_summary(record.retention), record.engine_incarnation)
+            if is_expired(state.retention, self._clock.time()):
+                renewal_revision = renewal.mod_revision if renewal is not None else 0
+                expired = _LiveRecord(state, live.lease, live.mod_revision, renewal_revision, 0)
+                if await self._end_expired(conversation, expired):
                     raise _no_retention(conversation)
                 continue
-            renewed = await self._renew_once(live_key, stored, kv.lease)
+            renewed = await self._renew_once(conversation, state, live.lease)
             if renewed is None:
                 raise NotFound(
                     f"conversation {conversation_id} of tenant {tenant} has no retention to renew: it was "
@@ -425,24 +508,65 @@ class RetentionStore:
             return renewed
         raise Aborted(f"conversation {conversation_id} changed concurrently while renewing; retry")
 
+    async def renew_retentions(
+        self, conversations: Sequence[tuple[str, str]]
+    ) -> list[FoundRetention | ServiceError]:
+        """Renews many conversations at once (one client's batch): each as ``renew_retention``, the
+        etcd calls shared (keep-alives on one stream, the puts batched into few transactions).
+
+        Answers in order, a failure per conversation as its error (the others still renew).
+        """
+        outcomes = await asyncio.gather(
+            *(self.renew_retention(tenant, conversation_id) for tenant, conversation_id in conversations),
+            return_exceptions=True,
+        )
+        answers: list[FoundRetention | ServiceError] = []
+        for outcome in outcomes:
+            if isinstance(outcome, (FoundRetention, ServiceError)):
+                answers.append(outcome)
+            else:
+                raise outcome
+        return answers
+
+    async def _get_live(self, conversation: ConversationKey) -> tuple[KeyValue | None, KeyValue | None]:
+        """The record and its renewal, read together."""
+        read = await self._reads.txn(
+            [], [Get(self.layout.live(conversation)), Get(self.layout.renewal(conversation))]
+        )
+        return read.range(0).first, read.range(1).first
+
+    async def _renewal_state(self, conversation: ConversationKey) -> tuple[KeyValue | None, KeyValue | None]:
+        """The record's key (its lease and revision, not its value) and its renewal, read together."""
+        read = await self._reads.txn(
+            [], [Get(self.layout.live(conversation), keys_only=True), Get(self.layout.renewal(conversation))]
+        )
+        return read.range(0).first, read.range(1).first
+
     async def _renew_once(
-        self, live_key: bytes, stored: StoredRetention, lease: int
+        self, conversation: ConversationKey, state: StoredRetention, lease: int
     ) -> FoundRetention | None:
-        """Renews ``lease`` and re-puts the record if it still holds the conversation; else None.
+        """Renews ``lease`` and writes the new expiry to the renewal key if the record still holds
+        the conversation; else None. ``state`` is the renewal summary (``records.renewal_summary``).
 
         The guard is the record's lease: whoever ended the record (expiry included) deleted it first.
         """
-        retention = resources.Retention()
-        retention.CopyFrom(stored.retention)
-        # A keep-alive restores the granted TTL; the record says so.
-        retention.expire_time.CopyFrom(to_timestamp(self._clock.time() + retention.ttl_seconds))
-        engine_key = self.layout.engine(retention.engine_id)
-        record = encode_record(retention, stored.engine_incarnation)
+        live_key = self.layout.live(conversation)
+        summary = resources.Retention()
+        summary.CopyFrom(state.retention)
+        # A keep-alive restores the granted TTL; the renewal says so.
+        summary.expire_time.CopyFrom(to_timestamp(self._clock.time() + summary.ttl_seconds))
+        engine_key = self.layout.engine(summary.engine_id)
         renewal, update = await asyncio.gather(
             self.etcd.keep_alive_once(lease),
             self._writes.txn(
-                [LeaseIs(live_key, lease), LeaseIs(engine_key, stored.engine_incarnation)],
-                [Put(live_key, record, lease)],
+                [LeaseIs(live_key, lease), LeaseIs(engine_key, state.engine_incarnation)],
+                [
+                    Put(
+                        self.layout.renewal(conversation),
+                        encode_renewal(summary, state.engine_incarnation),
+                        lease,
+                    )
+                ],
             ),
             return_exceptions=True,
         )
@@ -455,14 +579,12 @@ class RetentionStore:
         if not update.succeeded:
             return None
         self._metrics.lease_renewed(LEASE_RETENTION)
-        self._cache.put(
-            live_key,
-            StoredRetention(retention, stored.engine_incarnation),
-            lease,
-            update.revision,
-            len(record),
-        )
-        return FoundRetention(retention, update.revision)
+        self._cache.renewed(live_key, summary)
+        answer = resources.Retention()
+        answer.CopyFrom(summary)
+        answer.tenant, answer.conversation_id = conversation.tenant, conversation.conversation_id
+        answer.name = conversation.name
+        return FoundRetention(answer, update.revision)
 
     # --- release ----------------------------------------------------------------------------
 
@@ -485,15 +607,17 @@ class RetentionStore:
         if engine_request_id:
             validation.require_id("engine_request_id", engine_request_id)
         live_key = self.layout.live(conversation)
-        kv = await self.etcd.get(live_key)
+        kv, renewal = await self._get_live(conversation)
         for _ in range(_TXN_ATTEMPTS):
             if kv is None:
                 raise _no_retention(conversation)
-            stored = decode_record(kv.value)
+            stored = with_renewal(decode_record(kv.value), kv.lease, renewal)
             if is_expired(stored.retention, self._clock.time()):
-                if await self._end_expired(conversation, _LiveRecord(stored, kv.lease, kv.mod_revision, 0)):
+                renewal_revision = renewal.mod_revision if renewal is not None else 0
+                record = _LiveRecord(stored, kv.lease, kv.mod_revision, renewal_revision, 0)
+                if await self._end_expired(conversation, record):
                     raise _no_retention(conversation)
-                kv = await self.etcd.get(live_key)
+                kv, renewal = await self._get_live(conversation)
                 continue
             if engine_request_id and stored.retention.engine_request_id != engine_request_id:
                 raise _other_request_live(conversation, stored.retention, engine_request_id)
@@ -504,8 +628,8 @@ class RetentionStore:
                 committed = await self.etcd.txn(
                     [ModRevisionIs(live_key, kv.mod_revision)],
                     ending,
-                    # Lost the race (a renewal, a newer turn): judge the record that won, no extra read.
-                    [Get(live_key)],
+                    # Lost the race (a newer turn): judge the record that won, no extra read.
+                    [Get(live_key), Get(self.layout.renewal(conversation))],
                 )
             except LeaseNotFound:
                 raise _no_retention(conversation) from None
@@ -515,8 +639,36 @@ class RetentionStore:
                 # The lease now holds only the tombstone; revoking it drops the tombstone too.
                 await self.etcd.revoke_quietly(kv.lease, "released retention")
                 return committed.revision
-            kv = committed.range(0).first
+            kv, renewal = committed.range(0).first, committed.range(1).first
         raise Aborted(f"conversation {conversation_id} changed concurrently while releasing; retry")
+
+    # --- every live retention ---------------------------------------------------------------
+
+    async def snapshot(
+        self, page_size: int = SNAPSHOT_PAGE
+    ) -> AsyncIterator[tuple[list[resources.Retention], int]]:
+        """Every live record with its latest expiry, in pages, each with the revision it was read at.
+
+        Pages are separate reads: a change meanwhile may or may not show; a watch opened before the
+        snapshot tells what changed since (WatchAllRetentions).
+        """
+        expiries: dict[bytes, KeyValue] = {}
+        renewals = self.layout.renewals
+        async for page in self.etcd.scan(renewals, prefix_end(renewals), page_size=SNAPSHOT_PAGE * 10):
+            for kv in page.kvs:
+                expiries[kv.key[len(renewals) :]] = kv
+        live = self.layout.live_retentions
+        async for page in self.etcd.scan(live, prefix_end(live), page_size=page_size):
+            retentions = []
+            for kv in page.kvs:
+                try:
+                    stored = decode_record(kv.value)
+                except ValueError as error:  # includes protobuf's DecodeError
+                    log.error("undecodable retention record skipped", extra={"error": str(error)})
+                    continue
+                renewal = expiries.get(kv.key[len(live) :])
+                retentions.append(with_renewal(stored, kv.lease, renewal).retention)
+            yield retentions, page.revision
 
     # --- an engine ending its own retention ----------------------------------------------------
 

@@ -25,10 +25,12 @@ from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.reaper import EngineReaper
 from kvferry.registry.retentions import RetentionStore
 from kvferry.registry.service import RegistryServicer
+from kvferry.registry.turns import TurnStore
 from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.runtime.errors import ServiceError
 from kvferry.runtime.host import ServiceHost
 from kvferry.runtime.metrics import MetricsEndpoint
+from kvferry.runtime.tls import server_credentials
 from kvferry.runtime.tracing import TracingServerInterceptor
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
@@ -55,6 +57,7 @@ class Registry:
         etcd: EtcdGateway,
         engines: EngineStore,
         retentions: RetentionStore,
+        turns: TurnStore,
         reaper: EngineReaper,
         metrics: RegistryMetrics,
         metrics_endpoint: MetricsEndpoint | None,
@@ -64,6 +67,7 @@ class Registry:
         self.etcd = etcd
         self.engines = engines
         self.retentions = retentions
+        self.turns = turns
         self.reaper = reaper
         self.metrics = metrics
         self.metrics_endpoint = metrics_endpoint
@@ -81,21 +85,41 @@ class Registry:
         await self.host.stop(grace_seconds)
 
 
+async def etcd_health(etcd: EtcdGateway) -> str | None:
+    """Why the registry cannot serve now (etcd unreachable, or out of space), or None when it can."""
+    try:
+        alarms = await etcd.alarms()
+    except EtcdUnavailable as error:
+        return f"etcd unreachable: {error}"
+    except ServiceError as error:
+        return f"etcd's alarms unreadable: {error}"
+    if "NOSPACE" in alarms:
+        return (
+            f"etcd at {etcd.endpoints_text} is out of space (NOSPACE alarm) and refuses every write: "
+            "free space (the registry compacts its history; defragment with etcdctl defrag) and disarm "
+            "the alarm (etcdctl alarm disarm); the registry serves again by itself once it is disarmed"
+        )
+    return None
+
+
 async def _probe_etcd(
     etcd: EtcdGateway, epochs: EpochKeeper, health_servicer: health.aio.HealthServicer
 ) -> None:
-    """Reports NOT_SERVING while etcd does not answer, so load balancers route elsewhere.
+    """Reports NOT_SERVING while etcd does not answer or refuses writes for space (NOSPACE), so load
+    balancers route elsewhere; SERVING again, by itself, once etcd answers and the alarm is gone.
 
     The probe is also how an idle registry notices etcd going back in time (the gateway checks
     every answer's revision), and it reads the epoch once etcd first answers.
     """
     serving: bool | None = None
     while True:
+        problem: str | None
         try:
             await etcd.current_revision()
-            ok = True
-        except EtcdUnavailable:
-            ok = False
+            problem = await etcd_health(etcd)
+        except EtcdUnavailable as error:
+            problem = f"etcd unreachable: {error}"
+        ok = problem is None
         if ok and epochs.known is None:
             try:
                 await epochs.load()
@@ -107,9 +131,10 @@ async def _probe_etcd(
             )
             await health_servicer.set("", status)
             await health_servicer.set(SERVICE_NAME, status)
-            if serving is not None:
+            if serving is not None or not ok:
                 log.warning(
-                    "etcd reachable" if ok else "etcd unreachable", extra={"endpoints": etcd.endpoints_text}
+                    "registry serving: etcd reachable and writable" if ok else "registry not serving",
+                    extra={"endpoints": etcd.endpoints_text, "reason": problem},
                 )
             serving = ok
         await asyncio.sleep(_HEALTH_PROBE_SECONDS)
@@ -180,7 +205,11 @@ async def create_registry(
         if tracer_provider is None:
             tracer_provider = host.setup_tracing("kvferry-registry", config.otlp_endpoint)
         etcd = EtcdGateway(
-            EtcdSettings(endpoints=config.etcd_endpoints, timeout_seconds=config.etcd_timeout_seconds),
+            EtcdSettings(
+                endpoints=config.etcd_endpoints,
+                timeout_seconds=config.etcd_timeout_seconds,
+                tls=config.etcd_tls,
+            ),
             on_error=metrics.etcd_error,
         )
         await etcd.connect()
@@ -191,6 +220,8 @@ async def create_registry(
         reaper = EngineReaper(etcd, layout, clock=clock, metrics=metrics)
         engines = EngineStore(etcd, layout, config.ttl, reaper, epochs=epochs, clock=clock, metrics=metrics)
         retentions = RetentionStore(etcd, layout, config.ttl, clock=clock, metrics=metrics)
+        turns = TurnStore(etcd, layout, config.ttl, clock=clock, metrics=metrics)
+        host.on_stop("turn store", turns.close)
         hub = RetentionEventHub(etcd, layout, clock, metrics=metrics)
         host.on_stop("retention event hub", hub.close)
         metrics_endpoint = (
@@ -198,11 +229,13 @@ async def create_registry(
             if config.metrics_address is not None
             else None
         )
-        servicer = RegistryServicer(engines, retentions, hub)
+        servicer = RegistryServicer(engines, retentions, hub, turns, mutual_tls=config.tls is not None)
         grpc_endpoint = await host.serve_grpc(
             config.listen_address,
             [(registry_grpc.add_RegistryServiceServicer_to_server, servicer, SERVICE_NAME)],
             interceptors=[TracingServerInterceptor(tracer_provider, rpc_seconds=metrics.rpc_seconds)],
+            options=[("grpc.max_concurrent_streams", config.max_concurrent_streams)],
+            credentials=server_credentials(config.tls) if config.tls is not None else None,
         )
         host.spawn(reaper.run(), "reaper")
         host.spawn(_probe_etcd(etcd, epochs, grpc_endpoint.health), "etcd-probe")
@@ -218,6 +251,7 @@ async def create_registry(
             "key_prefix": config.key_prefix,
             "metrics_port": metrics_endpoint.port if metrics_endpoint is not None else None,
             "tracing": not isinstance(tracer_provider, trace.NoOpTracerProvider),
+            "mutual_tls": config.tls is not None,
         },
     )
     return Registry(
@@ -226,6 +260,7 @@ async def create_registry(
         etcd=etcd,
         engines=engines,
         retentions=retentions,
+        turns=turns,
         reaper=reaper,
         metrics=metrics,
         metrics_endpoint=metrics_endpoint,

@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
+import math
+import re
+from urllib.parse import urlsplit
 
 from kvferry.pd.digest import DIGEST_BYTES
+from kvferry.pd.kvferry_params import MAX_GENERATION
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.keys import ConversationKey
 from kvferry.runtime.errors import InvalidArgument
@@ -19,7 +24,14 @@ from kvferry.v1 import resources_pb2 as resources
 MAX_RECORD_BYTES = 1024 * 1024
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
+# Renewals one RenewRetentions call may carry.
+MAX_RENEWAL_BATCH = 1000
 
+# A DNS name (RFC 1123 labels); IP addresses are checked by ipaddress.
+_HOSTNAME = re.compile(
+    r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
+)
+MAX_MODEL_NAME = 256
 _VALID_ROLES = (resources.ENGINE_ROLE_PREFILL, resources.ENGINE_ROLE_DECODE, resources.ENGINE_ROLE_BOTH)
 
 
@@ -60,14 +72,27 @@ def retention_ttl(requested: int, policy: TtlPolicy) -> int:
     )
 
 
+def turn_ttl(requested: int, policy: TtlPolicy) -> int:
+    return resolve_ttl("turn", requested, policy.default_turn_ttl_seconds, policy.max_turn_ttl_seconds)
+
+
 def validate_engine(engine: resources.Engine) -> None:
     require_id("engine.engine_id", engine.engine_id)
     if engine.role not in _VALID_ROLES:
         raise InvalidArgument(
             "engine.role is required: ENGINE_ROLE_PREFILL, ENGINE_ROLE_DECODE or ENGINE_ROLE_BOTH"
         )
-    if not engine.http_endpoint:
-        raise InvalidArgument("engine.http_endpoint is required, e.g. 'http://127.0.0.1:8100'")
+    http_endpoint(engine.http_endpoint)
+    if engine.nixl_host and not is_host(engine.nixl_host):
+        raise InvalidArgument(
+            f"engine.nixl_host {engine.nixl_host[:80]!r} is neither an IP address nor a DNS name; give the "
+            "address peers reach the engine's NIXL side channel on"
+        )
+    if len(engine.model) > MAX_MODEL_NAME or not engine.model.isprintable():
+        raise InvalidArgument(
+            f"engine.model must be printable and at most {MAX_MODEL_NAME} characters "
+            "(the served model's name)"
+        )
     if engine.block_size <= 0:
         raise InvalidArgument(
             f"engine.block_size is {engine.block_size}; give the engine's tokens per KV block (> 0)"
@@ -80,6 +105,68 @@ def validate_engine(engine: resources.Engine) -> None:
         )
     if engine.max_model_len < 0:
         raise InvalidArgument(f"engine.max_model_len is {engine.max_model_len}; it cannot be negative")
+    release_grace(engine.release_grace_seconds, "engine.release_grace_seconds")
+    if engine.HasField("stats"):
+        engine_stats(engine.stats, "engine.stats")
+
+
+def is_host(text: str) -> bool:
+    """An IP address (IPv6 with or without brackets) or a DNS name."""
+    try:
+        ipaddress.ip_address(text.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return _HOSTNAME.fullmatch(text) is not None
+    return True
+
+
+def http_endpoint(text: str) -> str:
+    """``http(s)://host[:port]`` (a path is allowed; credentials, queries and fragments are not)."""
+    example = "e.g. 'http://10.0.0.7:8000'"
+    if not text:
+        raise InvalidArgument(f"engine.http_endpoint is required, {example}")
+    shown = repr(text[:80])
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in range
+    except ValueError:
+        raise InvalidArgument(f"engine.http_endpoint {shown} is not a URL, {example}") from None
+    if parts.scheme not in ("http", "https"):
+        raise InvalidArgument(f"engine.http_endpoint {shown} must start with http:// or https://, {example}")
+    if not parts.hostname or not is_host(parts.hostname):
+        raise InvalidArgument(f"engine.http_endpoint {shown} names no valid host, {example}")
+    if parts.username is not None or parts.query or parts.fragment:
+        raise InvalidArgument(
+            f"engine.http_endpoint {shown} may not carry credentials, a query or a fragment, {example}"
+        )
+    return text
+
+
+def engine_stats(stats: resources.EngineStats, name: str) -> None:
+    """Every figure finite and not negative: the router's cost model and placement read them as such."""
+    figures: list[tuple[str, float]] = [
+        (field.name, getattr(stats, field.name))
+        for field in stats.DESCRIPTOR.fields
+        if field.message_type is None  # the numbers; peer_pull_rates below
+    ]
+    for index, rate in enumerate(stats.peer_pull_rates):
+        require_id(f"{name}.peer_pull_rates[{index}].peer_engine_id", rate.peer_engine_id)
+        figures += [
+            (f"peer_pull_rates[{index}].bytes_per_second", rate.bytes_per_second),
+            (f"peer_pull_rates[{index}].pulls", rate.pulls),
+        ]
+    for field_name, value in figures:
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(
+                f"{name}.{field_name} is {value}; engine stats must be finite and not negative"
+            )
+
+
+def release_grace(seconds: float, name: str) -> None:
+    """A release grace is a finite number of seconds, 0 meaning not known."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgument(
+            f"{name} is {seconds}; give the engine connector's release_grace_seconds (> 0), or 0 if not known"
+        )
 
 
 def validate_retention_shape(retention: resources.Retention) -> ConversationKey:
@@ -101,6 +188,18 @@ def validate_retention_shape(retention: resources.Retention) -> ConversationKey:
             "block_ids; "
             "there is one digest per full block, so never more digests than blocks"
         )
+    if retention.block_generations and len(retention.block_generations) != len(retention.block_ids):
+        raise InvalidArgument(
+            f"retention has {len(retention.block_generations)} block_generations for "
+            f"{len(retention.block_ids)} block_ids; publish one per block, or none"
+        )
+    for index, generation in enumerate(retention.block_generations):
+        if generation > MAX_GENERATION:
+            raise InvalidArgument(
+                f"retention.block_generations[{index}] is {generation}; generations are at most 2**53 - 1 "
+                "so the JSON that carries them to prefill engines keeps them exact "
+                "(kvferry.connector.generations starts them below 2**52)"
+            )
     for index, digest in enumerate(retention.block_digests):
         if len(digest) != DIGEST_BYTES:
             raise InvalidArgument(
@@ -190,3 +289,13 @@ def decode_page_token(token: str) -> str:
     if check_id("page_token", engine_id) is not None:
         raise InvalidArgument("page_token is not one this registry issued; list again without it")
     return engine_id
+
+
+def renewal_batch(count: int) -> None:
+    """A RenewRetentions call carries 1..MAX_RENEWAL_BATCH renewals."""
+    if not 0 < count <= MAX_RENEWAL_BATCH:
+        raise InvalidArgument(
+            f"renewals carries {count} conversations; send 1 to {MAX_RENEWAL_BATCH} per call "
+            "(split larger sets into several calls)",
+            param="renewals",
+        )

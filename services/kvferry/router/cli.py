@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from kvferry.router.server import COST_PROFILES, REUSE_POLICIES, RouterConfig, R
 from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
 from kvferry.runtime.host import run_service
 from kvferry.runtime.logs import setup_logging
+from kvferry.runtime.tls import add_tls_flags, tls_from_args
 
 _DEFAULTS = RouterConfig(registry_address="127.0.0.1:50051")
 
@@ -113,10 +115,26 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
     flags.add(
         "--read-window",
         "KVFERRY_ROUTER_READ_WINDOW",
-        "a prefill may start reading a retention at most this long after the router hands it out, "
-        "seconds; keep it below the decode engines' release_grace_seconds",
+        "a prefill may start reading a retention at most this long after the router looked it up, "
+        "seconds; at most half of --min-release-grace",
         type=float,
         default=_DEFAULTS.read_window_seconds,
+    )
+    flags.add(
+        "--min-release-grace",
+        "KVFERRY_ROUTER_MIN_RELEASE_GRACE",
+        "the shortest release_grace_seconds of the decode engines' connectors, seconds; the router "
+        "refuses to start when --read-window is more than half of it",
+        type=float,
+        default=_DEFAULTS.min_release_grace_seconds,
+    )
+    flags.add(
+        "--turn-mark-lease",
+        "KVFERRY_ROUTER_TURN_MARK_LEASE",
+        "lease of a turn's mark in the registry (one turn in flight per conversation), renewed while the "
+        "turn runs, seconds: how long a conversation stays held after its router died",
+        type=int,
+        default=_DEFAULTS.turn_mark_seconds,
     )
     flags.add(
         "--engine-connect-timeout",
@@ -160,6 +178,28 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         type=float,
         default=_DEFAULTS.responses_ttl_seconds,
     )
+    flags.add(
+        "--max-turns-per-tenant",
+        "KVFERRY_ROUTER_MAX_TURNS_PER_TENANT",
+        "turns one tenant may have in flight on this router; past it RESOURCE_EXHAUSTED / 429 with "
+        "Retry-After (0: no cap)",
+        type=int,
+        default=_DEFAULTS.max_turns_per_tenant,
+    )
+    flags.add(
+        "--max-concurrent-streams",
+        "KVFERRY_MAX_CONCURRENT_STREAMS",
+        "gRPC calls one client connection may have open at once; more wait for one to end",
+        type=int,
+        default=_DEFAULTS.max_concurrent_streams,
+    )
+    flags.add(
+        "--max-http-connections",
+        "KVFERRY_ROUTER_MAX_HTTP_CONNECTIONS",
+        "HTTP connections and requests served at once; past it 503",
+        type=int,
+        default=_DEFAULTS.max_http_connections,
+    )
     add_log_level_flag(flags)
     flags.add(
         "--event-loop",
@@ -168,6 +208,7 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         default="uvloop",
         choices=("uvloop", "asyncio"),
     )
+    add_tls_flags(flags)
     add_telemetry_flags(flags)
 
 
@@ -187,16 +228,22 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_attempts=args.max_attempts,
         publish_wait_seconds=args.publish_wait,
         read_window_seconds=args.read_window,
+        min_release_grace_seconds=args.min_release_grace,
+        turn_mark_seconds=args.turn_mark_lease,
         engine_connect_timeout_seconds=args.engine_connect_timeout,
         engine_read_timeout_seconds=args.engine_read_timeout,
         engine_max_connections=args.engine_max_connections,
         max_body_bytes=args.max_body_bytes,
         responses_max_stored=args.responses_max_stored,
         responses_ttl_seconds=args.responses_ttl,
+        max_turns_per_tenant=args.max_turns_per_tenant,
+        max_concurrent_streams=args.max_concurrent_streams,
+        max_http_connections=args.max_http_connections,
         # The service starts even with the registry away and syncs when it comes.
         startup_sync_seconds=3.0,
         metrics_address=args.metrics_address or None,
         otlp_endpoint=args.otlp_endpoint or None,
+        tls=tls_from_args(args),
     )
 
 
@@ -216,6 +263,10 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        print(f"kvferry router: error: {error}", file=sys.stderr)
+        return 2
     # A bad tenants file or cost profile, or an address in use, is refused at start: exit 2, one line.
     return run_service("router", lambda: _start(config), loop_factory=_loop_factory(args.event_loop))

@@ -6,7 +6,7 @@ current) plus what each engine last reported (which includes other routers' requ
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvferry.v1 import resources_pb2
@@ -22,6 +22,8 @@ class EngineStats:
     kv_bytes_per_token: int = 0
     inflight_prefill_tokens: int = 0
     running_requests: int = 0
+    # Pull throughput this engine measured reading from each peer engine, bytes per second.
+    peer_pull_rates: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class EngineInfo:
     block_size: int
     max_model_len: int
     stats: EngineStats = field(default_factory=EngineStats)
+    # How long it keeps a retention's blocks after the registry ended it; 0: not known (nothing is
+    # pulled from it).
+    release_grace_seconds: float = 0.0
 
     @property
     def can_prefill(self) -> bool:
@@ -66,7 +71,9 @@ class EngineInfo:
                 kv_bytes_per_token=s.kv_bytes_per_token,
                 inflight_prefill_tokens=s.inflight_prefill_tokens,
                 running_requests=s.running_requests,
+                peer_pull_rates={p.peer_engine_id: p.bytes_per_second for p in s.peer_pull_rates},
             ),
+            release_grace_seconds=engine.release_grace_seconds,
         )
 
 

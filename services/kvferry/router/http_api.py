@@ -57,6 +57,7 @@ from kvferry.runtime.errors import (
     ErrorKind,
     InvalidArgument,
     NotFound,
+    RequestTooLarge,
     ServiceError,
     http_status,
     internal_error,
@@ -95,6 +96,8 @@ _OPENAI_ERROR_TYPES = {
     ErrorKind.PERMISSION_DENIED: "permission_error",
     ErrorKind.INVALID_ARGUMENT: "invalid_request_error",
     ErrorKind.NOT_FOUND: "not_found_error",
+    # Another turn of the conversation is in flight (409): OpenAI's clients retry 409 with backoff.
+    ErrorKind.ABORTED: "conflict_error",
     ErrorKind.UNAVAILABLE: "service_unavailable",
     ErrorKind.DEADLINE_EXCEEDED: "timeout",
     ErrorKind.INTERNAL: "internal_error",
@@ -119,6 +122,9 @@ def error_response(error: ServiceError) -> JSONResponse:
             }
         },
         status_code=http_status(error),
+        headers=(
+            {"retry-after": str(error.retry_after_seconds)} if error.retry_after_seconds is not None else None
+        ),
     )
 
 
@@ -399,17 +405,20 @@ class HttpApi:
             return error_response(error)
 
     async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (413) as soon as it passes the limit: a declared Content-Length before any byte
+        is read, a chunked body while it streams in, so no more than the limit is ever held."""
+        limit = self._max_body_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
-            raise InvalidArgument(
-                f"the request body is {declared} bytes; at most {self._max_body_bytes} are accepted"
-            )
-        raw = await request.body()
-        if len(raw) > self._max_body_bytes:
-            raise InvalidArgument(
-                f"the request body is {len(raw)} bytes; at most {self._max_body_bytes} are accepted"
-            )
-        return raw
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestTooLarge(f"the request body is {declared} bytes; at most {limit} are accepted")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(f"the request body is over {limit} bytes; at most {limit} are accepted")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     # -- the shared flow ------------------------------------------------------------------------
 

@@ -6,8 +6,12 @@ engine table and the load this router has in flight) and decides in three steps:
 1. **Prove the prefix** (docs/design.md rule 2): the retention counts only while its engine is registered and
    serves the model (rule 3); the prompt's digest chain, salted with the holder's KV compatibility hash, gives
    the longest block-aligned prefix the retention holds.
-2. **Choose** pull or recompute: a prefill engine that can read the holder's KV layout, then the cost model
-   (:func:`kvferry.router.cost.choose_reuse`) over its measured rates and the retention's lease.
+2. **Choose** pull or recompute: a holder whose release grace the read window is safely under
+   (:func:`kvferry.pd.reuse.read_window_fits`; a grace it has not published counts as none), a prefill
+   engine that can read the holder's KV layout, then the cost model
+   (:func:`kvferry.router.cost.choose_reuse`) over its measured rates (its prefill rate, and the pull rate
+   it measured reading from the holder) and the time left of the retention's read window (opened at its
+   lookup, never past its lease).
 3. **Pick engines**: prefill by load (the compatible one when a prefix matched), decode by affinity to the
    holder, else by load. Engines in ``exclude`` (failed this turn) are used only when no other can serve.
 """
@@ -18,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvferry.pd.block_runs import mean_run_blocks
-from kvferry.pd.reuse import RetainedKv
+from kvferry.pd.reuse import ReadWindow, RetainedKv, max_read_window, read_window_fits
 from kvferry.pd.sequence import Pull
 from kvferry.router.cost import CostSettings, RateInputs, Reuse, ReuseChoice, choose_reuse
 from kvferry.router.engines import (
@@ -36,8 +40,8 @@ from kvferry.runtime.errors import Unavailable
 @dataclass(frozen=True)
 class PlanSettings:
     cost: CostSettings
-    # How long after handing a retention out a prefill may still start reading it (the read deadline's
-    # window): the lease the cost model may count on is at most this.
+    # The read window handed out with a retention (its time left is the window's; this is its length,
+    # which must be safely under the holder's release grace).
     read_window_seconds: float
 
 
@@ -61,12 +65,13 @@ def plan_turn(
     engines: EngineTable,
     load: LoadTracker,
     settings: PlanSettings,
+    window: ReadWindow | None,
     now: float,
     exclude: frozenset[str] = frozenset(),
 ) -> TurnPlan:
     """The plan of one attempt of a turn (module docs). ``retention`` None: recompute (nothing retained, or
-    a retry). ``now``: unix seconds. Raises ``Unavailable`` when
-    no engine of the model can take a role."""
+    a retry). ``window``: the retention's read window (opened at its lookup); ``now``: the monotonic time it
+    is measured on. Raises ``Unavailable`` when no engine of the model can take a role."""
     holder = _holder(engines, retention, model)
     match = _proven_prefix(token_ids, retention, holder)
     compatible = None
@@ -77,7 +82,8 @@ def plan_turn(
             exclude=exclude,
             kv_compatibility_hash=holder.kv_compatibility_hash,
         )
-    choice = _choose(retention, holder, match, compatible, settings, now)
+    seconds_left = window.seconds_left(now) if window is not None else 0.0
+    choice = _choose(retention, holder, match, compatible, settings, seconds_left)
     prefill_candidates = engines.prefill_engines(model)
     prefill = (
         compatible
@@ -104,8 +110,14 @@ def plan_turn(
             nixl_port=holder.nixl_port,
             block_size=holder.block_size,
             lease_expire_time=retention.expire_time,
+            block_generations=retention.block_generations,
         )
-        pull = Pull(retained.prefix(choice.pull_tokens), lease_expire_time=retention.expire_time)
+        pull = Pull(
+            retained.prefix(choice.pull_tokens),
+            window=window,
+            # P checks them after pulling: blocks D freed meanwhile cost a recompute, not a wrong answer.
+            generations=retained.prefix_generations(choice.pull_tokens),
+        )
     return TurnPlan(prefill=prefill, decode=decode, holder=holder, match=match, choice=choice, pull=pull)
 
 
@@ -135,7 +147,7 @@ def _choose(
     match: PrefixMatch,
     prefill: EngineInfo | None,
     settings: PlanSettings,
-    now: float,
+    read_seconds_left: float,
 ) -> ReuseChoice:
     if retention is None:
         return ReuseChoice(Reuse.NONE, 0, "nothing retained for this conversation")
@@ -143,16 +155,27 @@ def _choose(
         return ReuseChoice(Reuse.NONE, 0, f"engine {retention.engine_id} holding the retention is gone")
     if not match.tokens:
         return ReuseChoice(Reuse.NONE, 0, "no retained block matches the prompt")
+    if not read_window_fits(settings.read_window_seconds, holder.release_grace_seconds):
+        return ReuseChoice(Reuse.RECOMPUTE, 0, _grace_too_short(holder, settings.read_window_seconds))
     if prefill is None:
         return ReuseChoice(Reuse.RECOMPUTE, 0, "no prefill engine can read the holder's KV layout")
     return choose_reuse(
         match.tokens,
-        lease_seconds_left=min(retention.expire_time - now, settings.read_window_seconds),
+        lease_seconds_left=read_seconds_left,
         rates=RateInputs(
             prefill_tokens_per_second=prefill.stats.prefill_tokens_per_second,
-            transfer_bytes_per_second=prefill.stats.transfer_bytes_per_second,
+            pull_bytes_per_second=prefill.stats.peer_pull_rates.get(holder.engine_id, 0.0),
             kv_bytes_per_token=prefill.stats.kv_bytes_per_token or holder.stats.kv_bytes_per_token,
             run_blocks=mean_run_blocks(retention.block_ids[: match.blocks]),
         ),
         settings=settings.cost,
+    )
+
+
+def _grace_too_short(holder: EngineInfo, read_window_seconds: float) -> str:
+    if holder.release_grace_seconds <= 0:
+        return f"engine {holder.engine_id} holding the retention has not published its release grace"
+    return (
+        f"engine {holder.engine_id}'s release grace ({holder.release_grace_seconds:g} s) allows read windows "
+        f"of {max_read_window(holder.release_grace_seconds):g} s, not the router's {read_window_seconds:g} s"
     )

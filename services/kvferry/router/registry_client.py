@@ -1,22 +1,26 @@
-"""The router's view of the registry: retention lookups and renewals, and the engine table kept from
-the registry's engine watch.
+"""The router's view of the registry: retention lookups and renewals, the marks of turns in flight, and
+the engine table kept from the registry's engine watch.
 
 Every call carries a deadline. A registry that does not answer raises :class:`RegistryUnavailable`;
 the turn logic then serves by recompute (rule 7 of docs/design.md) instead of failing the turn.
+
+Renewals that arrive together (many conversations kept alive through one router) go to the
+registry as one ``RenewRetentions`` call (:class:`RenewalBatcher`); a lone one goes out at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from kvferry.pd.reuse import max_read_window, read_window_fits
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.runtime.backoff import Backoff, BackoffPolicy
-from kvferry.runtime.errors import Internal, InvalidArgument, ServiceError
+from kvferry.runtime.errors import Aborted, Internal, InvalidArgument, ServiceError
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2
@@ -44,6 +48,8 @@ class RetentionRecord:
     turn: int
     # Lease end, Unix seconds.
     expire_time: float
+    # One per block id (empty: the holder does not fence pulls); handed to P with the pull.
+    block_generations: tuple[int, ...] = ()
 
     @classmethod
     def from_proto(cls, r: resources_pb2.Retention) -> RetentionRecord:
@@ -57,7 +63,19 @@ class RetentionRecord:
             block_digests=tuple(r.block_digests),
             turn=r.turn,
             expire_time=r.expire_time.seconds + r.expire_time.nanos / 1e9,
+            block_generations=tuple(r.block_generations),
         )
+
+
+@dataclass(frozen=True)
+class BegunTurn:
+    """A turn's mark, taken (or renewed) in the registry."""
+
+    # The mark's lease: renew well within it.
+    ttl_seconds: int
+    # The conversation's retained turn when the mark was taken (0: none, or a renewal): a lookup made
+    # concurrently that found another turn is out of date.
+    retained_turn: int
 
 
 @dataclass(frozen=True)
@@ -68,7 +86,15 @@ class EngineEvent:
     engine_id: str
 
 
-class RegistryApi(Protocol):
+class EngineSource(Protocol):
+    """Where the engine table comes from (the registry's engine listing and watch)."""
+
+    async def list_engines(self) -> list[EngineInfo]: ...
+
+    def watch_engines(self) -> AsyncIterator[EngineEvent]: ...
+
+
+class RegistryApi(EngineSource, Protocol):
     """What the router asks of the registry."""
 
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None: ...
@@ -81,9 +107,70 @@ class RegistryApi(Protocol):
         """True when a live retention was released."""
         ...
 
-    async def list_engines(self) -> list[EngineInfo]: ...
+    async def begin_turn(
+        self, tenant: str, conversation_id: str, request_id: str, *, holder: str, ttl_seconds: int
+    ) -> BegunTurn:
+        """Takes (or renews) the mark of a turn in flight; ``Aborted`` when another turn holds it."""
+        ...
 
-    def watch_engines(self) -> AsyncIterator[EngineEvent]: ...
+    async def end_turn(self, tenant: str, conversation_id: str, request_id: str) -> bool:
+        """Clears the turn's mark; True when it held it."""
+        ...
+
+
+Renewal = tuple[str, str]
+# What one renewal came to: the new lease end, None (nothing live to renew), or the error to raise.
+RenewalOutcome = float | None | Exception
+# Renewals one RenewRetentions call carries (the registry's limit).
+MAX_RENEWAL_BATCH = 1000
+
+
+class RenewalBatcher:
+    """Concurrent renewals sent as one call: while a call is in flight, new renewals queue, and the
+    next call carries them all (up to ``max_batch``). A lone renewal goes out at once, unchanged,
+    so an idle router pays no delay.
+    """
+
+    def __init__(
+        self,
+        send_one: Callable[[Renewal], Awaitable[float | None]],
+        send_many: Callable[[Sequence[Renewal]], Awaitable[list[RenewalOutcome]]],
+        max_batch: int = MAX_RENEWAL_BATCH,
+    ) -> None:
+        self._send_one = send_one
+        self._send_many = send_many
+        self._max_batch = max_batch
+        self._pending: list[tuple[Renewal, asyncio.Future[float | None]]] = []
+        self._drainer: asyncio.Task[None] | None = None
+
+    async def renew(self, tenant: str, conversation_id: str) -> float | None:
+        future: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
+        self._pending.append(((tenant, conversation_id), future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain(), name="registry-renewal-batcher")
+        return await future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
+            await self._send(batch)
+
+    async def _send(self, batch: list[tuple[Renewal, asyncio.Future[float | None]]]) -> None:
+        outcomes: list[RenewalOutcome]
+        try:
+            if len(batch) == 1:
+                outcomes = [await self._send_one(batch[0][0])]
+            else:
+                outcomes = await self._send_many([renewal for renewal, _ in batch])
+        except Exception as error:
+            outcomes = [error] * len(batch)
+        for (_, future), outcome in zip(batch, outcomes, strict=True):
+            if future.done():
+                continue  # its caller gave up
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
 
 
 class GrpcRegistry:
@@ -92,6 +179,7 @@ class GrpcRegistry:
     def __init__(self, channel: grpc.aio.Channel, *, timeout_seconds: float) -> None:
         self._stub = registry_grpc.RegistryServiceStub(channel)
         self._timeout = timeout_seconds
+        self._renewals = RenewalBatcher(self._renew_one, self._renew_many)
 
     @staticmethod
     def _fail(error: grpc.aio.AioRpcError, what: str) -> Exception:
@@ -101,6 +189,8 @@ class GrpcRegistry:
             )
         if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidArgument(error.details() or what)
+        if error.code() == grpc.StatusCode.ABORTED:
+            return Aborted(error.details() or what)
         return Internal(f"registry failed {what}: {error.code().name} {error.details()}")
 
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None:
@@ -116,6 +206,39 @@ class GrpcRegistry:
         return RetentionRecord.from_proto(response.retention)
 
     async def renew_retention(self, tenant: str, conversation_id: str) -> float | None:
+        return await self._renewals.renew(tenant, conversation_id)
+
+    async def _renew_many(self, renewals: Sequence[Renewal]) -> list[RenewalOutcome]:
+        request = registry_pb2.RenewRetentionsRequest(
+            renewals=[
+                registry_pb2.RenewRetentionRequest(tenant=tenant, conversation_id=conversation_id)
+                for tenant, conversation_id in renewals
+            ]
+        )
+        try:
+            response = await self._stub.RenewRetentions(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "RenewRetentions") from None
+        outcomes: list[RenewalOutcome] = []
+        for answer in response.renewals:
+            code = grpc.StatusCode.OK
+            for status in grpc.StatusCode:
+                if status.value[0] == answer.code:
+                    code = status
+            if code == grpc.StatusCode.OK:
+                outcomes.append(answer.expire_time.seconds + answer.expire_time.nanos / 1e9)
+            elif code == grpc.StatusCode.NOT_FOUND:
+                outcomes.append(None)
+            elif code in _UNREACHABLE:
+                outcomes.append(RegistryUnavailable(f"registry did not renew: {code.name} {answer.message}"))
+            elif code == grpc.StatusCode.INVALID_ARGUMENT:
+                outcomes.append(InvalidArgument(answer.message))
+            else:
+                outcomes.append(Internal(f"registry failed RenewRetentions: {code.name} {answer.message}"))
+        return outcomes
+
+    async def _renew_one(self, renewal: Renewal) -> float | None:
+        tenant, conversation_id = renewal
         try:
             response = await self._stub.RenewRetention(
                 registry_pb2.RenewRetentionRequest(tenant=tenant, conversation_id=conversation_id),
@@ -143,6 +266,36 @@ class GrpcRegistry:
             raise self._fail(error, "ReleaseRetention") from None
         return True
 
+    async def begin_turn(
+        self, tenant: str, conversation_id: str, request_id: str, *, holder: str, ttl_seconds: int
+    ) -> BegunTurn:
+        try:
+            response = await self._stub.BeginTurn(
+                registry_pb2.BeginTurnRequest(
+                    tenant=tenant,
+                    conversation_id=conversation_id,
+                    request_id=request_id,
+                    holder=holder,
+                    ttl_seconds=ttl_seconds,
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "BeginTurn") from None
+        return BegunTurn(ttl_seconds=response.ttl_seconds, retained_turn=response.retained_turn)
+
+    async def end_turn(self, tenant: str, conversation_id: str, request_id: str) -> bool:
+        try:
+            response = await self._stub.EndTurn(
+                registry_pb2.EndTurnRequest(
+                    tenant=tenant, conversation_id=conversation_id, request_id=request_id
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "EndTurn") from None
+        return bool(response.ended)
+
     async def list_engines(self) -> list[EngineInfo]:
         engines: list[EngineInfo] = []
         page_token = ""
@@ -158,6 +311,17 @@ class GrpcRegistry:
             page_token = response.next_page_token
             if not page_token:
                 return engines
+
+    async def watch_all_retentions(self) -> AsyncIterator[registry_pb2.WatchAllRetentionsResponse]:
+        """WatchAllRetentions: the snapshot, SYNCED, then every change (feeds ``RetentionIndex``)."""
+        call = self._stub.WatchAllRetentions(registry_pb2.WatchAllRetentionsRequest())
+        try:
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as error:
+            raise self._fail(error, "WatchAllRetentions") from None
+        finally:
+            call.cancel()
 
     async def watch_engines(self) -> AsyncIterator[EngineEvent]:
         call = self._stub.WatchEngines(registry_pb2.WatchEnginesRequest())
@@ -191,15 +355,18 @@ class EngineWatcher:
 
     def __init__(
         self,
-        registry: RegistryApi,
+        registry: EngineSource,
         table: EngineTable,
         load: LoadTracker,
         *,
         resync_seconds: float = 30.0,
         backoff: BackoffPolicy = WATCH_BACKOFF,
         on_left: Callable[[str], None] | None = None,
+        read_window_seconds: float | None = None,
     ) -> None:
         self._on_left = on_left
+        # Engines joining with a release grace too short for it are named in a warning.
+        self._read_window_seconds = read_window_seconds
         self._registry = registry
         self._table = table
         self._load = load
@@ -263,6 +430,21 @@ class EngineWatcher:
         for engine_id in gone:
             self._forget(engine_id)
 
+    def _check_grace(self, engine: EngineInfo) -> None:
+        window = self._read_window_seconds
+        if window is None or not engine.can_decode or read_window_fits(window, engine.release_grace_seconds):
+            return
+        log.warning(
+            "a decode engine's release grace is too short for the read window (or not published yet): "
+            "its retentions are recomputed, never pulled",
+            extra={
+                "engine_id": engine.engine_id,
+                "release_grace_seconds": engine.release_grace_seconds,
+                "read_window_seconds": window,
+                "longest_read_window_seconds": max_read_window(engine.release_grace_seconds),
+            },
+        )
+
     def _forget(self, engine_id: str) -> None:
         log.info("engine left", extra={"engine_id": engine_id})
         self._load.forget(engine_id)
@@ -276,9 +458,16 @@ class EngineWatcher:
             for left in self._left_during_snapshots:
                 left.add(event.engine_id)
         elif event.engine is not None:
-            if self._table.get(event.engine_id) is None:
+            known = self._table.get(event.engine_id)
+            if known is None:
                 log.info(
                     "engine joined",
-                    extra={"engine_id": event.engine_id, "endpoint": event.engine.http_endpoint},
+                    extra={
+                        "engine_id": event.engine_id,
+                        "endpoint": event.engine.http_endpoint,
+                        "release_grace_seconds": event.engine.release_grace_seconds,
+                    },
                 )
+            if known is None or known.release_grace_seconds != event.engine.release_grace_seconds:
+                self._check_grace(event.engine)
             self._table.upsert(event.engine)

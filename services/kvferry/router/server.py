@@ -8,16 +8,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import re
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import grpc
 import uvicorn
 from kvferry.pd.engine_client import HttpTimeouts
-from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, max_read_window, read_window_fits
 from kvferry.router.calibration import CPU_DEFAULT, GPU_PROFILES, CostProfile
 from kvferry.router.conversations import Conversations
 from kvferry.router.cost import CostSettings
@@ -25,6 +26,7 @@ from kvferry.router.engine_clients import EngineClients
 from kvferry.router.engines import EngineTable, LoadTracker
 from kvferry.router.grpc_api import SERVICE_NAME, RouterServicer
 from kvferry.router.http_api import HttpApi
+from kvferry.router.limits import TenantLimits, TenantLimitSettings
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.observe import TurnTelemetry
 from kvferry.router.openai_responses import ResponseStore
@@ -32,6 +34,7 @@ from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
 from kvferry.router.tenants import ApiKeys, load_tenants, parse_key_pairs
 from kvferry.router.turns import TurnRunner, TurnSettings
 from kvferry.runtime.host import ServiceHost
+from kvferry.runtime.tls import TlsFiles, open_channel, server_credentials
 from kvferry.runtime.tracing import TracingServerInterceptor, tracing_client_interceptors
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -54,7 +57,8 @@ class RouterConfig:
     http_listen: str = "127.0.0.1:0"
     # API keys: a tenants file (JSON or TOML) and/or KEY=TENANT pairs.
     tenants_file: Path | None = None
-    api_keys: str = ""
+    # Secret (KEY=TENANT pairs): never in a repr.
+    api_keys: str = field(default="", repr=False)
     # Registry calls' deadline, seconds.
     registry_timeout_seconds: float = 2.0
     # Cost model: profile name ("cpu" or a GPU_PROFILES key), the engines' kv_recompute_threshold,
@@ -67,9 +71,16 @@ class RouterConfig:
     default_max_tokens: int = 256
     max_attempts: int = 2
     publish_wait_seconds: float = 2.0
-    # A prefill may start reading a handed-out retention at most this long after; keep it below the
-    # decode engines' release_grace_seconds.
+    # A prefill may start reading a retention at most this long after the router looked it up.
     read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
+    # The shortest release grace of the decode engines this router serves (their connectors'
+    # release_grace_seconds, 30 by default): the read window must be safely under it (at most half) or
+    # the router refuses to start. Each engine also publishes its own; retentions of an engine whose
+    # grace is too short for the window are recomputed, never pulled.
+    min_release_grace_seconds: float = 30.0
+    # The lease of a turn's mark in the registry (one turn in flight per conversation), renewed every
+    # third of it while the turn runs: how long a conversation stays held after its router died.
+    turn_mark_seconds: int = 5
     # Engine HTTP: connect timeout, per-read timeout (a stalled stream fails after it), pool size.
     engine_connect_timeout_seconds: float = 3.0
     engine_read_timeout_seconds: float = 120.0
@@ -78,6 +89,12 @@ class RouterConfig:
     # Stored Responses-API responses (previous_response_id): how many this process keeps, and how long.
     responses_max_stored: int = 10_000
     responses_ttl_seconds: float = 3600.0
+    # Turns one tenant may have in flight on this router (gRPC and HTTP together); past it
+    # RESOURCE_EXHAUSTED / 429 with Retry-After. 0: no cap.
+    max_turns_per_tenant: int = 0
+    # Calls one gRPC connection may have open at once; HTTP connections served at once (past it: 503).
+    max_concurrent_streams: int = 1000
+    max_http_connections: int = 4096
     engine_resync_seconds: float = 30.0
     # start_router waits this long for the first engine table (0: don't wait).
     startup_sync_seconds: float = 10.0
@@ -85,10 +102,42 @@ class RouterConfig:
     metrics_address: str | None = None
     # OTLP/gRPC collector for traces; None: tracing off (trace context still passes through).
     otlp_endpoint: str | None = None
+    # The router's certificate: it serves agents over TLS with it (gRPC and HTTPS; API keys authenticate
+    # them, no client certificate is asked) and calls the registry over mutual TLS with it (the certificate
+    # names the role ``router``: docs/security.md). None: plaintext everywhere.
+    tls: TlsFiles | None = None
 
 
 COST_PROFILES = ("cpu", *sorted(GPU_PROFILES))
 REUSE_POLICIES = ("cost", "always", "never")
+
+
+def router_holder() -> str:
+    """This router as its turns' marks name it: host:pid (as an id: [A-Za-z0-9._:-])."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:96] or "router"
+    return f"{host}:{os.getpid()}"
+
+
+def check_read_window(config: RouterConfig) -> None:
+    """Refuses a read window that is not safely under the engines' minimum release grace (ValueError)."""
+    window, grace = config.read_window_seconds, config.min_release_grace_seconds
+    if not grace > 0:
+        raise ValueError(
+            f"--min-release-grace is {grace:g} s; give the shortest release_grace_seconds of your decode "
+            "engines' connectors (> 0: without a grace a retention ended just after its lookup could be "
+            "freed while a prefill reads it)"
+        )
+    if not window > 0:
+        raise ValueError(
+            f"--read-window is {window:g} s; it must be > 0 (use --reuse-policy never to not pull)"
+        )
+    if not read_window_fits(window, grace):
+        raise ValueError(
+            f"--read-window {window:g} s is not safely under the engines' release grace "
+            f"(--min-release-grace {grace:g} s): a read window may be at most half of it, "
+            f"{max_read_window(grace):g} s. Lower --read-window, or raise the engines' release_grace_seconds "
+            "and --min-release-grace with it"
+        )
 
 
 def cost_profile(name: str) -> CostProfile:
@@ -148,14 +197,18 @@ class RunningRouter:
         engines: EngineTable,
         watcher: EngineWatcher,
         metrics: RouterMetrics,
+        tenant_limits: TenantLimits,
+        https: bool = False,
     ) -> None:
         self.host = host
+        self.https = https
         self.grpc_address = grpc_address
         self.http_host = http_host
         self.http_port = http_port
         self.engines = engines
         self.watcher = watcher
         self.metrics = metrics
+        self.tenant_limits = tenant_limits
 
     @property
     def grpc_host(self) -> str:
@@ -167,7 +220,7 @@ class RunningRouter:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.http_host}:{self.http_port}"
+        return f"{'https' if self.https else 'http'}://{self.http_host}:{self.http_port}"
 
     async def stop(self, grace_seconds: float | None = None) -> None:
         """Stops taking calls (in-flight ones get ``grace_seconds``, 2 s by default), then closes."""
@@ -186,6 +239,7 @@ async def start_router(
     ``api_keys`` overrides the keys named in ``config`` (tests pass a table directly);
     ``span_exporter`` (e.g. an ``InMemorySpanExporter``) turns tracing on for tests.
     """
+    check_read_window(config)
     keys = api_keys if api_keys is not None else api_keys_from_config(config)
     grpc_host, _ = _split_host_port(config.grpc_listen)
     http_host, http_port = _split_host_port(config.http_listen)
@@ -193,8 +247,8 @@ async def start_router(
     host = ServiceHost("router", grace_seconds=_GRACE_SECONDS)
     async with host.starting():
         provider = host.setup_tracing("kvferry-router", config.otlp_endpoint, span_exporter)
-        channel = grpc.aio.insecure_channel(
-            config.registry_address, interceptors=tracing_client_interceptors(provider)
+        channel = open_channel(
+            config.registry_address, config.tls, interceptors=tracing_client_interceptors(provider)
         )
         host.on_stop("registry channel", channel.close)
         registry = GrpcRegistry(channel, timeout_seconds=config.registry_timeout_seconds)
@@ -208,7 +262,12 @@ async def start_router(
         )
         host.on_stop("engine clients", clients.aclose)
         watcher = EngineWatcher(
-            registry, engines, load, resync_seconds=config.engine_resync_seconds, on_left=clients.forget
+            registry,
+            engines,
+            load,
+            resync_seconds=config.engine_resync_seconds,
+            on_left=clients.forget,
+            read_window_seconds=config.read_window_seconds,
         )
         runner = TurnRunner(
             engines=engines,
@@ -226,6 +285,9 @@ async def start_router(
                 max_attempts=config.max_attempts,
                 publish_wait_seconds=config.publish_wait_seconds,
                 read_window_seconds=config.read_window_seconds,
+                turn_mark_seconds=config.turn_mark_seconds,
+                holder=router_holder(),
+                tenant_limits=TenantLimitSettings(max_concurrent_turns=config.max_turns_per_tenant),
             ),
             telemetry=TurnTelemetry(provider, metrics),
         )
@@ -245,6 +307,10 @@ async def start_router(
             config.grpc_listen,
             [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)],
             interceptors=[TracingServerInterceptor(provider, rpc_seconds=metrics.rpc_seconds)],
+            options=[("grpc.max_concurrent_streams", config.max_concurrent_streams)],
+            credentials=(
+                server_credentials(config.tls, client_certificates=False) if config.tls is not None else None
+            ),
         )
         if config.metrics_address:
             await host.serve_metrics(metrics.registry, config.metrics_address)
@@ -260,13 +326,16 @@ async def start_router(
             max_body_bytes=config.max_body_bytes,
             metrics_registry=metrics.registry,
         ).app()
-        http_port = await _serve_http(host, app, http_host, http_port)
+        http_port = await _serve_http(
+            host, app, http_host, http_port, config.max_http_connections, config.tls
+        )
     grpc_address = f"{grpc_host}:{grpc_endpoint.port}"
+    router_http_url = f"{'https' if config.tls else 'http'}://{http_host}:{http_port}"
     log.info(
         "router serving",
         extra={
             "grpc": grpc_address,
-            "http": f"http://{http_host}:{http_port}",
+            "http": router_http_url,
             "registry": config.registry_address,
             "engines": len(engines),
         },
@@ -279,10 +348,14 @@ async def start_router(
         engines=engines,
         watcher=watcher,
         metrics=metrics,
+        tenant_limits=runner.tenant_limits,
+        https=config.tls is not None,
     )
 
 
-async def _serve_http(host: ServiceHost, app: Starlette, address: str, port: int) -> int:
+async def _serve_http(
+    host: ServiceHost, app: Starlette, address: str, port: int, max_connections: int, tls: TlsFiles | None
+) -> int:
     """Serves the OpenAI-compatible API with uvicorn until the host stops; returns the bound port."""
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
     # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle).
@@ -309,6 +382,11 @@ async def _serve_http(host: ServiceHost, app: Starlette, address: str, port: int
             server_header=False,
             date_header=False,
             timeout_graceful_shutdown=_GRACE_SECONDS,
+            # Past it uvicorn answers 503 at once instead of taking more memory and sockets.
+            limit_concurrency=max_connections,
+            # HTTPS with the router's certificate (read at start; the gRPC port reloads it).
+            ssl_certfile=str(tls.cert) if tls is not None else None,
+            ssl_keyfile=str(tls.key) if tls is not None else None,
         )
     )
     serving = host.spawn(server.serve(sockets=[sock]), "http")

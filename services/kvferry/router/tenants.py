@@ -139,11 +139,12 @@ def load_tenants(path: Path) -> ApiKeys:
 def parse_key_pairs(spec: str) -> ApiKeys:
     """From ``key=tenant,key2=tenant2`` (the ``--api-key`` flag / env form, handy for local stacks)."""
     pairs: list[tuple[str, str]] = []
-    for item in filter(None, (part.strip() for part in spec.split(","))):
+    for number, item in enumerate(filter(None, (part.strip() for part in spec.split(","))), start=1):
         key, sep, tenant = item.partition("=")
+        # The message names the entry by its place, never by its text: that would show part of a key.
         if not sep or not key or (problem := check_id("tenant name", tenant)) is not None:
             raise TenantConfigError(
-                f"API key entry {item[:8]!r}...: expected KEY=TENANT"
+                f"API key entry {number} (comma-separated, counted from 1): expected KEY=TENANT"
                 + (f" ({problem})" if sep and key else "")
             )
         pairs.append((key, tenant))

@@ -2,14 +2,17 @@
 
 ``prepare`` (may raise a ``ServiceError`` before anything is sent to the client):
   1. resolve the model; 2. turn the prompt into token ids (the engines' own tokenizer / chat
-  template) while looking the conversation's retention up in the registry; 3. check the length
-  against the model's limit.
+  template) while, for a conversation, taking its turn mark in the registry (one turn in flight per
+  conversation, across router replicas: a second one is refused, ABORTED / HTTP 409, naming the running
+  one) and looking its retention up (the lookup opens the retention's read window:
+  :class:`~kvferry.pd.reuse.ReadWindow`); 3. check the length against the model's limit.
 ``execute`` (an async stream of :class:`TextOut`, then one :class:`TurnResult`):
   4-6. plan the attempt (:func:`kvferry.router.plan.plan_turn`: the proven prefix, pull or recompute,
   the engines); 7. run :func:`kvferry.pd.sequence.prefill_then_decode`: prefill with ``max_tokens=1``
   (pulling the prefix if chosen), then stream the decode, marked so its connector retains the
   conversation for the next turn; 8. wait (bounded) until the registry shows the new retention, so the
-  next turn - on any router replica - finds it.
+  next turn - on any router replica - finds it; 9. clear the turn's mark (renewed meanwhile), before the
+  client has the result, so its next turn is never refused.
 An engine failing before the first token reaches the client is retried once on other engines by
 recompute; after the first token the client gets a clear error. The retention is renewed every turn.
 The engines and the registry come in through ports (:class:`EnginePort`, :class:`RetentionPort`).
@@ -24,7 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvferry.pd.chat import ChatRequest
@@ -37,16 +40,17 @@ from kvferry.pd.engine_api import (
     Sampling,
 )
 from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
-from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS
+from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, ReadWindow
 from kvferry.pd.sequence import Decoded, EngineTurn, Prefilled, prefill_then_decode
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
+from kvferry.router.limits import TenantLimits, TenantLimitSettings, TurnSlot
 from kvferry.router.observe import TurnTelemetry
 from kvferry.router.plan import PlanSettings, TurnPlan, plan_turn
-from kvferry.router.registry_client import RegistryUnavailable, RetentionRecord
+from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
 from kvferry.router.summary import summary_proto
 from kvferry.router.tenants import Tenant
-from kvferry.runtime.errors import InvalidArgument, NotFound, ServiceError, Unavailable
+from kvferry.runtime.errors import Aborted, InvalidArgument, NotFound, ServiceError, Unavailable
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -144,6 +148,18 @@ class TurnResult:
     engine_usage: Mapping[str, Any] | None = None
 
 
+@dataclass
+class TurnMark:
+    """The registry's mark of a turn in flight, held from ``prepare`` until the turn ends."""
+
+    tenant: str
+    conversation_id: str
+    request_id: str
+    ttl_seconds: int
+    released: bool = False
+    keeper: asyncio.Task[None] | None = None
+
+
 @dataclass(frozen=True)
 class PreparedTurn:
     request: TurnRequest
@@ -157,8 +173,14 @@ class PreparedTurn:
     # False when the registry did not answer: this turn neither reuses nor retains.
     registry_ok: bool
     started: float
+    # The retention's read window, opened when it was looked up (None without a retention).
+    read_window: ReadWindow | None = None
+    # The turn's mark in the registry (None: no conversation, or the registry did not answer).
+    mark: TurnMark | None = None
     # The turn's span (ended when the turn's stream ends).
     span: Span = trace.INVALID_SPAN
+    # The tenant's slot for this turn (kvferry.router.limits), given back when the turn's stream ends.
+    slot: TurnSlot | None = None
 
 
 @dataclass(frozen=True)
@@ -170,9 +192,16 @@ class TurnSettings:
     max_attempts: int = 2
     # How long to wait after the last token for the registry to show the new retention.
     publish_wait_seconds: float = 2.0
-    # How long after handing a retention out a prefill may still start reading it; must stay below
-    # the decode engines' release grace (rule 1), see kvferry.pd.reuse.read_deadline.
+    # How long after looking a retention up a prefill may still start reading it; safely under the decode
+    # engines' release grace (rule 1), see kvferry.pd.reuse.
     read_window_seconds: float = DEFAULT_READ_WINDOW_SECONDS
+    # The lease of a turn's mark (renewed every third of it while the turn runs): how long a conversation
+    # stays held after the router running its turn died.
+    turn_mark_seconds: int = 5
+    # Names this router in the mark (what a refused turn is told).
+    holder: str = ""
+    # Per-tenant caps (turns in flight).
+    tenant_limits: TenantLimitSettings = field(default_factory=TenantLimitSettings)
 
 
 class EnginePort(Protocol):
@@ -189,6 +218,18 @@ class RetentionPort(Protocol):
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None: ...
 
     async def renew_retention(self, tenant: str, conversation_id: str) -> float | None: ...
+
+    async def begin_turn(
+        self, tenant: str, conversation_id: str, request_id: str, *, holder: str, ttl_seconds: int
+    ) -> BegunTurn: ...
+
+    async def end_turn(self, tenant: str, conversation_id: str, request_id: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _MarkTaken:
+    mark: TurnMark
+    begun: BegunTurn
 
 
 @dataclass(frozen=True)
@@ -215,7 +256,8 @@ class TurnRunner:
         registry: RetentionPort,
         settings: TurnSettings,
         telemetry: TurnTelemetry | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.telemetry = telemetry or TurnTelemetry()
         self._engines = engines
@@ -224,8 +266,12 @@ class TurnRunner:
         self._registry = registry
         self._settings = settings
         self._plan_settings = PlanSettings(settings.cost, settings.read_window_seconds)
+        # Read windows are measured on the monotonic clock; only the lease end (unix seconds, the registry's
+        # clock) is compared with the wall clock, and only to shorten a window.
         self._clock = clock
+        self._wall_clock = wall_clock
         self._background: set[asyncio.Task[None]] = set()
+        self.tenant_limits = TenantLimits(settings.tenant_limits)
 
     # -- prepare ------------------------------------------------------------------------------
 
@@ -253,36 +299,73 @@ class TurnRunner:
         :meth:`execute` ends."""
         started = time.perf_counter()
         span = self.telemetry.start_turn(request.conversation_id)
+        slot: TurnSlot | None = None
         try:
+            slot = self.tenant_limits.admit(request.tenant.name)
             with trace.use_span(
                 span, end_on_exit=False, record_exception=False, set_status_on_exception=False
             ):
                 prepared = await self._prepare(request, started)
         except BaseException as error:
+            if slot is not None:
+                slot.release()
             self.telemetry.turn_failed(span, error)
             span.end()
             raise
-        return dataclasses.replace(prepared, span=span)
+        return dataclasses.replace(prepared, span=span, slot=slot)
 
     async def _prepare(self, request: TurnRequest, started: float) -> PreparedTurn:
         model = self.resolve_model(request.model, request.tenant)
         request_id = f"kvf-{uuid.uuid4().hex[:20]}"
-        lookup = (
-            asyncio.ensure_future(self._lookup(request.tenant.name, request.conversation_id))
-            if request.conversation_id
+        tenant, conversation_id = request.tenant.name, request.conversation_id
+        # The mark, the lookup and the tokenization run together: an uncontended turn waits for none of the
+        # registry calls unless they are slower than tokenizing.
+        marking = (
+            asyncio.ensure_future(self._begin_turn(tenant, conversation_id, request_id))
+            if conversation_id
             else None
         )
+        lookup = asyncio.ensure_future(self._lookup(tenant, conversation_id)) if conversation_id else None
+        tokenizing = asyncio.ensure_future(self._tokenize(model, request.prompt))
         try:
-            token_ids = await self._tokenize(model, request.prompt)
-        except BaseException:
-            if lookup is not None:
-                lookup.cancel()
+            if marking is not None:
+                # A turn refused its mark fails at once, without waiting for the tokenizer.
+                await asyncio.wait({marking, tokenizing}, return_when=asyncio.FIRST_COMPLETED)
+                if marking.done():
+                    marking.result()
+            token_ids = await tokenizing
+            mark = await marking if marking is not None else None
+            retention, window, registry_ok = await lookup if lookup is not None else (None, None, True)
+            if conversation_id and mark is not None and registry_ok:
+                found = retention.turn if retention is not None else 0
+                if mark.begun.retained_turn != found:
+                    # Looked up before the mark was taken, and a turn was published in between: the lookup
+                    # made now is current (the mark holds the conversation still).
+                    retention, window, registry_ok = await self._lookup(tenant, conversation_id)
+        except BaseException as error:
+            for task in (lookup, tokenizing):
+                if task is not None:
+                    task.cancel()
+            if marking is not None:
+                if isinstance(error, asyncio.CancelledError):
+                    self._spawn(self._drop_mark(marking))
+                else:
+                    # Before the client hears of the failure: it may send the turn again at once.
+                    await self._drop_mark(marking)
             raise
-        retention, registry_ok = await lookup if lookup is not None else (None, True)
         max_model_len = min(
             (e.max_model_len for e in self._model_engines(model) if e.max_model_len), default=0
         )
-        max_tokens = self._check_length(len(token_ids), request.sampling.max_tokens, max_model_len, model)
+        held_mark = mark.mark if mark is not None else None
+        if conversation_id and held_mark is None:
+            # Without its mark a turn runs unguarded: it neither reuses nor retains, as without a lookup.
+            retention, window, registry_ok = None, None, False
+        try:
+            max_tokens = self._check_length(len(token_ids), request.sampling.max_tokens, max_model_len, model)
+        except BaseException:
+            if held_mark is not None:
+                await self._release(held_mark)
+            raise
         chat = None
         if isinstance(request.prompt, ChatPrompt):
             chat = request.prompt.chat
@@ -298,6 +381,8 @@ class TurnRunner:
             retention=retention,
             registry_ok=registry_ok,
             started=started,
+            read_window=window,
+            mark=held_mark,
         )
 
     def _model_engines(self, model: str) -> list[EngineInfo]:
@@ -354,18 +439,31 @@ class TurnRunner:
                 last_error = error
         raise Unavailable(f"no engine of model {model!r} could tokenize the prompt: {last_error}")
 
-    async def _lookup(self, tenant: str, conversation_id: str | None) -> tuple[RetentionRecord | None, bool]:
+    async def _lookup(
+        self, tenant: str, conversation_id: str | None
+    ) -> tuple[RetentionRecord | None, ReadWindow | None, bool]:
+        """The conversation's retention and its read window, which opens *before* the registry is asked:
+        the registry may end the retention right after it answered, and D's grace then runs from there."""
         if conversation_id is None:
-            return None, True
+            return None, None, True
+        looked_up_at = self._clock()
         try:
-            return await self._registry.get_retention(tenant, conversation_id), True
+            retention = await self._registry.get_retention(tenant, conversation_id)
         except RegistryUnavailable as error:
             self.telemetry.registry_error("get_retention")
             log.warning(
                 "registry unavailable: serving the turn by recompute",
                 extra={"conversation_id": conversation_id, "error": str(error)},
             )
-            return None, False
+            return None, None, False
+        if retention is None:
+            return None, None, True
+        window = ReadWindow.opened(
+            looked_up_at,
+            self._settings.read_window_seconds,
+            lease_seconds_left=retention.expire_time - self._wall_clock(),
+        )
+        return retention, window, True
 
     async def _renew(self, tenant: str, conversation_id: str) -> None:
         try:
@@ -374,6 +472,92 @@ class TurnRunner:
             self.telemetry.registry_error("renew_retention")
             log.warning(
                 "retention renewal failed", extra={"conversation_id": conversation_id, "error": str(error)}
+            )
+
+    async def _begin_turn(
+        self, tenant: str, conversation_id: str | None, request_id: str
+    ) -> _MarkTaken | None:
+        """Takes the conversation's turn mark; None when the registry did not answer (the turn then runs
+        without reuse or retention). Raises ``Aborted`` when another turn holds it."""
+        assert conversation_id is not None
+        try:
+            begun = await self._ask_mark(tenant, conversation_id, request_id)
+        except RegistryUnavailable as error:
+            self.telemetry.registry_error("begin_turn")
+            log.warning(
+                "registry unavailable: the turn runs without its mark, by recompute",
+                extra={"conversation_id": conversation_id, "error": str(error)},
+            )
+            return None
+        except Aborted:
+            log.info(
+                "turn refused: another turn of the conversation is in flight",
+                extra={"conversation_id": conversation_id, "request_id": request_id},
+            )
+            raise
+        mark = TurnMark(tenant, conversation_id, request_id, max(1, begun.ttl_seconds))
+        return _MarkTaken(mark, begun)
+
+    async def _drop_mark(self, marking: asyncio.Future[_MarkTaken | None]) -> None:
+        """Clears the mark a turn that will not run took (once the registry answered)."""
+        try:
+            taken = await marking
+        except Exception:
+            return  # not taken (refused, or the registry did not answer)
+        if taken is not None:
+            await self._release(taken.mark)
+
+    async def _ask_mark(self, tenant: str, conversation_id: str, request_id: str) -> BegunTurn:
+        """BeginTurn: takes the mark, or renews it when ``request_id`` holds it."""
+        return await self._registry.begin_turn(
+            tenant,
+            conversation_id,
+            request_id,
+            holder=self._settings.holder,
+            ttl_seconds=self._settings.turn_mark_seconds,
+        )
+
+    async def _keep_mark(self, mark: TurnMark) -> None:
+        """Renews the turn's mark every third of its lease while the turn runs."""
+        while True:
+            await asyncio.sleep(mark.ttl_seconds / 3)
+            try:
+                begun = await self._ask_mark(mark.tenant, mark.conversation_id, mark.request_id)
+                mark.ttl_seconds = max(1, begun.ttl_seconds)
+            except (RegistryUnavailable, ServiceError) as error:
+                # The turn goes on: what it publishes is still judged by the registry (an older or equal
+                # turn is refused), only its exclusivity may lapse.
+                self.telemetry.registry_error("begin_turn")
+                log.warning(
+                    "could not renew the turn's mark",
+                    extra={
+                        "conversation_id": mark.conversation_id,
+                        "request_id": mark.request_id,
+                        "error": str(error),
+                    },
+                )
+                if isinstance(error, Aborted):
+                    return
+
+    async def _release(self, mark: TurnMark) -> None:
+        """Clears the turn's mark (once); a registry that does not answer lets it expire instead."""
+        if mark.released:
+            return
+        mark.released = True
+        if mark.keeper is not None:
+            mark.keeper.cancel()
+        try:
+            await self._registry.end_turn(mark.tenant, mark.conversation_id, mark.request_id)
+        except (RegistryUnavailable, ServiceError) as error:
+            self.telemetry.registry_error("end_turn")
+            log.warning(
+                "could not clear the turn's mark; it expires with its lease",
+                extra={
+                    "conversation_id": mark.conversation_id,
+                    "request_id": mark.request_id,
+                    "lease_seconds": mark.ttl_seconds,
+                    "error": str(error),
+                },
             )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -389,6 +573,8 @@ class TurnRunner:
         request = turn.request
         published = False
         span_context = trace.set_span_in_context(turn.span)
+        if turn.mark is not None and not turn.mark.released:
+            turn.mark.keeper = asyncio.ensure_future(self._keep_mark(turn.mark))
         try:
             async with aclosing(self._run(turn)) as events:
                 while True:
@@ -413,9 +599,19 @@ class TurnRunner:
         except BaseException as error:
             if not isinstance(error, GeneratorExit | asyncio.CancelledError):
                 self.telemetry.turn_failed(turn.span, error)
+                if turn.mark is not None:
+                    # Before the client hears of the failure: it may send the turn again at once.
+                    await self._release(turn.mark)
             raise
         finally:
             turn.span.end()
+            if turn.slot is not None:
+                turn.slot.release()
+            if turn.mark is not None and not turn.mark.released:
+                # The client went away (or nobody ran the turn's stream to its end).
+                if turn.mark.keeper is not None:
+                    turn.mark.keeper.cancel()
+                self._spawn(self._release(turn.mark))
             if turn.retention is not None and not published:
                 # Every turn keeps the conversation's KV alive: a published turn brings a fresh lease;
                 # otherwise (not retained, failed, aborted) the previous retention is renewed. Done
@@ -428,6 +624,7 @@ class TurnRunner:
         mark = self._mark(turn)
         failed: set[str] = set()
         retention = turn.retention
+        window = turn.read_window
         for attempt in range(1, self._settings.max_attempts + 1):
             plan = plan_turn(
                 turn.token_ids,
@@ -436,6 +633,7 @@ class TurnRunner:
                 engines=self._engines,
                 load=self._load,
                 settings=self._plan_settings,
+                window=window,
                 now=self._clock(),
                 exclude=frozenset(failed),
             )
@@ -446,7 +644,6 @@ class TurnRunner:
                 mark=mark if mark is not None else ReleaseMark(),
                 pull=plan.pull,
                 request_id=f"{turn.request_id}-{attempt}",
-                read_window_seconds=self._settings.read_window_seconds,
                 chat=turn.chat,
             )
             computed = len(turn.token_ids) - engine_turn.offered_pull_tokens
@@ -489,7 +686,11 @@ class TurnRunner:
                             else:
                                 yield TextOut(text=event.text, token_ids=event.token_ids)
                 assert prefilled is not None and decoded is not None
-                yield await self._finish(turn, plan, mark, prefilled, decoded, ttft_ms)
+                result = await self._finish(turn, plan, mark, prefilled, decoded, ttft_ms)
+                if turn.mark is not None:
+                    # Before the client has the result: its next turn must find the conversation free.
+                    await self._release(turn.mark)
+                yield result
                 return
             except ENGINE_ERRORS as error:
                 # Before P answered the error is P's, after it D's.
@@ -509,7 +710,7 @@ class TurnRunner:
                 if failure.role == "prefill" and plan.pull is not None and plan.holder is not None:
                     # A prefill that fails while pulling may be the holder's fault (gone, unreachable).
                     failed.add(plan.holder.engine_id)
-                retention = None
+                retention, window = None, None
             finally:
                 if prefilled is None:
                     self._load.add_prefill(plan.prefill.engine_id, -computed)

@@ -14,6 +14,10 @@ MAX_STOP_STRINGS = 16
 # vLLM holds token ids as int32 (its input_ids buffers), so no model has an id above this; larger
 # ones (2^63 and up do not even fit the digest's int64) are the caller's mistake, not an engine's.
 MAX_TOKEN_ID = 2**31 - 1
+# vLLM keeps both in 64-bit (max_tokens in int32 buffers too): beyond these the engine answers with a raw
+# validation dump instead of a message the caller can act on.
+MAX_TOKENS = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 def conversation_id(value: str, *, param: str = "conversation_id") -> str:
@@ -53,8 +57,12 @@ def sampling(
     stop: Sequence[str],
     ignore_eos: bool,
 ) -> SamplingOptions:
-    if max_tokens is not None and max_tokens < 1:
-        raise InvalidArgument(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS:
+        raise InvalidArgument(
+            f"max_tokens must be within [1, {MAX_TOKENS}], got {max_tokens}", param="max_tokens"
+        )
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise InvalidArgument(f"seed must fit in a signed 64-bit integer, got {seed}", param="seed")
     if not 0.0 <= temperature <= 2.0:
         raise InvalidArgument(f"temperature must be within [0, 2], got {temperature}", param="temperature")
     if top_p is not None and not 0.0 < top_p <= 1.0:

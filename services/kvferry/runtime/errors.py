@@ -74,12 +74,18 @@ class ServiceError(Exception):
     """Base of every error a service reports to its caller as-is; the message says what to do."""
 
     kind: ErrorKind = ErrorKind.INTERNAL
+    # An HTTP status more precise than the kind's (413 for a body too large); None: the table's.
+    http_status: int | None = None
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, retry_after_seconds: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         # The request field at fault, where one is (OpenAI error bodies carry it).
         self.param = param
+        # When trying again may succeed (HTTP Retry-After, gRPC trailing metadata ``retry-after``).
+        self.retry_after_seconds = retry_after_seconds
 
 
 class InvalidArgument(ServiceError):
@@ -110,6 +116,12 @@ class Aborted(ServiceError):
 
 class ResourceExhausted(ServiceError):
     kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class RequestTooLarge(InvalidArgument):
+    """A request body above the service's limit: HTTP 413."""
+
+    http_status = 413
 
 
 class PermissionDenied(ServiceError):
@@ -169,7 +181,7 @@ def grpc_code(error: ServiceError) -> grpc.StatusCode:
 
 
 def http_status(error: ServiceError) -> int:
-    return STATUS[error.kind].http
+    return error.http_status if error.http_status is not None else STATUS[error.kind].http
 
 
 def error_kind_of(code: grpc.StatusCode) -> ErrorKind:
@@ -195,7 +207,10 @@ async def abort(context: grpc.aio.ServicerContext, error: ServiceError, method: 
         "request refused",
         extra={"method": method, "code": code.name, "error": error.message},
     )
-    await context.abort(code, error.message)
+    trailers = (
+        (("retry-after", str(error.retry_after_seconds)),) if error.retry_after_seconds is not None else ()
+    )
+    await context.abort(code, error.message, trailers)
     raise AssertionError("unreachable: abort raises")
 
 

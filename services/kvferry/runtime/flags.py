@@ -81,9 +81,11 @@ class EnvFlags:
         required: bool = False,
         choices: Collection[Any] | None = None,
         metavar: str | None = None,
+        switch: bool = False,
     ) -> None:
         """``flag`` with its default from the first of ``env`` that is set and not empty, else
-        ``default``; ``required`` only when neither the command line nor the environment gives it."""
+        ``default``; ``required`` only when neither the command line nor the environment gives it.
+        ``switch``: the bare flag means True (``--gpu``), a value after it still counts (``--gpu false``)."""
         variables = [env] if isinstance(env, str) else list(env)
         value: Any = default
         for variable in variables:
@@ -104,6 +106,8 @@ class EnvFlags:
             required=required and not isinstance(value, _FromEnvironment),
             choices=choices,
             metavar=metavar,
+            nargs="?" if switch else None,
+            const=True if switch else None,
             # argparse %-formats help texts.
             help=f"{help} [{shown}]".replace("%", "%%"),
         )

@@ -91,10 +91,14 @@ class ServiceHost:
         services: Sequence[ServiceBinding],
         *,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        options: Sequence[tuple[str, Any]] = (),
+        credentials: grpc.ServerCredentials | None = None,
     ) -> GrpcEndpoint:
-        """Starts a gRPC server (with health checking and reflection); on stop its health turns
-        NOT_SERVING and in-flight calls get the grace period to finish."""
-        server, port, health_servicer = await start_server(address, services, interceptors=interceptors)
+        """Starts a gRPC server (with health checking and reflection; TLS with ``credentials``); on stop
+        its health turns NOT_SERVING and in-flight calls get the grace period to finish."""
+        server, port, health_servicer = await start_server(
+            address, services, interceptors=interceptors, options=options, credentials=credentials
+        )
 
         async def graceful_stop() -> None:
             await health_servicer.enter_graceful_shutdown()

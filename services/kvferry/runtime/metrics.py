@@ -69,6 +69,8 @@ def releases_counter(registry: CollectorRegistry) -> Counter:
 # What a renewed lease keeps alive, as ``kind`` labels of kvferry_lease_renewals_total.
 LEASE_ENGINE = "engine"
 LEASE_RETENTION = "retention"
+# A turn's mark kept alive while the turn runs (registry only).
+LEASE_TURN = "turn"
 
 
 def lease_renewals_counter(registry: CollectorRegistry) -> Counter:

@@ -77,6 +77,7 @@ class Sidecar:
                 timeout_seconds=config.registry_timeout_seconds,
                 interceptors=tracing_client_interceptors(self._tracer_provider),
                 on_error=self.metrics.registry_error,
+                tls=config.registry_tls,
             )
             self.host.on_stop("registry channel", grpc_registry.close)
             registry = grpc_registry
@@ -116,7 +117,9 @@ class Sidecar:
         self.publisher = RetentionPublisher(
             identity.engine_id, self.registry, self.registration, self.fanout, self.metrics
         )
-        self._servicer = SidecarServicer(identity.engine_id, self.publisher, self.fanout, self.registration)
+        self._servicer = SidecarServicer(
+            identity.engine_id, self.publisher, self.fanout, self.registration, self.metrics
+        )
         self._health: health.aio.HealthServicer | None = None
         self.address = ""
         self.metrics_port: int | None = None
@@ -223,8 +226,33 @@ class Sidecar:
         await self._health.set(SERVICE_NAME, overall)
 
 
+def prepare_socket_dir(directory: Path, *, uid: int | None = None) -> None:
+    """Makes ``directory`` a safe home for the connector's socket: created with mode 0700 (only this user
+    reaches the socket; the connector runs as the same user), or, when it exists, refused (ValueError)
+    unless it is a real directory owned by this user or by root. A directory another user created (say
+    ``/tmp/kvferry`` on a shared host) would let that user replace the socket and take the connector's
+    reports. A root-owned one is accepted: a Kubernetes emptyDir (only the pod's containers see it)."""
+    me = os.geteuid() if uid is None else uid
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+        return
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(
+            f"the sidecar's socket directory {directory} is not a directory (a symlink or a file); remove it "
+            "or choose another --listen path"
+        )
+    if info.st_uid not in (me, 0):
+        raise ValueError(
+            f"the sidecar's socket directory {directory} belongs to uid {info.st_uid}, not to this user "
+            f"(uid {me}): another user could replace the socket. Remove it, or choose a --listen path in a "
+            "directory of your own"
+        )
+
+
 def _prepare_socket_path(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    prepare_socket_dir(path.parent)
     with contextlib.suppress(FileNotFoundError):
         if stat.S_ISSOCK(os.stat(path).st_mode):
             # A socket file left by a sidecar that did not stop cleanly.

@@ -18,6 +18,7 @@ from kvferry.runtime.backoff import BackoffPolicy
 from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
 from kvferry.runtime.host import run_service
 from kvferry.runtime.logs import setup_logging
+from kvferry.runtime.tls import add_tls_flags, tls_from_args
 from kvferry.sidecar.config import SidecarConfig
 from kvferry.sidecar.engine import EngineMonitorSettings
 from kvferry.sidecar.registration import EngineIdentity, RegistrationSettings
@@ -164,6 +165,7 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         default=DEFAULT_LISTEN,
     )
     add_log_level_flag(serving)
+    add_tls_flags(flags)
     add_telemetry_flags(flags)
 
 
@@ -194,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         engine_timeout_seconds=args.engine_timeout,
         metrics_address=args.metrics_address,
         otlp_endpoint=args.otlp_endpoint,
+        registry_tls=tls_from_args(args),
     )
 
 

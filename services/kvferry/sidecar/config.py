@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvferry.runtime.tls import TlsFiles
 from kvferry.sidecar.engine import EngineMonitorSettings
 from kvferry.sidecar.registration import EngineIdentity, RegistrationSettings
 from kvferry.sidecar.releases import FanoutSettings
@@ -29,3 +30,5 @@ class SidecarConfig:
     otlp_endpoint: str | None = None
     # Seconds in-flight connector calls get to finish on shutdown.
     shutdown_grace_seconds: float = 2.0
+    # Mutual TLS to the registry (its certificate names this engine: engine:<engine-id>); None: plaintext.
+    registry_tls: TlsFiles | None = None

@@ -77,6 +77,13 @@ class SidecarMetrics:
         self.release_subscribers = Gauge(
             "kvferry_sidecar_release_subscribers", "Open WatchReleases streams from connectors.", registry=r
         )
+        self.fenced_pulls = Counter(
+            "kvferry_sidecar_fenced_pulls",
+            "Pulls of a retention the engine dropped and recomputed because the holder's block "
+            "generations had changed (pull-time fencing), from the engine's stats.",
+            registry=r,
+        )
+        self._fenced_pulls_seen = 0
 
     def heartbeat(self) -> None:
         self.lease_renewals.labels(kind=LEASE_ENGINE).inc()
@@ -86,6 +93,14 @@ class SidecarMetrics:
 
     def registry_error(self, op: str) -> None:
         self.registry_errors.labels(op=op).inc()
+
+    def engine_stats(self, stats: resources_pb2.EngineStats) -> None:
+        """The engine's own totals, as its connector reports them (a lower total: the engine restarted)."""
+        total = int(stats.fenced_pulls_total)
+        since_last = total - self._fenced_pulls_seen if total >= self._fenced_pulls_seen else total
+        if since_last:
+            self.fenced_pulls.inc(since_last)
+        self._fenced_pulls_seen = total
 
     def set_retained(self, retentions: int, blocks: int) -> None:
         self.retentions.set(retentions)

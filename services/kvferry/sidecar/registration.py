@@ -1,7 +1,8 @@
 """The engine's registration in the registry, as a state machine driven by one asyncio task.
 
 WAITING_FOR_ENGINE -> (engine /health OK, facts read) -> REGISTERING -> REGISTERED
-REGISTERED -> heartbeat every granted TTL / 3, carrying the connector's latest EngineStats
+REGISTERED -> heartbeat every granted TTL / 3, carrying the connector's latest EngineStats (and the
+    engine's release grace, at once, when the connector said it only after the registration)
 REGISTERED -> (heartbeat NOT_FOUND: the lease was lost) -> REGISTERING again, on its own
 REGISTERED -> (the registry's revisions went back: etcd restored from an older snapshot) ->
     REGISTERING again, telling the registry the revision it saw (a new epoch starts)
@@ -87,8 +88,11 @@ class _Outcome(enum.Enum):
     ENGINE_DOWN = "engine_down"
 
 
-def describe_engine(identity: EngineIdentity, facts: EngineFacts) -> resources_pb2.Engine:
-    """The Engine record to register: flags win over what the engine reports, both are checked."""
+def describe_engine(
+    identity: EngineIdentity, facts: EngineFacts, release_grace_seconds: float = 0.0
+) -> resources_pb2.Engine:
+    """The Engine record to register: flags win over what the engine reports, both are checked.
+    ``release_grace_seconds``: what the engine's connector said (0: nothing yet)."""
 
     def pick(name: str, flag: int | str | None, reported: int | str | None, flag_name: str) -> int | str:
         if flag is not None and reported is not None and flag != reported:
@@ -118,6 +122,7 @@ def describe_engine(identity: EngineIdentity, facts: EngineFacts) -> resources_p
         max_model_len=int(
             pick("max_model_len", identity.max_model_len, facts.max_model_len, "--max-model-len")
         ),
+        release_grace_seconds=release_grace_seconds,
     )
 
 
@@ -159,6 +164,12 @@ class EngineRegistration:
         # The highest revision seen before the registry's revisions went back; 0: no rewind pending.
         self._rewind_evidence = 0
         self._stats: resources_pb2.EngineStats | None = None
+        # The engine's release grace, as its connector said it (0: not yet); published with the
+        # registration, or by the next heartbeat when it came (or changed) after it.
+        self.release_grace_seconds = 0.0
+        self._grace_unpublished = False
+        # The stats the last heartbeat carried.
+        self._stats_sent: resources_pb2.EngineStats | None = None
         self._wake = asyncio.Event()
         self._pulse = asyncio.Event()
         self._outage_logged = False
@@ -174,8 +185,29 @@ class EngineRegistration:
         return max(self.granted_ttl_seconds, 1) / 3.0
 
     def update_stats(self, stats: resources_pb2.EngineStats) -> None:
-        """The connector's latest rates; the next heartbeat carries them."""
+        """The connector's latest rates; the next heartbeat carries them, at once when a rate the
+        router decides on changed (the connector reports those early, when they moved)."""
         self._stats = stats
+        if self.phase is Phase.REGISTERED and _decision_rates(stats) != _decision_rates(self._stats_sent):
+            self._wake.set()
+
+    def set_release_grace(self, seconds: float) -> None:
+        """The engine's release grace, as its connector says it (on every link to this sidecar). A
+        change after the registration goes out with a heartbeat now."""
+        if seconds == self.release_grace_seconds:
+            return
+        log.info(
+            "engine release grace",
+            extra={
+                "engine_id": self.identity.engine_id,
+                "release_grace_seconds": seconds,
+                "was": self.release_grace_seconds,
+            },
+        )
+        self.release_grace_seconds = seconds
+        if self.phase is Phase.REGISTERED:
+            self._grace_unpublished = True
+            self._wake.set()
 
     def poke(self) -> None:
         """Wakes the loop early (the engine's state changed)."""
@@ -226,7 +258,7 @@ class EngineRegistration:
             facts = await self._read_facts()
             if facts is None:
                 continue
-            engine = describe_engine(self.identity, facts)
+            engine = describe_engine(self.identity, facts, self.release_grace_seconds)
             self._set_phase(Phase.REGISTERING)
             if not await self._register(engine):
                 continue
@@ -235,6 +267,8 @@ class EngineRegistration:
                 log.warning("engine is down: deregistering it", extra={"engine_id": self.identity.engine_id})
                 self._set_phase(Phase.WAITING_FOR_ENGINE)
                 await self._deregister()
+                # The engine that comes back may run with other settings: its connector says them again.
+                self.release_grace_seconds = 0.0
 
     async def shutdown(self) -> bool:
         """Deregisters the engine (clean shutdown); True if the registry confirmed it."""
@@ -272,6 +306,8 @@ class EngineRegistration:
                 self._wake.clear()
                 continue
             self.engine = response.engine if response.HasField("engine") else engine
+            # The connector may have said (another) grace while the registration was under way.
+            self._grace_unpublished = self.release_grace_seconds != engine.release_grace_seconds
             self.granted_ttl_seconds = int(response.ttl_seconds or self._settings.ttl_seconds or 1)
             self.incarnation = response.incarnation
             self.epoch = response.epoch
@@ -291,9 +327,12 @@ class EngineRegistration:
                     "model": engine.model,
                     "block_size": engine.block_size,
                     "kv_capacity_blocks": engine.kv_capacity_blocks,
+                    "release_grace_seconds": engine.release_grace_seconds,
                 },
             )
             self._set_phase(Phase.REGISTERED)
+            if self._grace_unpublished:
+                self._wake.set()
             return True
         return False
 
@@ -309,8 +348,13 @@ class EngineRegistration:
                 return self._lost(
                     f"etcd went back in time (this sidecar saw revision {self._rewind_evidence})"
                 )
+            grace = self.release_grace_seconds if self._grace_unpublished else 0.0
             try:
-                await self._registry.heartbeat_engine(self.identity.engine_id, self._stats, self.incarnation)
+                stats = self._stats
+                await self._registry.heartbeat_engine(
+                    self.identity.engine_id, stats, self.incarnation, release_grace_seconds=grace
+                )
+                self._stats_sent = stats
             except RegistryError as err:
                 if err.kind is ErrorKind.NOT_FOUND:
                     return self._lost(err.message)
@@ -321,6 +365,10 @@ class EngineRegistration:
                 continue
             self._metrics.heartbeat()
             self._heartbeat_ok()
+            if grace and grace == self.release_grace_seconds:
+                self._grace_unpublished = False
+                if self.engine is not None:
+                    self.engine.release_grace_seconds = grace
             backoff.reset()
             delay = self.heartbeat_interval_seconds
 
@@ -379,3 +427,11 @@ class EngineRegistration:
         pulse, self._pulse = self._pulse, asyncio.Event()
         pulse.set()
         self._on_change()
+
+
+def _decision_rates(stats: resources_pb2.EngineStats | None) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """The rates the router's pull-or-recompute choice reads."""
+    if stats is None:
+        return 0.0, ()
+    peers = tuple((p.peer_engine_id, p.bytes_per_second) for p in stats.peer_pull_rates)
+    return stats.prefill_tokens_per_second, peers

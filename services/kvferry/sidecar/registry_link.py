@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 from kvferry.runtime.errors import ErrorKind, error_kind_of
+from kvferry.runtime.tls import TlsFiles, open_channel
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2
@@ -81,14 +82,21 @@ class RegistryApi(Protocol):
     ) -> registry_pb2.RegisterEngineResponse: ...
 
     async def heartbeat_engine(
-        self, engine_id: str, stats: resources_pb2.EngineStats | None, incarnation: int = 0
+        self,
+        engine_id: str,
+        stats: resources_pb2.EngineStats | None,
+        incarnation: int = 0,
+        *,
+        release_grace_seconds: float = 0.0,
     ) -> registry_pb2.HeartbeatEngineResponse: ...
 
     async def deregister_engine(self, engine_id: str) -> None: ...
 
     async def publish_retention(
-        self, retention: resources_pb2.Retention
-    ) -> registry_pb2.PublishRetentionResponse: ...
+        self, retention: resources_pb2.Retention, incarnation: int = 0
+    ) -> registry_pb2.PublishRetentionResponse:
+        """Publishes ``retention``; with ``incarnation``, only while the engine is that registration."""
+        ...
 
     async def get_retention(self, tenant: str, conversation_id: str) -> registry_pb2.GetRetentionResponse: ...
 
@@ -145,7 +153,8 @@ class _GrpcRetentionStream:
 
 
 class GrpcRegistry:
-    """RegistryApi over a grpc.aio channel; every unary call carries ``timeout_seconds``."""
+    """RegistryApi over a grpc.aio channel (mutual TLS with ``tls``); every unary call carries
+    ``timeout_seconds``."""
 
     def __init__(
         self,
@@ -155,12 +164,13 @@ class GrpcRegistry:
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         on_error: Callable[[str], None] = lambda op: None,
         on_rewind: Callable[[int, int], None] = lambda seen, revision: None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.address = address
         self._timeout = timeout_seconds
         self._on_error = on_error
         self.on_rewind = on_rewind
-        self._channel = grpc.aio.insecure_channel(address, interceptors=list(interceptors))
+        self._channel = open_channel(address, tls, interceptors=interceptors)
         self._stub = registry_grpc.RegistryServiceStub(self._channel)
         # The highest revision the registry sent, and what is added to the ones handed out.
         self._raw_revision = 0
@@ -199,10 +209,18 @@ class GrpcRegistry:
         return response
 
     async def heartbeat_engine(
-        self, engine_id: str, stats: resources_pb2.EngineStats | None, incarnation: int = 0
+        self,
+        engine_id: str,
+        stats: resources_pb2.EngineStats | None,
+        incarnation: int = 0,
+        *,
+        release_grace_seconds: float = 0.0,
     ) -> registry_pb2.HeartbeatEngineResponse:
         request = registry_pb2.HeartbeatEngineRequest(
-            engine_id=engine_id, stats=stats, incarnation=incarnation
+            engine_id=engine_id,
+            stats=stats,
+            incarnation=incarnation,
+            release_grace_seconds=release_grace_seconds,
         )
         response: registry_pb2.HeartbeatEngineResponse = await self._call(
             "heartbeat_engine", self._stub.HeartbeatEngine, request
@@ -217,9 +235,9 @@ class GrpcRegistry:
         )
 
     async def publish_retention(
-        self, retention: resources_pb2.Retention
+        self, retention: resources_pb2.Retention, incarnation: int = 0
     ) -> registry_pb2.PublishRetentionResponse:
-        request = registry_pb2.PublishRetentionRequest(retention=retention)
+        request = registry_pb2.PublishRetentionRequest(retention=retention, incarnation=incarnation)
         response: registry_pb2.PublishRetentionResponse = await self._call(
             "publish_retention", self._stub.PublishRetention, request
         )

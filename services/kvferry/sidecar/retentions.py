@@ -52,6 +52,11 @@ class RegistrationState(Protocol):
     @property
     def generation(self) -> int: ...
 
+    @property
+    def incarnation(self) -> int:
+        """The registration publishes name (the registry refuses them from another one)."""
+        ...
+
     def check_lease(self, generation: int) -> None: ...
 
 
@@ -126,7 +131,7 @@ class RetentionPublisher:
         # In the book before the publish is sent: a SYNC built meanwhile lists it (see releases.py).
         self._book.track(to_publish, confirmed=False, publishing=True)
         try:
-            response = await self._registry.publish_retention(to_publish)
+            response = await self._registry.publish_retention(to_publish, self._registration.incarnation)
         except RegistryError as err:
             if err.kind in AMBIGUOUS_KINDS:
                 found = await self._stored_despite(to_publish, err)
@@ -168,7 +173,8 @@ class RetentionPublisher:
 
     def _failure(self, err: RegistryError, generation: int) -> ServiceError:
         if err.kind is ErrorKind.NOT_FOUND or (
-            err.kind is ErrorKind.FAILED_PRECONDITION and "is not registered" in err.message
+            err.kind is ErrorKind.FAILED_PRECONDITION
+            and ("is not registered" in err.message or "registered under incarnation" in err.message)
         ):
             # The registry refuses retentions of unknown engines: the engine's lease may be gone.
             self._registration.check_lease(generation)

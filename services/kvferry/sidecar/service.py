@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 
 import grpc
 from kvferry.runtime import errors
 from kvferry.runtime.errors import InvalidArgument
+from kvferry.sidecar.metrics import SidecarMetrics
 from kvferry.sidecar.registration import EngineRegistration
 from kvferry.sidecar.releases import ReleaseFanout
 from kvferry.sidecar.retentions import RetentionPublisher
@@ -27,11 +29,13 @@ class SidecarServicer(sidecar_grpc.SidecarServiceServicer):  # type: ignore[misc
         publisher: RetentionPublisher,
         fanout: ReleaseFanout,
         registration: EngineRegistration,
+        metrics: SidecarMetrics,
     ) -> None:
         self._engine_id = engine_id
         self._publisher = publisher
         self._fanout = fanout
         self._registration = registration
+        self._metrics = metrics
 
     @unary
     async def ReportRetention(
@@ -65,6 +69,7 @@ class SidecarServicer(sidecar_grpc.SidecarServiceServicer):  # type: ignore[misc
         self, request: sidecar_pb2.ReportEngineStatsRequest, context: grpc.aio.ServicerContext
     ) -> sidecar_pb2.ReportEngineStatsResponse:
         self._registration.update_stats(request.stats)
+        self._metrics.engine_stats(request.stats)
         return sidecar_pb2.ReportEngineStatsResponse()
 
     @streaming
@@ -76,6 +81,14 @@ class SidecarServicer(sidecar_grpc.SidecarServiceServicer):  # type: ignore[misc
                 f"this sidecar serves engine {self._engine_id!r}, not {request.engine_id!r}; "
                 "point the connector at its own engine's sidecar",
             )
+        grace = request.release_grace_seconds
+        if not math.isfinite(grace) or grace < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"release_grace_seconds is {grace}; give the connector's release_grace_seconds (> 0)",
+            )
+        if grace > 0:
+            self._registration.set_release_grace(grace)
         subscription = self._fanout.subscribe()
         try:
             async for event in subscription:

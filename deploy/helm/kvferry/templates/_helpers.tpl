@@ -95,9 +95,29 @@ TLS. tls.mode picks where each component's certificate comes from; "kvferry.tls.
 {{- end -}}
 
 {{/*
-The TLS flags of a kvferry process, by role ("server": it serves; "client": it calls the registry or etcd).
-Empty until the kvferry processes terminate TLS themselves (issue 16): then this is the one place that adds
-the flags, and every mount, Secret and Certificate they need is already rendered.
+The TLS flags of a kvferry process (registry, router, sidecar): its certificate at /etc/kvferry/tls. The
+registry serves mutual TLS and checks each caller's role; the router serves agents over TLS and calls the
+registry as `router`; a sidecar calls it as `engine:<pod name>` (docs/security.md). Engines under TLS need
+one certificate per pod (the registry lets an engine speak only for the engine id its certificate names).
 */}}
 {{- define "kvferry.tls.args" -}}
+{{- $root := .root -}}
+{{- if include "kvferry.tls.enabled" $root }}
+{{- if and (eq .component "engine") (ne $root.Values.tls.certManager.engineCertificates "perPod") }}
+{{- fail "engines under TLS need a certificate each (the registry lets an engine act only for the engine id its certificate names): set tls.certManager.engineCertificates perPod (cert-manager's csi-driver, tls.certManager.issuerRef)" }}
+{{- end }}
+- --tls-cert=/etc/kvferry/tls/tls.crt
+- --tls-key=/etc/kvferry/tls/tls.key
+- --tls-ca=/etc/kvferry/tls/ca.crt
+{{- end }}
+{{- end -}}
+
+{{/*
+kvferry-health's TLS flags for a probe of the component's own port (as JSON list items, each with a leading
+comma): the CA, the component's certificate (the registry asks for one) and the name its certificate holds.
+*/}}
+{{- define "kvferry.tls.probeArgs" -}}
+{{- if include "kvferry.tls.enabled" .root -}}
+, "--tls-ca=/etc/kvferry/tls/ca.crt", "--tls-cert=/etc/kvferry/tls/tls.crt", "--tls-key=/etc/kvferry/tls/tls.key", "--server-name={{ include "kvferry.name" . }}"
+{{- end -}}
 {{- end -}}

@@ -61,6 +61,14 @@ class _RetentionEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Re
     """The retention's lease was renewed; `retention.expire_time` is the new end."""
     RETENTION_EVENT_TYPE_ENDED: _RetentionEventType.ValueType  # 2
     """The retention ended; free its blocks after the grace period."""
+    RETENTION_EVENT_TYPE_PUBLISHED: _RetentionEventType.ValueType  # 3
+    """WatchAllRetentions only: a live retention (`retention` is the whole record): one per live
+    retention in the snapshot, then one per publish.
+    """
+    RETENTION_EVENT_TYPE_SYNCED: _RetentionEventType.ValueType  # 4
+    """WatchAllRetentions only: the snapshot is complete; every retention live at `header.revision`
+    was sent.
+    """
 
 class RetentionEventType(_RetentionEventType, metaclass=_RetentionEventTypeEnumTypeWrapper):
     """What happened to a retention."""
@@ -71,6 +79,14 @@ RETENTION_EVENT_TYPE_RENEWED: RetentionEventType.ValueType  # 1
 """The retention's lease was renewed; `retention.expire_time` is the new end."""
 RETENTION_EVENT_TYPE_ENDED: RetentionEventType.ValueType  # 2
 """The retention ended; free its blocks after the grace period."""
+RETENTION_EVENT_TYPE_PUBLISHED: RetentionEventType.ValueType  # 3
+"""WatchAllRetentions only: a live retention (`retention` is the whole record): one per live
+retention in the snapshot, then one per publish.
+"""
+RETENTION_EVENT_TYPE_SYNCED: RetentionEventType.ValueType  # 4
+"""WatchAllRetentions only: the snapshot is complete; every retention live at `header.revision`
+was sent.
+"""
 Global___RetentionEventType: _TypeAlias = RetentionEventType  # noqa: Y015
 
 @_typing.final
@@ -165,11 +181,16 @@ class HeartbeatEngineRequest(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    RELEASE_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Engine to renew."""
     incarnation: _builtins.int
     """The registration to renew (RegisterEngineResponse.incarnation): NOT_FOUND when the engine is
     registered under another one. 0: whatever registration is live.
+    """
+    release_grace_seconds: _builtins.float
+    """The engine's release grace in seconds (`Engine.release_grace_seconds`) when it became known or
+    changed after the engine registered (its connector said it later); 0: unchanged.
     """
     @_builtins.property
     def stats(self) -> _resources_pb2.EngineStats:
@@ -181,10 +202,11 @@ class HeartbeatEngineRequest(_message.Message):
         engine_id: _builtins.str = ...,
         stats: _resources_pb2.EngineStats | None = ...,
         incarnation: _builtins.int = ...,
+        release_grace_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "release_grace_seconds", b"release_grace_seconds", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -386,6 +408,12 @@ class PublishRetentionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RETENTION_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.int
+    """The engine's registration this publish belongs to (RegisterEngineResponse.incarnation): when set,
+    a publish from another incarnation (a sidecar that missed its engine's re-registration) is
+    FAILED_PRECONDITION. Required of engine identities under mutual TLS.
+    """
     @_builtins.property
     def retention(self) -> _resources_pb2.Retention:
         """The retention; output-only fields are ignored."""
@@ -394,10 +422,11 @@ class PublishRetentionRequest(_message.Message):
         self,
         *,
         retention: _resources_pb2.Retention | None = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "retention", b"retention"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -554,6 +583,106 @@ class RenewRetentionResponse(_message.Message):
 Global___RenewRetentionResponse: _TypeAlias = RenewRetentionResponse  # noqa: Y015
 
 @_typing.final
+class RenewRetentionsRequest(_message.Message):
+    """Request for RenewRetentions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RENEWALS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def renewals(self) -> _containers.RepeatedCompositeFieldContainer[Global___RenewRetentionRequest]:
+        """The conversations to renew (at most 1000), each as in RenewRetention."""
+
+    def __init__(
+        self,
+        *,
+        renewals: _abc.Iterable[Global___RenewRetentionRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["renewals", b"renewals"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewRetentionsRequest: _TypeAlias = RenewRetentionsRequest  # noqa: Y015
+
+@_typing.final
+class RetentionRenewal(_message.Message):
+    """The outcome of one renewal of RenewRetentions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """Conversation renewed."""
+    ttl_seconds: _builtins.int
+    """Lease length, in seconds (when `code` is 0)."""
+    code: _builtins.int
+    """0 when renewed; else the gRPC status code RenewRetention would have answered (NOT_FOUND:
+    nothing to renew, recompute).
+    """
+    message: _builtins.str
+    """What went wrong, when `code` is not 0."""
+    @_builtins.property
+    def expire_time(self) -> _timestamp_pb2.Timestamp:
+        """New end of the lease (when `code` is 0)."""
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        expire_time: _timestamp_pb2.Timestamp | None = ...,
+        ttl_seconds: _builtins.int = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "conversation_id", b"conversation_id", "expire_time", b"expire_time", "message", b"message", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetentionRenewal: _TypeAlias = RetentionRenewal  # noqa: Y015
+
+@_typing.final
+class RenewRetentionsResponse(_message.Message):
+    """Response for RenewRetentions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    RENEWALS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> _resources_pb2.ResponseHeader:
+        """Registry metadata (the highest revision among the renewals)."""
+
+    @_builtins.property
+    def renewals(self) -> _containers.RepeatedCompositeFieldContainer[Global___RetentionRenewal]:
+        """One outcome per requested renewal, in the request's order."""
+
+    def __init__(
+        self,
+        *,
+        header: _resources_pb2.ResponseHeader | None = ...,
+        renewals: _abc.Iterable[Global___RetentionRenewal] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "renewals", b"renewals"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewRetentionsResponse: _TypeAlias = RenewRetentionsResponse  # noqa: Y015
+
+@_typing.final
 class ReleaseRetentionRequest(_message.Message):
     """Request for ReleaseRetention."""
 
@@ -707,6 +836,23 @@ class WatchRetentionsRequest(_message.Message):
 Global___WatchRetentionsRequest: _TypeAlias = WatchRetentionsRequest  # noqa: Y015
 
 @_typing.final
+class WatchAllRetentionsRequest(_message.Message):
+    """Request for WatchAllRetentions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchAllRetentionsRequest: _TypeAlias = WatchAllRetentionsRequest  # noqa: Y015
+
+@_typing.final
 class WatchRetentionsResponse(_message.Message):
     """One event of WatchRetentions."""
 
@@ -749,3 +895,186 @@ class WatchRetentionsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchRetentionsResponse: _TypeAlias = WatchRetentionsResponse  # noqa: Y015
+
+@_typing.final
+class WatchAllRetentionsResponse(_message.Message):
+    """Response for WatchAllRetentions: one event. The fields are those of WatchRetentionsResponse, under
+    the same numbers.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    RETENTION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    type: Global___RetentionEventType.ValueType
+    """What happened (PUBLISHED for each retention of the snapshot, then SYNCED once)."""
+    reason: _resources_pb2.ReleaseReason.ValueType
+    """For ENDED: why."""
+    @_builtins.property
+    def header(self) -> _resources_pb2.ResponseHeader:
+        """Registry metadata."""
+
+    @_builtins.property
+    def retention(self) -> _resources_pb2.Retention:
+        """The retention concerned (absent for SYNCED)."""
+
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp:
+        """For ENDED: when it ended."""
+
+    def __init__(
+        self,
+        *,
+        header: _resources_pb2.ResponseHeader | None = ...,
+        type: Global___RetentionEventType.ValueType = ...,
+        retention: _resources_pb2.Retention | None = ...,
+        reason: _resources_pb2.ReleaseReason.ValueType = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "header", b"header", "retention", b"retention"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "header", b"header", "reason", b"reason", "retention", b"retention", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchAllRetentionsResponse: _TypeAlias = WatchAllRetentionsResponse  # noqa: Y015
+
+@_typing.final
+class BeginTurnRequest(_message.Message):
+    """Request for BeginTurn."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """The conversation the turn belongs to."""
+    request_id: _builtins.str
+    """The turn's id (the router's request id); BeginTurn again with it renews the mark."""
+    holder: _builtins.str
+    """Who runs the turn (e.g. a router's host:pid), named to a turn refused meanwhile."""
+    ttl_seconds: _builtins.int
+    """How long the mark lives without a renewal, in seconds; 0 takes the registry's default (5)."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        holder: _builtins.str = ...,
+        ttl_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "holder", b"holder", "request_id", b"request_id", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginTurnRequest: _TypeAlias = BeginTurnRequest  # noqa: Y015
+
+@_typing.final
+class BeginTurnResponse(_message.Message):
+    """Response for BeginTurn."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    RETAINED_TURN_FIELD_NUMBER: _builtins.int
+    TURN_FIELD_NUMBER: _builtins.int
+    ttl_seconds: _builtins.int
+    """The mark's lease, in seconds (etcd may grant more than asked): renew well within it."""
+    retained_turn: _builtins.int
+    """The turn of the conversation's retention record when the mark was taken, read in the same
+    transaction (0: none). A lookup made concurrently that found another turn is out of date: look
+    up again. Only set when this call took the mark.
+    """
+    @_builtins.property
+    def header(self) -> _resources_pb2.ResponseHeader:
+        """Registry metadata; `revision` is the one the mark was written (or renewed) at."""
+
+    @_builtins.property
+    def turn(self) -> _resources_pb2.RunningTurn:
+        """The mark as stored."""
+
+    def __init__(
+        self,
+        *,
+        header: _resources_pb2.ResponseHeader | None = ...,
+        ttl_seconds: _builtins.int = ...,
+        retained_turn: _builtins.int = ...,
+        turn: _resources_pb2.RunningTurn | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "turn", b"turn"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "retained_turn", b"retained_turn", "ttl_seconds", b"ttl_seconds", "turn", b"turn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginTurnResponse: _TypeAlias = BeginTurnResponse  # noqa: Y015
+
+@_typing.final
+class EndTurnRequest(_message.Message):
+    """Request for EndTurn."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """The conversation the turn belongs to."""
+    request_id: _builtins.str
+    """The turn whose mark to clear."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndTurnRequest: _TypeAlias = EndTurnRequest  # noqa: Y015
+
+@_typing.final
+class EndTurnResponse(_message.Message):
+    """Response for EndTurn."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    ended: _builtins.bool
+    """True when this call cleared the turn's mark; false when it held none (expired, or never taken)."""
+    @_builtins.property
+    def header(self) -> _resources_pb2.ResponseHeader:
+        """Registry metadata."""
+
+    def __init__(
+        self,
+        *,
+        header: _resources_pb2.ResponseHeader | None = ...,
+        ended: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndTurnResponse: _TypeAlias = EndTurnResponse  # noqa: Y015

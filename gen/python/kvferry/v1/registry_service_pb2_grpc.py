@@ -76,6 +76,11 @@ class RegistryServiceStub:
                 request_serializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionResponse.FromString,
                 _registered_method=True)
+        self.RenewRetentions = channel.unary_unary(
+                '/kvferry.v1.RegistryService/RenewRetentions',
+                request_serializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsResponse.FromString,
+                _registered_method=True)
         self.ReleaseRetention = channel.unary_unary(
                 '/kvferry.v1.RegistryService/ReleaseRetention',
                 request_serializer=kvferry_dot_v1_dot_registry__service__pb2.ReleaseRetentionRequest.SerializeToString,
@@ -90,6 +95,21 @@ class RegistryServiceStub:
                 '/kvferry.v1.RegistryService/WatchRetentions',
                 request_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.FromString,
+                _registered_method=True)
+        self.BeginTurn = channel.unary_unary(
+                '/kvferry.v1.RegistryService/BeginTurn',
+                request_serializer=kvferry_dot_v1_dot_registry__service__pb2.BeginTurnRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.BeginTurnResponse.FromString,
+                _registered_method=True)
+        self.EndTurn = channel.unary_unary(
+                '/kvferry.v1.RegistryService/EndTurn',
+                request_serializer=kvferry_dot_v1_dot_registry__service__pb2.EndTurnRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.EndTurnResponse.FromString,
+                _registered_method=True)
+        self.WatchAllRetentions = channel.unary_stream(
+                '/kvferry.v1.RegistryService/WatchAllRetentions',
+                request_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsResponse.FromString,
                 _registered_method=True)
 
 
@@ -154,6 +174,14 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewRetentions(self, request, context):
+        """Renews many retentions in one call (a client keeping several conversations alive); each
+        renewal succeeds or fails on its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseRetention(self, request, context):
         """Ends a retention at once; with `engine_request_id`, only if that request is still the live one.
         """
@@ -173,6 +201,33 @@ class RegistryServiceServicer:
 
     def WatchRetentions(self, request, context):
         """Streams every retention of one engine that ends, and why, and renewals of live ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginTurn(self, request, context):
+        """Marks a turn of a conversation in flight, so that no other turn of it runs meanwhile, whichever
+        router serves it; the same `request_id` again keeps the mark alive. The mark lives under a short
+        lease of its own (`ttl_seconds`): a router that dies frees it within that. ABORTED when another turn
+        of the conversation is in flight; the message names it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndTurn(self, request, context):
+        """Clears a turn's mark, only if that turn holds it (a later turn's mark is left alone). Succeeds
+        whether or not it was held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchAllRetentions(self, request, context):
+        """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
+        and end of any engine: what a router keeps its local retention index from. A stream cut off
+        (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -221,6 +276,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionResponse.SerializeToString,
             ),
+            'RenewRetentions': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewRetentions,
+                    request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsResponse.SerializeToString,
+            ),
             'ReleaseRetention': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseRetention,
                     request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.ReleaseRetentionRequest.FromString,
@@ -235,6 +295,21 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.WatchRetentions,
                     request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.SerializeToString,
+            ),
+            'BeginTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginTurn,
+                    request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.BeginTurnRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_registry__service__pb2.BeginTurnResponse.SerializeToString,
+            ),
+            'EndTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndTurn,
+                    request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.EndTurnRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_registry__service__pb2.EndTurnResponse.SerializeToString,
+            ),
+            'WatchAllRetentions': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchAllRetentions,
+                    request_deserializer=kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -466,6 +541,33 @@ class RegistryService:
             _registered_method=True)
 
     @staticmethod
+    def RenewRetentions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.RegistryService/RenewRetentions',
+            kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsRequest.SerializeToString,
+            kvferry_dot_v1_dot_registry__service__pb2.RenewRetentionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ReleaseRetention(request,
             target,
             options=(),
@@ -536,6 +638,87 @@ class RegistryService:
             '/kvferry.v1.RegistryService/WatchRetentions',
             kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsRequest.SerializeToString,
             kvferry_dot_v1_dot_registry__service__pb2.WatchRetentionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.RegistryService/BeginTurn',
+            kvferry_dot_v1_dot_registry__service__pb2.BeginTurnRequest.SerializeToString,
+            kvferry_dot_v1_dot_registry__service__pb2.BeginTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.RegistryService/EndTurn',
+            kvferry_dot_v1_dot_registry__service__pb2.EndTurnRequest.SerializeToString,
+            kvferry_dot_v1_dot_registry__service__pb2.EndTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchAllRetentions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvferry.v1.RegistryService/WatchAllRetentions',
+            kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsRequest.SerializeToString,
+            kvferry_dot_v1_dot_registry__service__pb2.WatchAllRetentionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

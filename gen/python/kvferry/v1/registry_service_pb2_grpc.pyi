@@ -51,6 +51,10 @@ class RegistryServiceStub:
     """Looks up a conversation's live retention."""
     RenewRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionRequest, _registry_service_pb2.RenewRetentionResponse]
     """Extends a retention's lease (heartbeat while the agent is busy)."""
+    RenewRetentions: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionsRequest, _registry_service_pb2.RenewRetentionsResponse]
+    """Renews many retentions in one call (a client keeping several conversations alive); each
+    renewal succeeds or fails on its own.
+    """
     ReleaseRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.ReleaseRetentionRequest, _registry_service_pb2.ReleaseRetentionResponse]
     """Ends a retention at once; with `engine_request_id`, only if that request is still the live one."""
     EndEngineRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.EndEngineRetentionRequest, _registry_service_pb2.EndEngineRetentionResponse]
@@ -61,6 +65,21 @@ class RegistryServiceStub:
     """
     WatchRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]
     """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+    BeginTurn: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.BeginTurnRequest, _registry_service_pb2.BeginTurnResponse]
+    """Marks a turn of a conversation in flight, so that no other turn of it runs meanwhile, whichever
+    router serves it; the same `request_id` again keeps the mark alive. The mark lives under a short
+    lease of its own (`ttl_seconds`): a router that dies frees it within that. ABORTED when another turn
+    of the conversation is in flight; the message names it.
+    """
+    EndTurn: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.EndTurnRequest, _registry_service_pb2.EndTurnResponse]
+    """Clears a turn's mark, only if that turn holds it (a later turn's mark is left alone). Succeeds
+    whether or not it was held.
+    """
+    WatchAllRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchAllRetentionsResponse]
+    """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
+    and end of any engine: what a router keeps its local retention index from. A stream cut off
+    (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
+    """
 
 @_typing.type_check_only
 class RegistryServiceAsyncStub(RegistryServiceStub):
@@ -85,6 +104,10 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """Looks up a conversation's live retention."""
     RenewRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionRequest, _registry_service_pb2.RenewRetentionResponse]  # type: ignore[assignment]
     """Extends a retention's lease (heartbeat while the agent is busy)."""
+    RenewRetentions: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionsRequest, _registry_service_pb2.RenewRetentionsResponse]  # type: ignore[assignment]
+    """Renews many retentions in one call (a client keeping several conversations alive); each
+    renewal succeeds or fails on its own.
+    """
     ReleaseRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.ReleaseRetentionRequest, _registry_service_pb2.ReleaseRetentionResponse]  # type: ignore[assignment]
     """Ends a retention at once; with `engine_request_id`, only if that request is still the live one."""
     EndEngineRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.EndEngineRetentionRequest, _registry_service_pb2.EndEngineRetentionResponse]  # type: ignore[assignment]
@@ -95,6 +118,21 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """
     WatchRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]  # type: ignore[assignment]
     """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+    BeginTurn: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.BeginTurnRequest, _registry_service_pb2.BeginTurnResponse]  # type: ignore[assignment]
+    """Marks a turn of a conversation in flight, so that no other turn of it runs meanwhile, whichever
+    router serves it; the same `request_id` again keeps the mark alive. The mark lives under a short
+    lease of its own (`ttl_seconds`): a router that dies frees it within that. ABORTED when another turn
+    of the conversation is in flight; the message names it.
+    """
+    EndTurn: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.EndTurnRequest, _registry_service_pb2.EndTurnResponse]  # type: ignore[assignment]
+    """Clears a turn's mark, only if that turn holds it (a later turn's mark is left alone). Succeeds
+    whether or not it was held.
+    """
+    WatchAllRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchAllRetentionsResponse]  # type: ignore[assignment]
+    """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
+    and end of any engine: what a router keeps its local retention index from. A stream cut off
+    (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
+    """
 
 class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     """The KV-metadata registry: engines and the KV they retain, each alive under an etcd lease.
@@ -166,6 +204,16 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         """Extends a retention's lease (heartbeat while the agent is busy)."""
 
     @_abc_1.abstractmethod
+    def RenewRetentions(
+        self,
+        request: _registry_service_pb2.RenewRetentionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_service_pb2.RenewRetentionsResponse, _abc.Awaitable[_registry_service_pb2.RenewRetentionsResponse]]:
+        """Renews many retentions in one call (a client keeping several conversations alive); each
+        renewal succeeds or fails on its own.
+        """
+
+    @_abc_1.abstractmethod
     def ReleaseRetention(
         self,
         request: _registry_service_pb2.ReleaseRetentionRequest,
@@ -192,5 +240,38 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_registry_service_pb2.WatchRetentionsResponse], _abc.AsyncIterator[_registry_service_pb2.WatchRetentionsResponse]]:
         """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+
+    @_abc_1.abstractmethod
+    def BeginTurn(
+        self,
+        request: _registry_service_pb2.BeginTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_service_pb2.BeginTurnResponse, _abc.Awaitable[_registry_service_pb2.BeginTurnResponse]]:
+        """Marks a turn of a conversation in flight, so that no other turn of it runs meanwhile, whichever
+        router serves it; the same `request_id` again keeps the mark alive. The mark lives under a short
+        lease of its own (`ttl_seconds`): a router that dies frees it within that. ABORTED when another turn
+        of the conversation is in flight; the message names it.
+        """
+
+    @_abc_1.abstractmethod
+    def EndTurn(
+        self,
+        request: _registry_service_pb2.EndTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_service_pb2.EndTurnResponse, _abc.Awaitable[_registry_service_pb2.EndTurnResponse]]:
+        """Clears a turn's mark, only if that turn holds it (a later turn's mark is left alone). Succeeds
+        whether or not it was held.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchAllRetentions(
+        self,
+        request: _registry_service_pb2.WatchAllRetentionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_registry_service_pb2.WatchAllRetentionsResponse], _abc.AsyncIterator[_registry_service_pb2.WatchAllRetentionsResponse]]:
+        """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
+        and end of any engine: what a router keeps its local retention index from. A stream cut off
+        (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
+        """
 
 def add_RegistryServiceServicer_to_server(servicer: RegistryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -104,6 +104,8 @@ class EngineStats(_message.Message):
     RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
     PULLED_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
     COMPUTED_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    FENCED_PULLS_TOTAL_FIELD_NUMBER: _builtins.int
+    PEER_PULL_RATES_FIELD_NUMBER: _builtins.int
     prefill_tokens_per_second: _builtins.float
     """Prefill throughput over recent prompts, in tokens per second."""
     transfer_bytes_per_second: _builtins.float
@@ -120,6 +122,16 @@ class EngineStats(_message.Message):
     """Tokens whose KV was pulled from a remote engine, since start."""
     computed_tokens_total: _builtins.int
     """Prompt tokens computed locally, since start."""
+    fenced_pulls_total: _builtins.int
+    """Pulls of a retention dropped after the data arrived because the holder's block generations had
+    changed (the engine recomputed instead), since start.
+    """
+    @_builtins.property
+    def peer_pull_rates(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerPullRate]:
+        """KV pull throughput from each engine this one pulled from recently (the transport differs per
+        peer: another GPU over NVLink, the same GPU, another host).
+        """
+
     def __init__(
         self,
         *,
@@ -131,14 +143,48 @@ class EngineStats(_message.Message):
         retained_blocks: _builtins.int = ...,
         pulled_tokens_total: _builtins.int = ...,
         computed_tokens_total: _builtins.int = ...,
+        fenced_pulls_total: _builtins.int = ...,
+        peer_pull_rates: _abc.Iterable[Global___PeerPullRate] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["computed_tokens_total", b"computed_tokens_total", "inflight_prefill_tokens", b"inflight_prefill_tokens", "kv_bytes_per_token", b"kv_bytes_per_token", "prefill_tokens_per_second", b"prefill_tokens_per_second", "pulled_tokens_total", b"pulled_tokens_total", "retained_blocks", b"retained_blocks", "running_requests", b"running_requests", "transfer_bytes_per_second", b"transfer_bytes_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["computed_tokens_total", b"computed_tokens_total", "fenced_pulls_total", b"fenced_pulls_total", "inflight_prefill_tokens", b"inflight_prefill_tokens", "kv_bytes_per_token", b"kv_bytes_per_token", "peer_pull_rates", b"peer_pull_rates", "prefill_tokens_per_second", b"prefill_tokens_per_second", "pulled_tokens_total", b"pulled_tokens_total", "retained_blocks", b"retained_blocks", "running_requests", b"running_requests", "transfer_bytes_per_second", b"transfer_bytes_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EngineStats: _TypeAlias = EngineStats  # noqa: Y015
+
+@_typing.final
+class PeerPullRate(_message.Message):
+    """The KV pull throughput one engine measured reading from one peer engine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    PULLS_FIELD_NUMBER: _builtins.int
+    peer_engine_id: _builtins.str
+    """The engine the KV was read from."""
+    bytes_per_second: _builtins.float
+    """Bytes pulled over the time the pulls took (posting, transfer and completion included), over the
+    most recent pulls from that peer.
+    """
+    pulls: _builtins.int
+    """How many pulls the figure covers."""
+    def __init__(
+        self,
+        *,
+        peer_engine_id: _builtins.str = ...,
+        bytes_per_second: _builtins.float = ...,
+        pulls: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_second", b"bytes_per_second", "peer_engine_id", b"peer_engine_id", "pulls", b"pulls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerPullRate: _TypeAlias = PeerPullRate  # noqa: Y015
 
 @_typing.final
 class Engine(_message.Message):
@@ -159,6 +205,7 @@ class Engine(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     REGISTER_TIME_FIELD_NUMBER: _builtins.int
+    RELEASE_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `engines/{engine_id}`. Output only."""
     engine_id: _builtins.str
@@ -181,6 +228,12 @@ class Engine(_message.Message):
     """Total KV blocks the engine has."""
     max_model_len: _builtins.int
     """The model's context limit, in tokens."""
+    release_grace_seconds: _builtins.float
+    """How long, in seconds, the engine keeps a retention's blocks after the registry ended it (its
+    connector's `release_grace_seconds`), so a prefill handed the retention just before can still read
+    it. Routers hand out read windows of at most half of it. 0: not known (a connector that has not
+    said it yet, or an older one): routers pull nothing from the engine.
+    """
     @_builtins.property
     def stats(self) -> Global___EngineStats:
         """Latest self-measured rates, refreshed by heartbeat."""
@@ -205,10 +258,11 @@ class Engine(_message.Message):
         max_model_len: _builtins.int = ...,
         stats: Global___EngineStats | None = ...,
         register_time: _timestamp_pb2.Timestamp | None = ...,
+        release_grace_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["register_time", b"register_time", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_id", b"engine_id", "http_endpoint", b"http_endpoint", "kv_capacity_blocks", b"kv_capacity_blocks", "kv_compatibility_hash", b"kv_compatibility_hash", "max_model_len", b"max_model_len", "model", b"model", "name", b"name", "nixl_host", b"nixl_host", "nixl_port", b"nixl_port", "register_time", b"register_time", "role", b"role", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_id", b"engine_id", "http_endpoint", b"http_endpoint", "kv_capacity_blocks", b"kv_capacity_blocks", "kv_compatibility_hash", b"kv_compatibility_hash", "max_model_len", b"max_model_len", "model", b"model", "name", b"name", "nixl_host", b"nixl_host", "nixl_port", b"nixl_port", "register_time", b"register_time", "release_grace_seconds", b"release_grace_seconds", "role", b"role", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -232,6 +286,7 @@ class Retention(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     PUBLISH_TIME_FIELD_NUMBER: _builtins.int
+    BLOCK_GENERATIONS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `tenants/{tenant}/conversations/{conversation_id}/retention`. Output only."""
     tenant: _builtins.str
@@ -264,6 +319,14 @@ class Retention(_message.Message):
     def publish_time(self) -> _timestamp_pb2.Timestamp:
         """When it was published. Output only."""
 
+    @_builtins.property
+    def block_generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """One generation per entry of `block_ids`, as the holding engine numbered its blocks when it
+        retained them; it bumps a block's generation before reusing it. A prefill that pulls the blocks
+        reads their generations again after the data and recomputes on any difference. Empty: the
+        engine does not fence pulls.
+        """
+
     def __init__(
         self,
         *,
@@ -279,14 +342,55 @@ class Retention(_message.Message):
         ttl_seconds: _builtins.int = ...,
         expire_time: _timestamp_pb2.Timestamp | None = ...,
         publish_time: _timestamp_pb2.Timestamp | None = ...,
+        block_generations: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time", "publish_time", b"publish_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_digests", b"block_digests", "block_ids", b"block_ids", "conversation_id", b"conversation_id", "engine_id", b"engine_id", "engine_request_id", b"engine_request_id", "expire_time", b"expire_time", "name", b"name", "num_tokens", b"num_tokens", "publish_time", b"publish_time", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_digests", b"block_digests", "block_generations", b"block_generations", "block_ids", b"block_ids", "conversation_id", b"conversation_id", "engine_id", b"engine_id", "engine_request_id", b"engine_request_id", "expire_time", b"expire_time", "name", b"name", "num_tokens", b"num_tokens", "publish_time", b"publish_time", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Retention: _TypeAlias = Retention  # noqa: Y015
+
+@_typing.final
+class RunningTurn(_message.Message):
+    """A turn of a conversation in flight (BeginTurn): at most one per conversation at a time."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """The conversation."""
+    request_id: _builtins.str
+    """The turn's id (the router's request id)."""
+    holder: _builtins.str
+    """Who runs it (a router's host:pid)."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When the turn took its mark. Output only."""
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        holder: _builtins.str = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "holder", b"holder", "request_id", b"request_id", "start_time", b"start_time", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunningTurn: _TypeAlias = RunningTurn  # noqa: Y015
 
 @_typing.final
 class ResponseHeader(_message.Message):

@@ -26,15 +26,15 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvferry.v1 import resources_pb2 as kvferry_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvferry/v1/sidecar_service.proto\x12\nkvferry.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1akvferry/v1/resources.proto\"B\n\x16ReportRetentionRequest\x12(\n\tretention\x18\x01 \x01(\x0b\x32\x15.kvferry.v1.Retention\"U\n\x17ReportRetentionResponse\x12(\n\tretention\x18\x01 \x01(\x0b\x32\x15.kvferry.v1.Retention\x12\x10\n\x08revision\x18\x02 \x01(\x03\"[\n\x15\x45victRetentionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x19\n\x11\x65ngine_request_id\x18\x03 \x01(\t\"\x18\n\x16\x45victRetentionResponse\"\x84\x01\n\x13\x45ndRetentionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x19\n\x11\x65ngine_request_id\x18\x03 \x01(\t\x12)\n\x06reason\x18\x04 \x01(\x0e\x32\x19.kvferry.v1.ReleaseReason\"7\n\x14\x45ndRetentionResponse\x12\r\n\x05\x65nded\x18\x01 \x01(\x08\x12\x10\n\x08revision\x18\x02 \x01(\x03\"B\n\x18ReportEngineStatsRequest\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.kvferry.v1.EngineStats\"\x1b\n\x19ReportEngineStatsResponse\")\n\x14WatchReleasesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\xed\x01\n\x15WatchReleasesResponse\x12*\n\x04type\x18\x01 \x01(\x0e\x32\x1c.kvferry.v1.ReleaseEventType\x12\x19\n\x11\x65ngine_request_id\x18\x02 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x06reason\x18\x04 \x01(\x0e\x32\x19.kvferry.v1.ReleaseReason\x12\x1f\n\x17live_engine_request_ids\x18\x05 \x03(\t\x12\x10\n\x08revision\x18\x06 \x01(\x03*\x91\x01\n\x10ReleaseEventType\x12\"\n\x1eRELEASE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1b\n\x17RELEASE_EVENT_TYPE_SYNC\x10\x01\x12\x1e\n\x1aRELEASE_EVENT_TYPE_RENEWED\x10\x02\x12\x1c\n\x18RELEASE_EVENT_TYPE_ENDED\x10\x03\x32\xd2\x03\n\x0eSidecarService\x12Z\n\x0fReportRetention\x12\".kvferry.v1.ReportRetentionRequest\x1a#.kvferry.v1.ReportRetentionResponse\x12W\n\x0e\x45victRetention\x12!.kvferry.v1.EvictRetentionRequest\x1a\".kvferry.v1.EvictRetentionResponse\x12Q\n\x0c\x45ndRetention\x12\x1f.kvferry.v1.EndRetentionRequest\x1a .kvferry.v1.EndRetentionResponse\x12`\n\x11ReportEngineStats\x12$.kvferry.v1.ReportEngineStatsRequest\x1a%.kvferry.v1.ReportEngineStatsResponse\x12V\n\rWatchReleases\x12 .kvferry.v1.WatchReleasesRequest\x1a!.kvferry.v1.WatchReleasesResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvferry/v1/sidecar_service.proto\x12\nkvferry.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1akvferry/v1/resources.proto\"B\n\x16ReportRetentionRequest\x12(\n\tretention\x18\x01 \x01(\x0b\x32\x15.kvferry.v1.Retention\"U\n\x17ReportRetentionResponse\x12(\n\tretention\x18\x01 \x01(\x0b\x32\x15.kvferry.v1.Retention\x12\x10\n\x08revision\x18\x02 \x01(\x03\"[\n\x15\x45victRetentionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x19\n\x11\x65ngine_request_id\x18\x03 \x01(\t\"\x18\n\x16\x45victRetentionResponse\"\x84\x01\n\x13\x45ndRetentionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x19\n\x11\x65ngine_request_id\x18\x03 \x01(\t\x12)\n\x06reason\x18\x04 \x01(\x0e\x32\x19.kvferry.v1.ReleaseReason\"7\n\x14\x45ndRetentionResponse\x12\r\n\x05\x65nded\x18\x01 \x01(\x08\x12\x10\n\x08revision\x18\x02 \x01(\x03\"B\n\x18ReportEngineStatsRequest\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.kvferry.v1.EngineStats\"\x1b\n\x19ReportEngineStatsResponse\"H\n\x14WatchReleasesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1d\n\x15release_grace_seconds\x18\x02 \x01(\x01\"\xed\x01\n\x15WatchReleasesResponse\x12*\n\x04type\x18\x01 \x01(\x0e\x32\x1c.kvferry.v1.ReleaseEventType\x12\x19\n\x11\x65ngine_request_id\x18\x02 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x06reason\x18\x04 \x01(\x0e\x32\x19.kvferry.v1.ReleaseReason\x12\x1f\n\x17live_engine_request_ids\x18\x05 \x03(\t\x12\x10\n\x08revision\x18\x06 \x01(\x03*\x91\x01\n\x10ReleaseEventType\x12\"\n\x1eRELEASE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1b\n\x17RELEASE_EVENT_TYPE_SYNC\x10\x01\x12\x1e\n\x1aRELEASE_EVENT_TYPE_RENEWED\x10\x02\x12\x1c\n\x18RELEASE_EVENT_TYPE_ENDED\x10\x03\x32\xd2\x03\n\x0eSidecarService\x12Z\n\x0fReportRetention\x12\".kvferry.v1.ReportRetentionRequest\x1a#.kvferry.v1.ReportRetentionResponse\x12W\n\x0e\x45victRetention\x12!.kvferry.v1.EvictRetentionRequest\x1a\".kvferry.v1.EvictRetentionResponse\x12Q\n\x0c\x45ndRetention\x12\x1f.kvferry.v1.EndRetentionRequest\x1a .kvferry.v1.EndRetentionResponse\x12`\n\x11ReportEngineStats\x12$.kvferry.v1.ReportEngineStatsRequest\x1a%.kvferry.v1.ReportEngineStatsResponse\x12V\n\rWatchReleases\x12 .kvferry.v1.WatchReleasesRequest\x1a!.kvferry.v1.WatchReleasesResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvferry.v1.sidecar_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RELEASEEVENTTYPE']._serialized_start=956
-  _globals['_RELEASEEVENTTYPE']._serialized_end=1101
+  _globals['_RELEASEEVENTTYPE']._serialized_start=987
+  _globals['_RELEASEEVENTTYPE']._serialized_end=1132
   _globals['_REPORTRETENTIONREQUEST']._serialized_start=109
   _globals['_REPORTRETENTIONREQUEST']._serialized_end=175
   _globals['_REPORTRETENTIONRESPONSE']._serialized_start=177
@@ -52,9 +52,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTENGINESTATSRESPONSE']._serialized_start=643
   _globals['_REPORTENGINESTATSRESPONSE']._serialized_end=670
   _globals['_WATCHRELEASESREQUEST']._serialized_start=672
-  _globals['_WATCHRELEASESREQUEST']._serialized_end=713
-  _globals['_WATCHRELEASESRESPONSE']._serialized_start=716
-  _globals['_WATCHRELEASESRESPONSE']._serialized_end=953
-  _globals['_SIDECARSERVICE']._serialized_start=1104
-  _globals['_SIDECARSERVICE']._serialized_end=1570
+  _globals['_WATCHRELEASESREQUEST']._serialized_end=744
+  _globals['_WATCHRELEASESRESPONSE']._serialized_start=747
+  _globals['_WATCHRELEASESRESPONSE']._serialized_end=984
+  _globals['_SIDECARSERVICE']._serialized_start=1135
+  _globals['_SIDECARSERVICE']._serialized_end=1601
 # @@protoc_insertion_point(module_scope)

@@ -260,16 +260,23 @@ class WatchReleasesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENGINE_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_GRACE_SECONDS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """The engine the connector runs in."""
+    release_grace_seconds: _builtins.float
+    """The engine's release grace in seconds (the connector's `release_grace_seconds`); the sidecar
+    publishes it in the engine's registry record (`Engine.release_grace_seconds`). 0: not said (an
+    older connector).
+    """
     def __init__(
         self,
         *,
         engine_id: _builtins.str = ...,
+        release_grace_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "release_grace_seconds", b"release_grace_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

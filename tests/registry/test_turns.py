@@ -1,0 +1,206 @@
+"""Turns in flight (BeginTurn / EndTurn) against a real registry on a real etcd: one turn per conversation at
+a time, across registry replicas; a mark nobody renews expires."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import pytest_asyncio
+from kvferry.registry.etcd import EtcdGateway, EtcdSettings
+from kvferry.registry.server import create_registry
+from kvferry.registry.turns import LeasePool
+from kvferry.runtime.clock import ManualClock
+from kvferry.stack.etcd_process import EtcdProcess
+from kvferry.v1 import registry_service_pb2 as api
+from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
+
+from tests.fixtures.registry import RegistryHandle, unique
+from tests.registry.builders import publish, register, retention, status_of
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def begin(
+    tenant: str, conversation_id: str, request_id: str, *, holder: str = "router-a:1", ttl_seconds: int = 0
+) -> api.BeginTurnRequest:
+    return api.BeginTurnRequest(
+        tenant=tenant,
+        conversation_id=conversation_id,
+        request_id=request_id,
+        holder=holder,
+        ttl_seconds=ttl_seconds,
+    )
+
+
+def end(tenant: str, conversation_id: str, request_id: str) -> api.EndTurnRequest:
+    return api.EndTurnRequest(tenant=tenant, conversation_id=conversation_id, request_id=request_id)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def second_replica(registry: RegistryHandle, etcd: EtcdProcess) -> AsyncIterator[RegistryHandle]:
+    """Another registry process on the same etcd and key prefix as ``registry``."""
+    config = dataclasses.replace(registry.config, listen_address="127.0.0.1:0")
+    running = await create_registry(config)
+    handle = RegistryHandle(address=running.address, registry=running, config=config)
+    try:
+        yield handle
+    finally:
+        await handle.close()
+        await running.stop(grace_seconds=0.2)
+
+
+async def test_a_second_turn_of_a_conversation_is_refused_naming_the_running_one(
+    registry: RegistryHandle,
+) -> None:
+    stub = registry.stub()
+    tenant, conv = unique("tenant"), unique("conv")
+    begun = await stub.BeginTurn(begin(tenant, conv, "kvf-first"), timeout=5)
+    assert begun.ttl_seconds >= 5 and begun.header.revision > 0
+    assert (begun.turn.request_id, begun.turn.holder) == ("kvf-first", "router-a:1")
+    assert begun.turn.start_time.seconds > 0 and begun.retained_turn == 0
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.BeginTurn(begin(tenant, conv, "kvf-second", holder="router-b:2"), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.ABORTED
+    details = refused.value.details() or ""
+    assert f"conversation {conv} of tenant {tenant} has a turn in flight" in details
+    assert "request kvf-first (on router-a:1, started" in details
+
+    # Other conversations, and the same conversation id of another tenant, are not held.
+    await stub.BeginTurn(begin(tenant, unique("conv"), "kvf-other"), timeout=5)
+    await stub.BeginTurn(begin(unique("tenant"), conv, "kvf-other"), timeout=5)
+
+    ended = await stub.EndTurn(end(tenant, conv, "kvf-first"), timeout=5)
+    assert ended.ended
+    again = await stub.BeginTurn(begin(tenant, conv, "kvf-second", holder="router-b:2"), timeout=5)
+    assert again.turn.request_id == "kvf-second"
+    refused_count = registry.registry.metrics.registry.get_sample_value(
+        "kvferry_registry_turns_refused_total"
+    )
+    assert refused_count is not None and refused_count >= 1
+
+
+async def test_the_running_turn_renews_its_mark_and_only_it_clears_it(registry: RegistryHandle) -> None:
+    stub = registry.stub()
+    tenant, conv = unique("tenant"), unique("conv")
+    first = await stub.BeginTurn(begin(tenant, conv, "kvf-a", ttl_seconds=2), timeout=5)
+    for _ in range(3):
+        await asyncio.sleep(1.0)
+        renewed = await stub.BeginTurn(begin(tenant, conv, "kvf-a", ttl_seconds=2), timeout=5)
+        assert renewed.turn.start_time == first.turn.start_time
+    # 3 s after it was taken under a 2 s lease, the renewals kept it.
+    assert await status_of(stub.BeginTurn(begin(tenant, conv, "kvf-b"), timeout=5)) == grpc.StatusCode.ABORTED
+    # Another turn's EndTurn leaves it alone.
+    assert not (await stub.EndTurn(end(tenant, conv, "kvf-b"), timeout=5)).ended
+    assert await status_of(stub.BeginTurn(begin(tenant, conv, "kvf-b"), timeout=5)) == grpc.StatusCode.ABORTED
+    assert (await stub.EndTurn(end(tenant, conv, "kvf-a"), timeout=5)).ended
+    assert not (await stub.EndTurn(end(tenant, conv, "kvf-a"), timeout=5)).ended
+
+
+async def test_a_mark_nobody_renews_expires_with_its_lease(registry: RegistryHandle) -> None:
+    """A router that died mid-turn neither renews nor clears its mark: the conversation is free again within
+    the mark's lease."""
+    stub = registry.stub()
+    tenant, conv = unique("tenant"), unique("conv")
+    begun = await stub.BeginTurn(begin(tenant, conv, "kvf-crashed", ttl_seconds=2), timeout=5)
+    taken_at = time.monotonic()
+    assert begun.ttl_seconds == 2
+    while True:
+        try:
+            await stub.BeginTurn(begin(tenant, conv, "kvf-next"), timeout=5)
+            break
+        except grpc.aio.AioRpcError as error:
+            assert error.code() == grpc.StatusCode.ABORTED
+            assert time.monotonic() - taken_at < 6.0, "the dead router's mark outlived its lease"
+            await asyncio.sleep(0.1)
+    assert time.monotonic() - taken_at >= 1.5
+
+
+async def test_replicas_share_marks(registry: RegistryHandle, second_replica: RegistryHandle) -> None:
+    first, second = registry.stub(), second_replica.stub()
+    tenant, conv = unique("tenant"), unique("conv")
+    begun = await first.BeginTurn(begin(tenant, conv, "kvf-a", ttl_seconds=2), timeout=5)
+    assert (
+        await status_of(second.BeginTurn(begin(tenant, conv, "kvf-b"), timeout=5)) == grpc.StatusCode.ABORTED
+    )
+    # The holder renews through the other replica (a router's channel may reach either).
+    await asyncio.sleep(1.2)
+    renewed = await second.BeginTurn(begin(tenant, conv, "kvf-a", ttl_seconds=2), timeout=5)
+    assert renewed.turn.start_time == begun.turn.start_time
+    await asyncio.sleep(1.2)
+    assert (
+        await status_of(first.BeginTurn(begin(tenant, conv, "kvf-b"), timeout=5)) == grpc.StatusCode.ABORTED
+    )
+    # And clears it there too.
+    assert (await second.EndTurn(end(tenant, conv, "kvf-a"), timeout=5)).ended
+    await first.BeginTurn(begin(tenant, conv, "kvf-b"), timeout=5)
+
+
+async def test_concurrent_begins_take_the_mark_once(
+    registry: RegistryHandle, second_replica: RegistryHandle
+) -> None:
+    stubs = [registry.stub(), second_replica.stub()]
+    tenant, conv = unique("tenant"), unique("conv")
+    calls = [stubs[i % 2].BeginTurn(begin(tenant, conv, f"kvf-{i}"), timeout=5) for i in range(8)]
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    won = [o for o in outcomes if isinstance(o, api.BeginTurnResponse)]
+    lost = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert len(won) == 1 and len(lost) == 7
+    assert all(error.code() == grpc.StatusCode.ABORTED for error in lost)
+
+
+async def test_the_mark_reads_the_retained_turn_in_the_same_transaction(registry: RegistryHandle) -> None:
+    stub = registry.stub()
+    engine_id, tenant, conv = unique("engine"), unique("tenant"), unique("conv")
+    await register(stub, engine_id, ttl_seconds=30)
+    await publish(stub, retention(tenant, conv, engine_id, turn=3))
+    begun = await stub.BeginTurn(begin(tenant, conv, "kvf-a"), timeout=5)
+    assert begun.retained_turn == 3
+    await stub.EndTurn(end(tenant, conv, "kvf-a"), timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("request_", "fragment"),
+    [
+        (begin("", "c", "r"), "tenant is required"),
+        (begin("t", "c/x", "r"), "conversation_id"),
+        (begin("t", "c", ""), "request_id is required"),
+        (begin("t", "c", "r", holder="a b"), "holder"),
+        (begin("t", "c", "r", ttl_seconds=-1), "turn ttl_seconds is -1"),
+        (begin("t", "c", "r", ttl_seconds=3600), "at most 60 s"),
+    ],
+)
+async def test_bad_begin_turn_requests_are_invalid(
+    registry: RegistryHandle, request_: api.BeginTurnRequest, fragment: str
+) -> None:
+    stub: registry_grpc.RegistryServiceStub = registry.stub()
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.BeginTurn(request_, timeout=5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in (refused.value.details() or "")
+
+
+async def test_the_lease_pool_hands_out_only_leases_with_two_thirds_of_their_ttl_left(
+    etcd: EtcdProcess,
+) -> None:
+    gateway = EtcdGateway(EtcdSettings(endpoints=(etcd.endpoint,)))
+    await gateway.connect()
+    clock = ManualClock()
+    pool = LeasePool(gateway, 6, spares=2, clock=clock)
+    try:
+        first = await pool.take()  # nothing granted ahead yet: granted now
+        pool.fill()
+        await asyncio.sleep(1.0)  # two grants in the background
+        spare = await pool.take()
+        assert spare.id != first.id and spare.ttl_seconds == 6
+        await clock.advance(2.5)  # more than a third of 6 s: the other spare is too old to hand out
+        late = await pool.take()
+        assert late.id not in (first.id, spare.id)
+    finally:
+        await pool.close()
+        await gateway.close()

@@ -1,0 +1,206 @@
+"""The router's limits: a body over the limit is refused (413) while it streams in, and one tenant's burst
+is capped (429 / RESOURCE_EXHAUSTED with Retry-After) while another tenant's turns are served. Real
+registry (real etcd), the router's real gRPC and HTTP servers, FAST STAND-IN engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import httpx
+import pytest
+from kvferry.router.limits import TenantLimits, TenantLimitSettings
+from kvferry.router.server import RunningRouter
+from kvferry.runtime.errors import ResourceExhausted
+from kvferry.v1 import router_service_pb2_grpc as router_grpc
+
+from tests.fixtures.router import RouterFactory, StandInFactory, wait_for_engines
+from tests.router.test_router_standin import chat_request, generate
+
+pytestmark = pytest.mark.timeout(120)
+
+ACME, GLOBEX = "key-acme", "key-globex"
+MIB = 1024 * 1024
+CAP = 4
+
+
+def test_a_tenant_past_its_cap_is_refused_and_others_are_not() -> None:
+    limits = TenantLimits(TenantLimitSettings(max_concurrent_turns=2, retry_after_seconds=3))
+    first, second = limits.admit("acme"), limits.admit("acme")
+    with pytest.raises(ResourceExhausted, match="2 turns in flight") as refused:
+        limits.admit("acme")
+    assert refused.value.retry_after_seconds == 3
+    other = limits.admit("globex")
+    first.release()
+    first.release()  # idempotent: a slot is given back once
+    assert limits.in_flight("acme") == 1
+    third = limits.admit("acme")
+    for slot in (second, third, other):
+        slot.release()
+    assert limits.in_flight("acme") == limits.in_flight("globex") == 0
+
+
+def test_no_cap_admits_everything() -> None:
+    limits = TenantLimits(TenantLimitSettings())
+    slots = [limits.admit("acme") for _ in range(1000)]
+    assert limits.in_flight("acme") == 0
+    for slot in slots:
+        slot.release()
+    with pytest.raises(ValueError, match="negative"):
+        TenantLimitSettings(max_concurrent_turns=-1)
+
+
+async def _chunked_upload(router: RunningRouter, total: int, chunk: int) -> tuple[bytes, int]:
+    """POSTs a chunked body of ``total`` bytes over a raw socket, stopping as soon as the router answers:
+    (the response's head, the body bytes sent until then)."""
+    reader, writer = await asyncio.open_connection(router.http_host, router.http_port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + ACME.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    answer = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+    piece = f"{chunk:x}\r\n".encode() + b"x" * chunk + b"\r\n"
+    sent = 0
+    try:
+        while sent < total and not answer.done():
+            writer.write(piece)
+            drained = asyncio.ensure_future(writer.drain())
+            await asyncio.wait({drained, answer}, return_when=asyncio.FIRST_COMPLETED)
+            if not drained.done():
+                drained.cancel()
+                break
+            if drained.exception() is not None:
+                break  # the router closed the connection: its answer is what matters
+            sent += chunk
+        head = await asyncio.wait_for(answer, 10)
+    finally:
+        writer.close()
+    return head, sent
+
+
+async def test_a_chunked_body_over_the_limit_is_refused_while_it_streams_in(
+    router_factory: RouterFactory,
+) -> None:
+    limit = 1 * MIB
+    router = await router_factory(max_body_bytes=limit)
+    head, sent = await _chunked_upload(router, total=100 * MIB, chunk=64 * 1024)
+    assert head.startswith(b"HTTP/1.1 413"), head
+    # The router stopped reading past the limit: what was sent beyond it sits in socket buffers (a few
+    # MiB on loopback), never the 100 MiB.
+    assert sent < limit + 16 * MIB, sent
+    async with httpx.AsyncClient(base_url=router.http_url) as http:
+        declared = await http.post(
+            "/v1/completions", content=b"x" * (limit + 1), headers={"Authorization": f"Bearer {ACME}"}
+        )
+    assert declared.status_code == 413 and f"at most {limit}" in declared.json()["error"]["message"]
+
+
+@pytest.fixture
+async def capped(
+    router_factory: RouterFactory, standin_factory: StandInFactory
+) -> AsyncIterator[tuple[RunningRouter, str]]:
+    model = f"standin-{uuid.uuid4().hex[:6]}"
+    # Long engine leases: the stand-ins share this process's event loop with the router under the burst.
+    prefill = await standin_factory("prefill", model=model, engine_ttl_seconds=60)
+    # Each turn takes ~0.3 s of decoding: a burst overlaps.
+    decode = await standin_factory(
+        "decode", model=model, engine_ttl_seconds=60, decode_token_delay_seconds=0.04
+    )
+    router = await router_factory(max_turns_per_tenant=CAP)
+    await wait_for_engines(router, {prefill.engine_id, decode.engine_id})
+    yield router, model
+
+
+# The burst comes from a process of its own, as a real client's would: 500 clients in the test's event loop
+# would starve the registry and stand-ins sharing it, not the router.
+BURST_CLIENT = """
+import asyncio, json, sys
+import httpx
+
+async def main(url, key, model, count):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
+        async def one():
+            answer = await http.post(
+                "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            )
+            message = answer.json().get("error", {}).get("message", "") if answer.status_code != 200 else ""
+            return [answer.status_code, answer.headers.get("retry-after"), message]
+        print(json.dumps(await asyncio.gather(*(one() for _ in range(count)))))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])))
+"""
+
+
+async def test_a_tenants_burst_is_capped_while_another_tenant_is_served(
+    capped: tuple[RunningRouter, str],
+) -> None:
+    router, model = capped
+    highest = 0
+    sampling = True
+
+    async def watch() -> None:
+        nonlocal highest
+        while sampling:
+            highest = max(highest, router.tenant_limits.in_flight("acme"))
+            await asyncio.sleep(0.005)
+
+    async def burst() -> list[tuple[int, str | None, str]]:
+        client = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            BURST_CLIENT,
+            router.http_url,
+            ACME,
+            model,
+            "500",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await client.communicate()
+        assert client.returncode == 0
+        return [tuple(answer) for answer in json.loads(out)]  # type: ignore[misc]
+
+    async def globex_turns() -> list[int]:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        codes: list[int] = []
+        async with httpx.AsyncClient(base_url=router.http_url, timeout=60) as http:
+            while not bursting.done() or not codes:
+                answer = await http.post(
+                    "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {GLOBEX}"}
+                )
+                codes.append(answer.status_code)
+        return codes
+
+    watcher = asyncio.ensure_future(watch())
+    bursting = asyncio.ensure_future(burst())
+    globex_codes = await globex_turns()
+    answers = await bursting
+    sampling = False
+    await watcher
+    # The other tenant's turns all succeeded, during the whole burst.
+    assert globex_codes and set(globex_codes) == {200}, globex_codes
+    codes = [code for code, _, _ in answers]
+    assert len(codes) == 500 and set(codes) == {200, 429}, set(codes)
+    assert codes.count(200) >= CAP
+    assert highest <= CAP
+    for code, retry_after, message in answers:
+        if code == 429:
+            assert retry_after == "1" and "turns in flight" in message
+    assert router.tenant_limits.in_flight("acme") == 0
+
+    # gRPC: the same cap, RESOURCE_EXHAUSTED with a retry-after trailer.
+    async with grpc.aio.insecure_channel(router.grpc_address) as channel:
+        stub = router_grpc.RouterServiceStub(channel)
+        turns = [
+            generate(stub, chat_request(f"c-{i}", model, [("user", "hi")]), ACME) for i in range(CAP + 4)
+        ]
+        outcomes = await asyncio.gather(*turns, return_exceptions=True)
+    errors = [outcome for outcome in outcomes if isinstance(outcome, grpc.aio.AioRpcError)]
+    assert errors and all(error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for error in errors)
+    assert ("retry-after", "1") in tuple(errors[0].trailing_metadata() or ())
+    assert len(outcomes) - len(errors) >= CAP

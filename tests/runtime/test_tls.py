@@ -1,0 +1,77 @@
+"""Mutual TLS of the service kit (kvferry.runtime.tls) with real certificates: the flags, and a server
+that takes rotated certificate files on its next handshake, without a restart."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvferry.runtime.flags import EnvFlags
+from kvferry.runtime.grpc_server import start_server
+from kvferry.runtime.tls import TlsFiles, add_tls_flags, open_channel, server_credentials, tls_from_args
+
+from tests.fixtures.certificates import TestPki
+
+
+def _parse(argv: list[str], environ: dict[str, str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvferry test")
+    add_tls_flags(EnvFlags(parser, environ or {}))
+    return parser.parse_args(argv)
+
+
+def test_tls_is_all_three_files_or_none(tmp_path: Path) -> None:
+    pki = TestPki(tmp_path)
+    files = pki.issue("router", common_name="router")
+    assert tls_from_args(_parse([])) is None
+    environ = {
+        "KVFERRY_TLS_CERT": str(files.cert),
+        "KVFERRY_TLS_KEY": str(files.key),
+        "KVFERRY_TLS_CA": str(files.ca),
+    }
+    assert tls_from_args(_parse([], environ)) == files
+    with pytest.raises(ValueError, match="missing --tls-key, --tls-ca"):
+        tls_from_args(_parse(["--tls-cert", str(files.cert)]))
+    with pytest.raises(ValueError, match="not readable: key"):
+        missing_key = ["--tls-key", str(tmp_path / "nope")]
+        tls_from_args(_parse(["--tls-cert", str(files.cert), *missing_key, "--tls-ca", str(files.ca)]))
+
+
+async def _check(address: str, files: TlsFiles | None) -> grpc.StatusCode:
+    async with open_channel(address, files) as channel:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+    return grpc.StatusCode.OK
+
+
+def _install(source: TlsFiles, target: TlsFiles) -> None:
+    for path, where in ((source.cert, target.cert), (source.key, target.key), (source.ca, target.ca)):
+        shutil.copy(path, where)
+
+
+async def test_a_server_takes_rotated_certificates_without_a_restart(tmp_path: Path) -> None:
+    old, new = TestPki(tmp_path / "old", name="old-ca"), TestPki(tmp_path / "new", name="new-ca")
+    serving = old.issue("registry", common_name="registry")
+    # The files the server reads live in one place; rotation replaces them (as a Secret's mount does).
+    live = TlsFiles(tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "ca.crt")
+    _install(serving, live)
+    server, port, _ = await start_server("127.0.0.1:0", [], credentials=server_credentials(live))
+    address = f"127.0.0.1:{port}"
+    old_client = old.issue("old-client", common_name="router")
+    new_client = new.issue("new-client", common_name="router")
+    try:
+        assert await _check(address, old_client) == grpc.StatusCode.OK
+        assert await _check(address, new_client) == grpc.StatusCode.UNAVAILABLE
+
+        rotated = new.issue("registry", common_name="registry")
+        _install(rotated, live)
+        assert await _check(address, new_client) == grpc.StatusCode.OK
+        assert await _check(address, old_client) == grpc.StatusCode.UNAVAILABLE
+        assert await _check(address, None) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(None)

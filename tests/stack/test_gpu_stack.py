@@ -1,0 +1,107 @@
+"""``kvferry up --gpu``: what it would start (no GPU needed: the engines are only configured here).
+
+The run itself is on the GPU machine: tools/gpu/gpu_stack.sh, results in docs/calibration.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from kvferry.connector.settings import KvferrySettings
+from kvferry.router.server import COST_PROFILES
+from kvferry.stack import gpu, up
+from kvferry.stack.engine import DEFAULT_MODEL_DIR, GPU_UCX_ENV, EngineProcess
+from kvferry.stack.settings import StackConfig, resolve, setting_flags
+
+
+def _config(*flags: str) -> StackConfig:
+    parser = argparse.ArgumentParser()
+    up.configure(parser)
+    return resolve(parser.parse_args([*flags, "--no-demo"]), environ={})
+
+
+def test_the_gpu_model_has_the_qwen3_8b_shape_and_the_repos_tokenizer(tmp_path: Path) -> None:
+    model = gpu.write_gpu_model(tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    tokenizer_config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    assert (
+        config["num_hidden_layers"] == 36 and config["num_key_value_heads"] == 8 and config["head_dim"] == 128
+    )
+    assert config["vocab_size"] == tokenizer_config["vocab_size"]
+    assert (model / "tokenizer.json").read_bytes() == (DEFAULT_MODEL_DIR / "tokenizer.json").read_bytes()
+
+
+def test_one_gpu_holds_both_engines_two_get_one_each() -> None:
+    assert gpu.engine_gpus(1) == (0, 0) and gpu.default_memory_utilization(0, 0) == 0.45
+    assert gpu.engine_gpus(4) == (0, 1) and gpu.default_memory_utilization(0, 1) == 0.85
+    with pytest.raises(RuntimeError, match="no GPU"):
+        gpu.engine_gpus(0)
+
+
+def test_up_gpu_configures_cuda_engines_and_the_routers_gpu_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu, "count_gpus", lambda: 1)
+    config = _config("--gpu", "--connector-module", "vllm_pull_proof_connector")
+    options = up._gpu_options(tmp_path, config)
+    assert options.gpus == (0, 0)
+    engine = EngineProcess(
+        role="prefill",
+        engine_id="prefill-0",
+        log_path=tmp_path / "p.log",
+        settings=KvferrySettings(sidecar_address="unix:/tmp/s.sock"),
+        gpu=options.gpus[0],
+        **options.engine_fields,
+    )
+    command = engine.command()
+    transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert transfer["kv_buffer_device"] == "cuda"
+    assert transfer["kv_connector_module_path"] == "vllm_pull_proof_connector"
+    assert command[command.index("--gpu-memory-utilization") + 1] == "0.45"
+    assert command[command.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" in command
+    env = engine.environment()
+    assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert all(env[k] == v for k, v in {**GPU_UCX_ENV, **gpu.GPU_VLLM_ENV}.items())
+    assert up._router_gpu_args(config) == ["--cost-profile", gpu.GPU_COST_PROFILE]
+    assert gpu.GPU_COST_PROFILE in COST_PROFILES
+    assert up._router_gpu_args(_config()) == [] and up._router_gpu_args(_config("--gpu", "false")) == []
+
+
+def test_the_gpu_settings_reach_the_detached_supervisor_and_come_back_the_same() -> None:
+    """``kvferry up`` hands every setting to its ``up --foreground --no-demo`` child as flags."""
+    config = _config(
+        "--gpu", "--gpu-memory-utilization", "0.6", "--connector-module", "vllm_pull_proof_connector"
+    )
+    assert (config.gpu, config.gpu_memory_utilization, config.connector_module) == (
+        True,
+        0.6,
+        "vllm_pull_proof_connector",
+    )
+    child = _config(*setting_flags(config))
+    assert (child.gpu, child.gpu_memory_utilization, child.connector_module) == (
+        True,
+        0.6,
+        "vllm_pull_proof_connector",
+    )
+
+
+def test_the_gpu_settings_come_from_the_environment_and_a_config_file_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVFERRY_GPU", "true")
+    monkeypatch.setenv("KVFERRY_GPU_MEMORY_UTILIZATION", "0.5")
+    parser = argparse.ArgumentParser()
+    up.configure(parser)
+    from_env = resolve(parser.parse_args([]))
+    assert from_env.gpu and from_env.gpu_memory_utilization == 0.5
+    assert from_env.sources is not None and from_env.sources["engines.gpu"] == "env KVFERRY_GPU"
+    monkeypatch.delenv("KVFERRY_GPU")
+    monkeypatch.delenv("KVFERRY_GPU_MEMORY_UTILIZATION")
+    config_file = tmp_path / "stack.toml"
+    config_file.write_text('[engines]\ngpu = true\nconnector_module = "vllm_pull_proof_connector"\n')
+    from_file = _config("--config", str(config_file))
+    assert from_file.gpu and from_file.connector_module == "vllm_pull_proof_connector"
+    with pytest.raises(SystemExit):
+        _config("--gpu-memory-utilization", "1.5")

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Runs kvferry's GPU tools on the lent device machine, whose `run` ships the session's checkout (not a helper's
+# worktree) and at most 64 MiB a call, and which has no package index.
+#
+# Here (in a worktree):   tools/gpu/device_carry.sh stage CHECKOUT WHEEL_DIR...
+#   puts this worktree's files (tracked and untracked-not-ignored) as CHECKOUT/.gpu-carry/src.tar.gz and the
+#   wheels of WHEEL_DIR... (shared/gpu/fetch-wheels.sh's folders c1, c2, ..., or any folder of wheels) in
+#   CHECKOUT/.gpu-carry/wN folders of at most 60 MB, each wheel over that split into NAME.whl.part-N files.
+#   CHECKOUT/.git/info/exclude must ignore /.gpu-carry/ (so nothing of it is ever committed there).
+# There, one call per folder, within a warm machine's idle window (what is under /tmp stays between calls):
+#   run(command="bash .gpu-carry/device.sh take", carry=[".gpu-carry/wN"])     for every folder but the last;
+#   run(command="bash .gpu-carry/device.sh run SCRIPT ARGS...", carry=[".gpu-carry/wLAST", ".gpu-carry/src.tar.gz",
+#       ".gpu-carry/device.sh"])
+#   `run` installs the wheels taken so far into /tmp/site, unpacks the worktree into /tmp/kvferry and runs
+#   SCRIPT (a path inside the worktree) from there with ARGS; $OUT is the device's output folder.
+set -euo pipefail
+
+stage() {
+  local checkout=${1:?usage: device_carry.sh stage CHECKOUT WHEEL_DIR...}
+  shift
+  local here repo carry limit n used
+  here=$(cd "$(dirname "$0")" && pwd)
+  repo=$(cd "$here/../.." && pwd)
+  carry="$checkout/.gpu-carry"
+  git -C "$checkout" check-ignore -q .gpu-carry/x || { echo "$checkout does not ignore /.gpu-carry/" >&2; exit 1; }
+  rm -rf "$carry" && mkdir -p "$carry/all"
+  (cd "$repo" && git ls-files -co --exclude-standard -z | tar --null -T - -czf "$carry/src.tar.gz")
+  cp "$here/device_carry.sh" "$carry/device.sh"
+  for dir in "$@"; do find "$dir" -type f -name '*.whl*' -exec cp {} "$carry/all/" \;; done
+  # Parts of wheels that fetch-wheels.sh split are joined first, then everything is packed again.
+  for first in "$carry"/all/*.part-0; do
+    [ -e "$first" ] || continue
+    local whl=${first%.part-0}
+    cat "$whl".part-* >"$whl" && rm "$whl".part-*
+  done
+  # Wheels over the limit are split into parts; then first-fit decreasing into as few folders as will do.
+  limit=60000000
+  for f in "$carry"/all/*; do
+    [ "$(stat -c %s "$f")" -gt $limit ] && split -b $limit -d -a 1 "$f" "$f.part-" && rm "$f"
+  done
+  python3 - "$carry" $limit <<'PACK'
+import sys
+from pathlib import Path
+
+carry, limit = Path(sys.argv[1]), int(sys.argv[2])
+folders: list[int] = []
+for f in sorted((carry / "all").iterdir(), key=lambda f: -f.stat().st_size):
+    size = f.stat().st_size
+    n = next((i for i, used in enumerate(folders) if used + size <= limit), len(folders))
+    if n == len(folders):
+        folders.append(0)
+    folders[n] += size
+    (carry / f"w{n + 1}").mkdir(exist_ok=True)
+    f.rename(carry / f"w{n + 1}" / f.name)
+PACK
+  rmdir "$carry/all"
+  du -sh "$carry"/w* "$carry/src.tar.gz" | sort -V
+}
+
+take() {
+  mkdir -p /tmp/kvferry-wheels
+  local dir
+  for dir in .gpu-carry/w*; do [ -d "$dir" ] && cp "$dir"/* /tmp/kvferry-wheels/; done
+  ls /tmp/kvferry-wheels | wc -l
+  du -sh /tmp/kvferry-wheels
+}
+
+run() {
+  local script=${1:?usage: device.sh run SCRIPT ARGS...}
+  shift
+  take
+  cd /tmp/kvferry-wheels
+  for first in *.part-0; do
+    [ -e "$first" ] || continue
+    cat "${first%.part-0}".part-* >"${first%.part-0}" && rm "${first%.part-0}".part-*
+  done
+  cd - >/dev/null
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    /tmp/kvferry-wheels/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  rm -rf /tmp/kvferry && mkdir -p /tmp/kvferry && tar -xzf .gpu-carry/src.tar.gz -C /tmp/kvferry
+  cd /tmp/kvferry
+  exec "$script" "$@"
+}
+
+case ${1:-} in
+  stage | take | run) "$@" ;;
+  *) echo "usage: device_carry.sh stage CHECKOUT WHEEL_DIR... | take | run SCRIPT ARGS..." >&2; exit 2 ;;
+esac
