@@ -17,7 +17,10 @@ from typing import Any
 import httpx
 import pytest
 from kvferry.pd import vllm_params
-from kvferry.router.openai_chat import FIELDS, ChatBody, Support
+from kvferry.router.openai_chat import FIELDS, ChatBody, Support, parse_chat
+from kvferry.router.openai_responses import parse_responses
+from kvferry.router.validation import MAX_TOKENS
+from kvferry.runtime.errors import InvalidArgument
 from openai.types.chat import completion_create_params
 
 from tests.fixtures.router import Stack
@@ -136,3 +139,21 @@ def _check_docs(table: str) -> None:
         "docs/router.md's chat field table differs from what this test observed: rewrite it with "
         "KVFERRY_WRITE_DOCS=1 .venv/bin/python -m pytest tests/router/test_chat_fields.py"
     )
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "field"),
+    [
+        (parse_chat, {"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+        (parse_chat, {"messages": [{"role": "user", "content": "hi"}]}, "max_completion_tokens"),
+        (parse_responses, {"input": "hi"}, "max_output_tokens"),
+    ],
+)
+def test_a_token_count_past_the_engines_range_is_refused_before_any_engine(
+    parse: Any, body: dict[str, Any], field: str
+) -> None:
+    # As on /v1/completions (kvferry.router.validation): vLLM would answer with a raw validation dump.
+    assert parse({**body, field: MAX_TOKENS})
+    with pytest.raises(InvalidArgument) as refused:
+        parse({**body, field: MAX_TOKENS + 1})
+    assert refused.value.param == field

@@ -20,6 +20,7 @@ from kvferry.pd.vllm_params import PROMPT_TOKEN_IDS
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
+from kvferry.router.limits import TenantLimits, TenantLimitSettings
 from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
 from kvferry.router.tenants import Tenant
 from kvferry.router.turns import (
@@ -35,7 +36,7 @@ from kvferry.router.turns import (
     TurnRunner,
     TurnSettings,
 )
-from kvferry.runtime.errors import Aborted, ErrorKind, ServiceError
+from kvferry.runtime.errors import Aborted, ErrorKind, ResourceExhausted, ServiceError
 from kvferry.v1 import resources_pb2
 
 from tests.pd.fake_engine import FakeEngine, render
@@ -464,6 +465,30 @@ async def test_a_chat_turn_not_streamed_carries_the_engine_s_answer(cluster: Clu
     assert events == []
     assert result.answer is not None and result.answer["choices"][0]["message"]["content"] == "efg"
     assert "kv_transfer_params" not in result.answer and result.turn == 1 and result.ttft_ms > 0
+
+
+async def test_a_chat_turn_takes_the_mark_the_tenant_s_slot_and_the_read_window_as_any_turn(
+    cluster: Cluster,
+) -> None:
+    messages: list[dict[str, object]] = [{"role": "user", "content": "z" * 40}]
+    await _chat_turn(cluster, messages)
+    cluster.runner.tenant_limits = TenantLimits(TenantLimitSettings(max_concurrent_turns=1))
+    messages += [{"role": "assistant", "content": "efg"}, {"role": "user", "content": "more"}]
+    chat = ChatRequest({"messages": messages})
+    prepared = await cluster.runner.prepare(TurnRequest(TENANT, "c1", "", ChatPrompt(chat)))
+    assert cluster.registry.marks == {("acme", "c1"): prepared.request_id}
+    assert cluster.runner.tenant_limits.in_flight("acme") == 1
+    # The tenant's cap counts chat turns: another conversation's turn is refused.
+    with pytest.raises(ResourceExhausted):
+        await cluster.prepare(PROMPT, conversation="c2")
+    async for event in cluster.runner.execute(prepared):
+        if isinstance(event, TurnResult):
+            assert cluster.registry.marks == {} and event.reuse is Reuse.PULL
+    assert cluster.runner.tenant_limits.in_flight("acme") == 0
+    # The pull carried the time its read window had left.
+    pull = [p for fake in cluster.fakes.values() for p in fake.prefills if p.reuse is not None]
+    assert len(pull) == 1 and pull[0].chat is not None and pull[0].read_ms is not None
+    assert 0 < pull[0].read_ms <= SETTINGS.read_window_seconds * 1000
 
 
 # -- one turn in flight per conversation --------------------------------------------------------------

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from kvferry.pd.chat import ChatRequest
+from kvferry.router.validation import MAX_TOKENS
 from kvferry.runtime.errors import InvalidArgument
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -284,8 +285,8 @@ class ChatBody(_Strict):
     frequency_penalty: _Float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     logprobs: bool | None = None
-    max_completion_tokens: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1, lt=_INT64)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     modalities: list[str] | None = None
     n: int | None = None
     parallel_tool_calls: bool | None = None

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from kvferry.pd.chat import ChatDelta
 from kvferry.router.openai_chat import validate
+from kvferry.router.validation import MAX_TOKENS
 from kvferry.runtime.errors import InvalidArgument, NotFound
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -84,7 +85,7 @@ class ResponsesBody(_Strict):
     tools: list[_FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | _NamedFunction | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     text: _Text | None = None
