@@ -17,7 +17,8 @@ from datetime import datetime
 
 import pytest
 from kvferry.bench.multiturn_stack import proc_cpu_seconds
-from kvferry.pd.engine_api import ChatMessage, DecodeRequest, PrefillRequest, PrefillResult, Sampling
+from kvferry.pd.chat import ChatMessage, ChatRequest
+from kvferry.pd.engine_api import DecodeRequest, PrefillRequest, PrefillResult, Sampling
 from kvferry.pd.engine_client import VllmEngineClient
 from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
 from kvferry.pd.reuse import RetainedKv, max_reusable_tokens
@@ -48,7 +49,7 @@ class Conversation:
     previous: RetainedKv | None = None
 
     async def step(self, prefill: VllmEngineClient, decode: VllmEngineClient, text: str) -> DirectTurn:
-        message = await prefill.render_chat([ChatMessage("user", text)])
+        message = await prefill.render_chat(ChatRequest.of([ChatMessage("user", text)]))
         prompt = message if self.history is None else [*self.history, *message]
         self.turn += 1
         result = await direct_turn(
@@ -125,7 +126,7 @@ async def test_decode_keeps_blocks_after_a_prefill_read_them(engine_pair: Engine
     assert retained is not None
     follow_up = TEXTS[1]
     async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
-        message = await prefill.render_chat([ChatMessage("user", follow_up)])
+        message = await prefill.render_chat(ChatRequest.of([ChatMessage("user", follow_up)]))
         prompt = [*(conversation.history or []), *message]
         reusable = max_reusable_tokens(len(prompt), retained.num_tokens, engine_pair.block_size)
 
@@ -177,7 +178,7 @@ async def test_prefill_declines_a_pull_whose_read_window_is_too_near_its_end(eng
     assert first.retained is not None
     declined_line = "declined a pull: read deadline too near, recomputing"
     async with engine_pair.prefill.client() as prefill:
-        message = await prefill.render_chat([ChatMessage("user", TEXTS[1])])
+        message = await prefill.render_chat(ChatRequest.of([ChatMessage("user", TEXTS[1])]))
         prompt = [*(conversation.history or []), *message]
         reusable = max_reusable_tokens(len(prompt), first.retained.num_tokens, engine_pair.block_size)
         declined_before = len(engine_pair.prefill.connector_events(declined_line))
@@ -210,7 +211,7 @@ async def test_streamed_decode_matches_and_a_cancelled_stream_is_not_retained(
     engine_pair: EnginePair,
 ) -> None:
     async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
-        prompt = tuple(await prefill.render_chat([ChatMessage("user", TEXTS[0])]))
+        prompt = tuple(await prefill.render_chat(ChatRequest.of([ChatMessage("user", TEXTS[0])])))
         sampling = Sampling(max_tokens=MAX_TOKENS, ignore_eos=True)
         full = await direct_turn(
             prefill,
@@ -306,7 +307,7 @@ def _ts(event: dict[str, object]) -> float:
 
 async def test_unmarked_requests_behave_as_in_plain_vllm(engine_pair: EnginePair) -> None:
     async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
-        prompt = await prefill.render_chat([ChatMessage("user", TEXTS[0])])
+        prompt = await prefill.render_chat(ChatRequest.of([ChatMessage("user", TEXTS[0])]))
         prefilled = await prefill.prefill(PrefillRequest(tuple(prompt), request_id="unmarked-1"))
         decoded = await decode.decode(
             DecodeRequest(tuple(prompt), prefilled.handoff, None, Sampling(max_tokens=4, ignore_eos=True))
@@ -324,7 +325,7 @@ async def test_unmarked_requests_behave_as_in_plain_vllm(engine_pair: EnginePair
 async def test_a_release_mark_frees_the_decode_blocks_at_finish(engine_pair: EnginePair) -> None:
     request_id = _conversation_id("release")
     async with engine_pair.prefill.client() as prefill, engine_pair.decode.client() as decode:
-        prompt = await prefill.render_chat([ChatMessage("user", TEXTS[1])])
+        prompt = await prefill.render_chat(ChatRequest.of([ChatMessage("user", TEXTS[1])]))
         prefilled = await prefill.prefill(PrefillRequest(tuple(prompt)))
         decoded = await decode.decode(
             DecodeRequest(

@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
+from kvferry.pd.chat import ChatMessage, ChatRequest
 from kvferry.pd.engine_api import (
-    ChatMessage,
     DecodeRequest,
     DecodeResult,
     Sampling,
@@ -153,7 +153,8 @@ async def _first_turns(
     together = _DecodeTogether(pair.decode.http_url, pair.model, conversations)
     async with pair.prefill.client() as prefill, together as decode:
         prompts = [
-            await prefill.render_chat([ChatMessage("user", f"{i}: {TEXT}")]) for i in range(conversations)
+            await prefill.render_chat(ChatRequest.of([ChatMessage("user", f"{i}: {TEXT}")]))
+            for i in range(conversations)
         ]
         turns = await asyncio.gather(
             *(
@@ -168,7 +169,7 @@ async def _first_turns(
                 for prompt in prompts
             )
         )
-        follow_up = await prefill.render_chat([ChatMessage("user", FOLLOW_UP)])
+        follow_up = await prefill.render_chat(ChatRequest.of([ChatMessage("user", FOLLOW_UP)]))
     return [
         ([*prompt, *turn.output_token_ids, *follow_up], turn)
         for prompt, turn in zip(prompts, turns, strict=True)
@@ -232,7 +233,7 @@ async def test_d_to_p_pull_fragmented_ids_same_bytes_and_outputs(engine_pair: En
 
 async def test_p_to_d_pull_same_bytes_and_outputs(engine_pair: EnginePair) -> None:
     async with engine_pair.prefill.client() as prefill:
-        rendered = await prefill.render_chat([ChatMessage("user", TEXT)])
+        rendered = await prefill.render_chat(ChatRequest.of([ChatMessage("user", TEXT)]))
     # Whole blocks only: the unused slots of a last, partial block hold whatever was there before.
     prompt = rendered[: len(rendered) // engine_pair.block_size * engine_pair.block_size]
     ids = {name: _id(name) for name in ("p1", "p2", "d-vllm", "d-kvf")}

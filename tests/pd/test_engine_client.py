@@ -17,25 +17,55 @@ from kvferry.pd.vllm_params import KvHandoff
 from tests.pd.test_params import P_PARAMS
 
 
-def test_stream_lines_parse_into_chunks_and_errors() -> None:
+def test_stream_events_parse_into_chunks_and_errors() -> None:
     url = "http://engine"
-    assert vh._parse_stream_line(url, "data: [DONE]") is None
-    assert vh._parse_stream_line(url, ": keep-alive") is None
-    assert vh._parse_stream_line(url, "\r") is None
-    chunk = vh._parse_stream_line(
-        url, 'data: {"choices":[{"index":0,"text":"hi","token_ids":[5,6],"finish_reason":null}]}\r'
+    chunk = vh._completion_event(
+        url, b'{"choices":[{"index":0,"text":"hi","token_ids":[5,6],"finish_reason":null}]}'
     )
     assert chunk == api.DecodeChunk(token_ids=(5, 6), text="hi")
     usage_event = {
         "choices": [],
         "usage": {"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 8}},
     }
-    usage = vh._parse_stream_line(url, "data: " + json.dumps(usage_event))
+    usage = vh._completion_event(url, json.dumps(usage_event).encode())
     assert usage is not None and usage.usage == api.Usage(9, 2, 8)
+    assert usage.usage.body == usage_event["usage"]
     with pytest.raises(api.EngineHttpError, match="boom"):
-        vh._parse_stream_line(url, 'data: {"error":{"message":"boom","code":400}}')
+        vh._completion_event(url, b'{"error":{"message":"boom","code":400}}')
     with pytest.raises(api.EngineHttpError, match="malformed stream event"):
-        vh._parse_stream_line(url, "data: {not json")
+        vh._completion_event(url, b"{not json")
+
+
+def test_sse_data_skips_keep_alives_comments_and_done() -> None:
+    events = vh.SseData()
+    found = []
+    for piece in (b': keep-alive\r\n\r\ndata: {"a"', b":1}\r\n\r\n\r\ndata:[DONE]\n\n", b"data: x"):
+        found += events.feed(piece)
+    # The last, unterminated line is not an event yet.
+    assert found == [b'{"a":1}']
+
+
+def test_chat_events_are_relayed_as_they_came_and_only_their_ends_read() -> None:
+    url = "http://engine"
+    # Text that spells the field inside a string does not look like the field.
+    delta = (
+        b'{"id":"c1","choices":[{"index":0,"delta":{"content":"\\"finish_reason\\":\\"x"},'
+        b'"finish_reason":null}]}'
+    )
+    assert vh._chat_event(url, delta) == api.DecodeChunk((), "", raw=delta)
+    last = b'{"id":"c1","choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}'
+    assert vh._chat_event(url, last) == api.DecodeChunk((), "", finish_reason="tool_calls", raw=last)
+    usage = b'{"id":"c1","choices":[],"usage":{"prompt_tokens":4,"completion_tokens":2}}'
+    assert vh._chat_event(url, usage) == api.DecodeChunk((), "", usage=api.Usage(4, 2))
+    # Continuous usage stats: a delta with usage is relayed, its usage read.
+    continuous = (
+        b'{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}],'
+        b'"usage":{"prompt_tokens":4,"completion_tokens":1}}'
+    )
+    chunk = vh._chat_event(url, continuous)
+    assert chunk.raw == continuous and chunk.usage == api.Usage(4, 1)
+    with pytest.raises(api.EngineHttpError, match="bad tool"):
+        vh._chat_event(url, b'{"error":{"message":"bad tool","code":400}}')
 
 
 async def test_a_decode_stream_split_anywhere_yields_the_same_chunks() -> None:

@@ -18,8 +18,8 @@ from kvferry.router.server import RunningRouter
 from kvferry.runtime.errors import ResourceExhausted
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
-from tests.fixtures.router import RouterFactory, StandInFactory
-from tests.router.test_router_standin import chat_request, generate, wait_for_engines
+from tests.fixtures.router import RouterFactory, StandInFactory, wait_for_engines
+from tests.router.test_router_standin import chat_request, generate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,10 +93,12 @@ async def test_a_chunked_body_over_the_limit_is_refused_while_it_streams_in(
     # MiB on loopback), never the 100 MiB.
     assert sent < limit + 16 * MIB, sent
     async with httpx.AsyncClient(base_url=router.http_url) as http:
-        declared = await http.post(
-            "/v1/completions", content=b"x" * (limit + 1), headers={"Authorization": f"Bearer {ACME}"}
-        )
-    assert declared.status_code == 413 and f"at most {limit}" in declared.json()["error"]["message"]
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            declared = await http.post(
+                path, content=b"x" * (limit + 1), headers={"Authorization": f"Bearer {ACME}"}
+            )
+            assert declared.status_code == 413, path
+            assert f"at most {limit}" in declared.json()["error"]["message"]
 
 
 @pytest.fixture

@@ -11,8 +11,7 @@ import contextlib
 import dataclasses
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import grpc
 import httpx
@@ -20,7 +19,6 @@ import openai
 import pytest
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.server import create_registry
-from kvferry.router.server import RunningRouter
 from kvferry.stack.etcd_process import EtcdProcess, free_port
 from kvferry.testing.standin_engine import (
     StandInEngine,
@@ -33,7 +31,15 @@ from kvferry.v1 import resources_pb2
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
-from tests.fixtures.router import LIMITED_API_KEY, LIMITED_MODEL, RouterFactory, StandInFactory
+from tests.fixtures.router import (
+    LIMITED_API_KEY,
+    LIMITED_MODEL,
+    RouterFactory,
+    Stack,
+    StandInFactory,
+    metadata,
+    wait_for_engines,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,42 +47,9 @@ ACME = "key-acme"
 GLOBEX = "key-globex"
 
 
-@dataclass
-class Stack:
-    model: str
-    prefill: StandInEngine
-    decode: StandInEngine
-    router: RunningRouter
-
-    def grpc_stub(self) -> router_grpc.RouterServiceStub:
-        channel = grpc.aio.insecure_channel(self.router.grpc_address)
-        return router_grpc.RouterServiceStub(channel)
-
-    def openai(self, key: str = ACME) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(
-            base_url=self.router.http_url + "/v1", api_key=key, max_retries=0, timeout=20
-        )
-
-
 @pytest.fixture
-async def stack(router_factory: RouterFactory, standin_factory: StandInFactory) -> AsyncIterator[Stack]:
-    model = f"standin-{uuid.uuid4().hex[:6]}"
-    prefill = await standin_factory("prefill", model=model)
-    decode = await standin_factory("decode", model=model)
-    router = await router_factory()
-    await wait_for_engines(router, {prefill.engine_id, decode.engine_id})
-    yield Stack(model, prefill, decode, router)
-
-
-async def wait_for_engines(router: RunningRouter, engine_ids: set[str], within: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not engine_ids <= {e.engine_id for e in router.engines.all()}:
-        assert asyncio.get_running_loop().time() < deadline, f"router never saw engines {engine_ids}"
-        await asyncio.sleep(0.02)
-
-
-def metadata(key: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {key}"),)
+def stack(standin_stack: Stack) -> Stack:
+    return standin_stack
 
 
 async def generate(
@@ -433,11 +406,12 @@ async def test_http_auth_errors(stack: Stack) -> None:
 @pytest.mark.parametrize(
     ("body", "status", "fragment"),
     [
-        (b"{not json", 400, "malformed request body"),
+        (b"{not json", 400, "not valid JSON"),
         (b"", 400, "body is empty"),
-        (b"[]", 400, "malformed"),
+        (b"[]", 400, "must be a JSON object"),
+        (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "NaN"),
         (b'{"model": "M", "messages": "hi"}', 400, "messages"),
-        (b'{"model": "M", "messages": []}', 400, "messages is empty"),
+        (b'{"model": "M", "messages": []}', 400, "messages: List should have at least 1 item"),
         (b'{"model": "M", "messages": [{"role": "wizard", "content": "x"}]}', 400, "role"),
         (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', 404, "not served"),
         (
@@ -445,7 +419,26 @@ async def test_http_auth_errors(stack: Stack) -> None:
             400,
             "max_tokens",
         ),
-        (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}', 400, "n must be 1"),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}',
+            400,
+            "n=3 is not supported",
+        ),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "nn": 3}',
+            400,
+            "unknown field 'nn'",
+        ),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "logprobs": "true"}',
+            400,
+            "logprobs: Input should be a valid boolean",
+        ),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1}',
+            400,
+            "prompt_logprobs is not supported by kvferry",
+        ),
         (
             b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": -1}',
             400,
@@ -471,7 +464,7 @@ async def test_http_auth_errors(stack: Stack) -> None:
         (
             b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
             400,
-            "only text",
+            "messages[0].content[0] is a 'image_url' part: kvferry serves text",
         ),
     ],
 )

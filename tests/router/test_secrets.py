@@ -17,8 +17,8 @@ from kvferry.sdk import ClientConfig, TlsConfig
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
 from tests.fixtures.registry import RegistryHandle
-from tests.fixtures.router import StandInFactory
-from tests.router.test_router_standin import chat_request, generate, wait_for_engines
+from tests.fixtures.router import StandInFactory, wait_for_engines
+from tests.router.test_router_standin import chat_request, generate
 
 pytestmark = pytest.mark.timeout(60)
 

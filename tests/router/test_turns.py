@@ -6,33 +6,40 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import pytest
+from kvferry.pd.chat import ChatRequest
 from kvferry.pd.digest import block_digests
 from kvferry.pd.engine_api import DecodeRequest, EngineApi
 from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
+from kvferry.pd.vllm_params import PROMPT_TOKEN_IDS
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
+from kvferry.router.limits import TenantLimits, TenantLimitSettings
 from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
 from kvferry.router.tenants import Tenant
 from kvferry.router.turns import (
+    ChatOut,
+    ChatPrompt,
     PreparedTurn,
     TextOut,
     TextPrompt,
     TokenPrompt,
+    TurnEvent,
     TurnRequest,
     TurnResult,
     TurnRunner,
     TurnSettings,
 )
-from kvferry.runtime.errors import Aborted, ErrorKind, ServiceError
+from kvferry.runtime.errors import Aborted, ErrorKind, ResourceExhausted, ServiceError
 from kvferry.v1 import resources_pb2
 
-from tests.pd.fake_engine import FakeEngine
+from tests.pd.fake_engine import FakeEngine, render
 
 BS = 4
 SALT = "kv-a"
@@ -175,7 +182,7 @@ class Cluster:
         async for event in self.runner.execute(prepared):
             if isinstance(event, TextOut):
                 texts.append(event)
-            else:
+            elif isinstance(event, TurnResult):
                 result = event
         assert result is not None
         return texts, result
@@ -296,7 +303,7 @@ async def test_the_turn_gives_up_after_its_attempts(cluster: Cluster) -> None:
 async def test_a_failure_after_the_first_token_is_not_retried(cluster: Cluster) -> None:
     cluster.fakes["d1"].fail_after_tokens = 1
     prepared = await cluster.prepare(PROMPT)
-    seen: list[TextOut | TurnResult] = []
+    seen: list[TurnEvent | TurnResult] = []
     with pytest.raises(ServiceError, match="output was already streamed") as raised:
         async for event in cluster.runner.execute(prepared):
             seen.append(event)
@@ -363,7 +370,7 @@ async def test_a_client_that_leaves_mid_stream_aborts_the_decode(cluster: Cluste
     await cluster.turn(PROMPT)
     cluster.fakes["d1"].stall = asyncio.Event()
     prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
-    events: AsyncGenerator[TextOut | TurnResult, None] = cluster.runner.execute(prepared)
+    events: AsyncGenerator[TurnEvent | TurnResult, None] = cluster.runner.execute(prepared)
     async with aclosing(events):
         first = await anext(events)
         assert isinstance(first, TextOut)
@@ -402,6 +409,86 @@ async def test_the_decode_counts_until_the_turn_ends(cluster: Cluster) -> None:
     # there, so a concurrent turn planned meanwhile goes elsewhere.
     assert seen[0] == 0 and seen[1:] and set(seen[1:]) == {1}
     assert cluster.idle()
+
+
+# -- chat turns: the engines' chat endpoint ------------------------------------------------------------
+
+
+async def _chat_turn(
+    cluster: Cluster, messages: list[dict[str, object]], *, stream: bool = True, finish: str = "stop"
+) -> tuple[list[TurnEvent], TurnResult]:
+    for fake in cluster.fakes.values():
+        fake.finish_reason = finish
+    chat = ChatRequest({"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    request = TurnRequest(TENANT, "c1", "", ChatPrompt(chat), stream=stream)
+    prepared = await cluster.runner.prepare(request)
+    events: list[TurnEvent] = []
+    result = None
+    async for event in cluster.runner.execute(prepared):
+        if isinstance(event, TurnResult):
+            result = event
+        else:
+            events.append(event)
+    assert result is not None
+    return events, result
+
+
+async def test_a_chat_turn_relays_the_engine_s_events_and_both_engines_get_the_checked_ids(
+    cluster: Cluster,
+) -> None:
+    messages: list[dict[str, object]] = [{"role": "user", "content": "x" * 40}]
+    events, result = await _chat_turn(cluster, messages, finish="tool_calls")
+    assert [
+        json.loads(e.raw)["choices"][0]["delta"]["content"] for e in events if isinstance(e, ChatOut)
+    ] == [
+        "e",
+        "f",
+        "g",
+    ]
+    [prefill], [decode] = cluster.fakes["p1"].prefills, cluster.fakes["d1"].decodes
+    rendered = [ord(c) for c in render(ChatRequest({"messages": messages}))]
+    for request in (prefill, decode):
+        assert request.chat is not None and request.chat.body["tools"][0]["function"]["name"] == "f"
+        assert request.transfer_params()[PROMPT_TOKEN_IDS] == rendered
+    # No max_tokens sent: the router's default, within the context.
+    assert decode.chat is not None and decode.chat.body["max_tokens"] == SETTINGS.default_max_tokens
+    # A tool-call answer ends normally: it is retained and the next turn pulls it.
+    assert result.finish_reason == "tool_calls" and result.turn == 1
+    assert result.engine_usage == {"prompt_tokens": len(rendered), "completion_tokens": 3}
+    messages += [{"role": "assistant", "content": "efg"}, {"role": "user", "content": "more"}]
+    _, second = await _chat_turn(cluster, messages)
+    assert second.reuse is Reuse.PULL and second.pulled_tokens > 0 and second.turn == 2
+
+
+async def test_a_chat_turn_not_streamed_carries_the_engine_s_answer(cluster: Cluster) -> None:
+    events, result = await _chat_turn(cluster, [{"role": "user", "content": "y" * 40}], stream=False)
+    assert events == []
+    assert result.answer is not None and result.answer["choices"][0]["message"]["content"] == "efg"
+    assert "kv_transfer_params" not in result.answer and result.turn == 1 and result.ttft_ms > 0
+
+
+async def test_a_chat_turn_takes_the_mark_the_tenant_s_slot_and_the_read_window_as_any_turn(
+    cluster: Cluster,
+) -> None:
+    messages: list[dict[str, object]] = [{"role": "user", "content": "z" * 40}]
+    await _chat_turn(cluster, messages)
+    cluster.runner.tenant_limits = TenantLimits(TenantLimitSettings(max_concurrent_turns=1))
+    messages += [{"role": "assistant", "content": "efg"}, {"role": "user", "content": "more"}]
+    chat = ChatRequest({"messages": messages})
+    prepared = await cluster.runner.prepare(TurnRequest(TENANT, "c1", "", ChatPrompt(chat)))
+    assert cluster.registry.marks == {("acme", "c1"): prepared.request_id}
+    assert cluster.runner.tenant_limits.in_flight("acme") == 1
+    # The tenant's cap counts chat turns: another conversation's turn is refused.
+    with pytest.raises(ResourceExhausted):
+        await cluster.prepare(PROMPT, conversation="c2")
+    async for event in cluster.runner.execute(prepared):
+        if isinstance(event, TurnResult):
+            assert cluster.registry.marks == {} and event.reuse is Reuse.PULL
+    assert cluster.runner.tenant_limits.in_flight("acme") == 0
+    # The pull carried the time its read window had left.
+    pull = [p for fake in cluster.fakes.values() for p in fake.prefills if p.reuse is not None]
+    assert len(pull) == 1 and pull[0].chat is not None and pull[0].read_ms is not None
+    assert 0 < pull[0].read_ms <= SETTINGS.read_window_seconds * 1000
 
 
 # -- one turn in flight per conversation --------------------------------------------------------------

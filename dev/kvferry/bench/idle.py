@@ -116,7 +116,7 @@ def measure_connector(connector: ConnectorKind, args: argparse.Namespace, workdi
 
 
 async def _conversations(prefill_url: str, decode_url: str, model: str, args: argparse.Namespace) -> None:
-    from kvferry.pd.engine_api import ChatMessage
+    from kvferry.pd.chat import ChatMessage, ChatRequest
     from kvferry.pd.engine_client import VllmEngineClient
     from kvferry.pd.kvferry_params import ConversationMark
     from kvferry.stack.engine import direct_turn
@@ -127,7 +127,7 @@ async def _conversations(prefill_url: str, decode_url: str, model: str, args: ar
     ):
         for c in range(args.conversations):
             history = await prefill.render_chat(
-                [ChatMessage("user", f"Conversation {c}: tell me about dataclasses. " * 20)]
+                ChatRequest.of([ChatMessage("user", f"Conversation {c}: tell me about dataclasses. " * 20)])
             )
             previous = None
             for turn in range(1, args.turns + 1):
@@ -136,7 +136,9 @@ async def _conversations(prefill_url: str, decode_url: str, model: str, args: ar
                     prefill, decode, history, mark=mark, previous=previous, max_tokens=16
                 )
                 previous = result.retained
-                follow_up = await prefill.render_chat([ChatMessage("user", f"Turn {turn + 1}, go on.")])
+                follow_up = await prefill.render_chat(
+                    ChatRequest.of([ChatMessage("user", f"Turn {turn + 1}, go on.")])
+                )
                 history = [*history, *result.output_token_ids, *follow_up]
 
 

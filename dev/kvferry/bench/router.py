@@ -149,6 +149,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "added latency is measured unsaturated, as with a real deployment",
     )
     parser.add_argument(
+        "--api",
+        choices=["grpc", "chat"],
+        default="grpc",
+        help="grpc: router turns over gRPC with token-id prompts, direct turns over /v1/completions; chat: "
+        "router turns over HTTP /v1/chat/completions (streamed, usage in the last chunk), direct turns "
+        "through the engines' own chat endpoint (prefill with max_tokens 1, then the streamed decode), as "
+        "vLLM's disaggregated proxy calls them",
+    )
+    parser.add_argument(
         "--pin-router", type=int, default=-1, help="pin the router process to this CPU (-1: no)"
     )
     parser.add_argument("--output", default="", help="write the results as JSON here")
@@ -181,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"unknown paths {sorted(unknown)}; known: {sorted(PATHS)}")
             return 2
         # One router process per reuse policy the paths need ("router-noreuse" runs --reuse-policy never).
-        routers: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
+        routers: dict[str, tuple[str, str, subprocess.Popen[bytes]]] = {}
         for policy in sorted({PATHS[p] for p in paths if PATHS[p]}):
             grpc_port, http_port = free_port(), free_port()
             with open(work / f"router-{policy}.log", "ab") as router_log:
@@ -208,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
                 import os
 
                 os.sched_setaffinity(proc.pid, {args.pin_router})
-            routers[policy] = (f"127.0.0.1:{grpc_port}", proc)
+            routers[policy] = (f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", proc)
         results = asyncio.run(_measure(args, registry_address, paths, routers))
     finally:
         for proc in reversed(processes):
@@ -228,22 +237,26 @@ async def _measure(
     args: argparse.Namespace,
     registry_address: str,
     paths: list[str],
-    routers: dict[str, tuple[str, Any]],
+    routers: dict[str, tuple[str, str, Any]],
 ) -> dict[str, Any]:
-    for address, proc in routers.values():
+    for address, _, proc in routers.values():
         await grpc_serving("router", address, 60.0, process=proc)
     engines = await _engines_for_direct_path(registry_address, args.model)
     model = engines[0].model
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     rows: list[dict[str, Any]] = []
-    channels = {policy: grpc.aio.insecure_channel(address) for policy, (address, _) in routers.items()}
+    channels = {policy: grpc.aio.insecure_channel(address) for policy, (address, _, _) in routers.items()}
     try:
         for concurrency in levels:
             for path in paths:
                 policy = PATHS[path]
-                proc = routers[policy][1] if policy else None
+                proc = routers[policy][2] if policy else None
                 cpu_before = proc_cpu_seconds([proc.pid]) if proc else 0.0
-                level = await _run_level(args, path, concurrency, channels.get(policy), engines, model)
+                if args.api == "chat":
+                    http_url = routers[policy][1] if policy else ""
+                    level = await _run_chat_level(args, path, concurrency, http_url, engines, model)
+                else:
+                    level = await _run_level(args, path, concurrency, channels.get(policy), engines, model)
                 if proc is not None:
                     level.router_cpu_s = proc_cpu_seconds([proc.pid]) - cpu_before
                 rows.append(level.summary())
@@ -259,6 +272,7 @@ async def _measure(
         "max_tokens": args.max_tokens,
         "turns_per_conversation": args.turns,
         "publish_wait_s": args.publish_wait,
+        "api": args.api,
         "standin_prefill_us_per_token": args.standin_prefill_us_per_token,
         "standin_token_ms": args.standin_token_ms,
         "levels": rows,
@@ -438,6 +452,153 @@ async def _run_level(
         await prefill.aclose()
         await decode.aclose()
     wall = time.perf_counter() - started
+    return LevelResult(
+        path=path,
+        concurrency=concurrency,
+        turns=len(timings),
+        wall_s=wall,
+        ttft=[t.ttft_s for t in timings],
+        total=[t.total_s for t in timings],
+        pulled_tokens=sum(t.pulled_tokens for t in timings),
+    )
+
+
+_WORDS = (
+    "kv",
+    "cache",
+    "prefill",
+    "decode",
+    "engine",
+    "router",
+    "lease",
+    "block",
+    "token",
+    "turn",
+    "agent",
+    "tool",
+)
+
+
+async def _run_chat_level(
+    args: argparse.Namespace,
+    path: str,
+    concurrency: int,
+    http_url: str,
+    engines: list[_DirectEngines],
+    model: str,
+) -> LevelResult:
+    """One level of chat turns: through the router's /v1/chat/completions, or the engines' chat endpoint
+    called directly (P with max_tokens 1, then D streamed: the same kvferry.pd sequence, engines rendering
+    the messages themselves)."""
+    import random
+
+    import aiohttp
+    from kvferry.pd.chat import ChatRequest
+    from kvferry.pd.engine_client import VllmEngineClient
+    from kvferry.pd.sequence import EngineTurn, prefill_then_decode
+    from kvferry.router.aiohttp_transport import AiohttpTransport
+
+    conversations_per_client = max(1, -(-args.samples // (concurrency * args.turns)))
+    pair = engines[0]
+    prefill = VllmEngineClient(
+        pair.prefill_url, model, transport=AiohttpTransport(max_connections=concurrency * 2 + 8)
+    )
+    decode = VllmEngineClient(
+        pair.decode_url, model, transport=AiohttpTransport(max_connections=concurrency * 2 + 8)
+    )
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency * 2 + 8))
+    headers = {"Authorization": f"Bearer {BENCH_API_KEY}", "Content-Type": "application/json"}
+    timings: list[TurnTiming] = []
+    run_id = f"{path}-{concurrency}-{time.monotonic_ns()}"
+    sampling = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}
+
+    async def router_turn(conv: str, messages: list[dict[str, Any]]) -> tuple[TurnTiming, str]:
+        body = {
+            "model": model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "retain": path != "router-noretain",
+            **sampling,
+        }
+        started = time.perf_counter()
+        ttft = 0.0
+        texts: list[str] = []
+        pulled = 0
+        async with session.post(
+            http_url + "/v1/chat/completions", json=body, headers={**headers, "X-Conversation-Id": conv}
+        ) as response:
+            if response.status != 200:
+                raise RuntimeError(f"router answered {response.status}: {await response.text()}")
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                    if not ttft:
+                        ttft = time.perf_counter() - started
+                    texts.append(event["choices"][0]["delta"]["content"])
+                if event.get("usage"):
+                    pulled = event["usage"].get("pulled_tokens", 0)
+        return TurnTiming(ttft, time.perf_counter() - started, pulled), "".join(texts)
+
+    async def direct_turn(conv: str, turn: int, messages: list[dict[str, Any]]) -> tuple[TurnTiming, str]:
+        # Marked like the router's decodes, so the connector governs the blocks as it would for them.
+        mark = ConversationMark(tenant=f"{BENCH_TENANT}-direct", conversation_id=conv, turn=turn)
+        chat = ChatRequest({"messages": messages, **sampling})
+        started = time.perf_counter()
+        ttft = 0.0
+        texts: list[str] = []
+        async for event in prefill_then_decode(
+            prefill, decode, EngineTurn(token_ids=(), mark=mark, chat=chat)
+        ):
+            raw = getattr(event, "raw", b"")
+            if raw:
+                content = json.loads(raw)["choices"][0]["delta"].get("content")
+                if content:
+                    if not ttft:
+                        ttft = time.perf_counter() - started
+                    texts.append(content)
+        return TurnTiming(ttft, time.perf_counter() - started), "".join(texts)
+
+    def words(rng: random.Random, count: int) -> str:
+        # Each word and its space is about 2 tokens of a real tokenizer and 6 bytes of the stand-in's.
+        return " ".join(rng.choice(_WORDS) for _ in range(count))
+
+    async def client(index: int) -> None:
+        rng = random.Random(index)
+        for conversation in range(conversations_per_client):
+            conv = f"{run_id}-{index}-{conversation}"
+            messages: list[dict[str, Any]] = [
+                {"role": "user", "content": words(rng, args.prompt_tokens // 2)}
+            ]
+            for turn in range(1, args.turns + 1):
+                if path == "direct":
+                    timing, text = await direct_turn(conv, turn, messages)
+                else:
+                    timing, text = await router_turn(conv, messages)
+                timings.append(timing)
+                messages += [
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": words(rng, args.turn_tokens // 2)},
+                ]
+            if path != "direct":
+                async with session.delete(http_url + f"/v1/kvferry/conversations/{conv}", headers=headers):
+                    pass
+
+    warmup = [{"role": "user", "content": "warm up " * (args.prompt_tokens // 2)}]
+    try:
+        if path == "direct":
+            await direct_turn(f"{run_id}-warmup", 1, warmup)
+        else:
+            await router_turn(f"{run_id}-warmup", warmup)
+        started = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
+        wall = time.perf_counter() - started
+    finally:
+        await prefill.aclose()
+        await decode.aclose()
+        await session.close()
     return LevelResult(
         path=path,
         concurrency=concurrency,

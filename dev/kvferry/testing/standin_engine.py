@@ -52,12 +52,43 @@ def standin_detokenize(token_ids: Sequence[int]) -> str:
     return bytes((t - _TOKEN_OFFSET) % 256 for t in token_ids).decode(errors="replace")
 
 
-def standin_render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-    text = "".join(
-        _CHAT_TEMPLATE_ROLE.format(role=m["role"]) + m.get("content", "") + "\n" + _CHAT_TEMPLATE_END
-        for m in messages
-    )
+def standin_render_chat(
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    """The stand-in's chat template: tools first, then each message (its tool calls as
+    ``<tool_call>{"name", "arguments"}</tool_call>``)."""
+    text = ""
+    if tools:
+        text += _CHAT_TEMPLATE_ROLE.format(role="tools") + json.dumps(tools, sort_keys=True) + "\n"
+        text += _CHAT_TEMPLATE_END
+    for m in messages:
+        content = m.get("content") or ""
+        if not isinstance(content, str):
+            content = "".join(part.get("text", "") for part in content)
+        calls = "".join(
+            "<tool_call>"
+            + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+            + "</tool_call>"
+            for c in m.get("tool_calls") or ()
+        )
+        text += _CHAT_TEMPLATE_ROLE.format(role=m["role"]) + content + calls + "\n" + _CHAT_TEMPLATE_END
     return text + (_CHAT_GENERATION_PROMPT if add_generation_prompt else "")
+
+
+def standin_tool_call(body: Mapping[str, Any], output: Sequence[int]) -> dict[str, str] | None:
+    """The call the stand-in makes: when ``tool_choice`` is "required" or names a function (guided decoding
+    on a real engine), that function or the first tool, its one argument the generated text."""
+    choice = body.get("tool_choice")
+    tools = body.get("tools") or []
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+    elif choice == "required" and tools:
+        name = tools[0]["function"]["name"]
+    else:
+        return None
+    return {"name": name, "arguments": json.dumps({"text": standin_detokenize(output)})}
 
 
 def standin_generate(prompt_token_ids: Sequence[int], count: int) -> list[int]:
@@ -84,6 +115,9 @@ class StandInCounters:
     prefill_params: list[dict[str, Any]] = field(default_factory=list)
     decode_params: list[dict[str, Any]] = field(default_factory=list)
     decode_headers: list[dict[str, str]] = field(default_factory=list)
+    # Every /tokenize and chat body as received.
+    tokenize_bodies: list[dict[str, Any]] = field(default_factory=list)
+    chat_bodies: list[dict[str, Any]] = field(default_factory=list)
 
 
 class StandInEngine:
@@ -171,6 +205,7 @@ class StandInEngine:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/tokenize", self._tokenize, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
             ]
         )
         self._server = _QuietUvicorn(
@@ -248,11 +283,14 @@ class StandInEngine:
 
     async def _tokenize(self, request: Request) -> Response:
         body = await request.json()
+        self.counters.tokenize_bodies.append(body)
         if "messages" in body:
             for message in body["messages"]:
                 if message.get("role") not in ("system", "user", "assistant", "tool", "developer"):
                     return JSONResponse({"error": {"message": "bad role", "code": 400}}, status_code=400)
-            text = standin_render_chat(body["messages"], body.get("add_generation_prompt", True))
+            text = standin_render_chat(
+                body["messages"], body.get("add_generation_prompt", True), body.get("tools")
+            )
         else:
             text = body.get("prompt", "")
         tokens = standin_tokenize(text)
@@ -272,9 +310,28 @@ class StandInEngine:
         if vllm_params.wants_remote_decode(params):
             return await self._prefill(prompt, params, request_id)
         self.counters.decode_headers.append(dict(request.headers))
-        return await self._decode(prompt, params, body, request_id)
+        return await self._decode(request, prompt, params, body, request_id)
 
-    async def _prefill(self, prompt: list[int], params: dict[str, Any], request_id: str) -> Response:
+    async def _chat_completions(self, request: Request) -> Response:
+        """vLLM's chat endpoint in P/D mode: the prompt from ``kv_transfer_params["prompt_token_ids"]``
+        (else rendered), answers in the chat form, tool calls when ``tool_choice`` asks for one."""
+        body = await request.json()
+        self.counters.chat_bodies.append(body)
+        params = dict(body.get("kv_transfer_params") or {})
+        prompt = params.pop(vllm_params.PROMPT_TOKEN_IDS, None) or standin_tokenize(
+            standin_render_chat(body["messages"], body.get("add_generation_prompt", True), body.get("tools"))
+        )
+        if len(prompt) >= self.max_model_len:
+            return JSONResponse({"error": {"message": "prompt too long", "code": 400}}, 400)
+        request_id = request.headers.get("x-request-id") or f"standin-{time.monotonic_ns()}"
+        if vllm_params.wants_remote_decode(params):
+            return await self._prefill(prompt, params, request_id, chat=True)
+        self.counters.decode_headers.append(dict(request.headers))
+        return await self._decode(request, prompt, params, body, request_id, chat=True)
+
+    async def _prefill(
+        self, prompt: list[int], params: dict[str, Any], request_id: str, *, chat: bool = False
+    ) -> Response:
         self.counters.prefill_requests += 1
         self.counters.prefill_params.append(params)
         if self.fail_prefills > 0:
@@ -294,19 +351,17 @@ class StandInEngine:
         blocks = list(range(self._next_block, self._next_block + num_blocks))
         self._next_block += num_blocks
         first = standin_generate(prompt, 1)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": standin_detokenize(first)}
+        else:
+            choice.update(text=standin_detokenize(first), token_ids=first)
         return JSONResponse(
             {
-                "id": f"cmpl-{request_id}",
-                "object": "text_completion",
+                "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+                "object": "chat.completion" if chat else "text_completion",
                 "model": self.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": standin_detokenize(first),
-                        "token_ids": first,
-                        "finish_reason": "length",
-                    }
-                ],
+                "choices": [choice],
                 "usage": {
                     "prompt_tokens": len(prompt),
                     "completion_tokens": 1,
@@ -329,34 +384,108 @@ class StandInEngine:
         )
 
     async def _decode(
-        self, prompt: list[int], params: dict[str, Any], body: dict[str, Any], request_id: str
+        self,
+        request: Request,
+        prompt: list[int],
+        params: dict[str, Any],
+        body: dict[str, Any],
+        request_id: str,
+        *,
+        chat: bool = False,
     ) -> Response:
         self.counters.decode_requests += 1
         self.counters.decode_params.append(params)
         if self.fail_decodes > 0:
             self.fail_decodes -= 1
             return JSONResponse({"error": {"message": "injected decode failure", "code": 500}}, 500)
-        max_tokens = int(body.get("max_tokens") or 16)
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         output = standin_generate(prompt, max_tokens)
         mark = ConversationMark.from_params(params)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(output)}
+        call = standin_tool_call(body, output) if chat else None
         if not body.get("stream"):
+            if self.decode_token_delay_seconds:
+                for _ in output:
+                    await asyncio.sleep(self.decode_token_delay_seconds)
+                    if await request.is_disconnected():
+                        self.counters.aborted_requests += 1
+                        return Response(status_code=499)
             self._retain(mark, prompt, output, request_id)
+            if not chat:
+                choice = {
+                    "index": 0,
+                    "text": standin_detokenize(output),
+                    "token_ids": output,
+                    "finish_reason": "length",
+                }
+                return JSONResponse({"choices": [choice], "usage": usage})
+            message: dict[str, Any] = {"role": "assistant", "content": standin_detokenize(output)}
+            if call is not None:
+                message.update(content=None, tool_calls=[_tool_call_body(request_id, call)])
             return JSONResponse(
                 {
-                    "choices": [
-                        {
-                            "index": 0,
-                            "text": standin_detokenize(output),
-                            "token_ids": output,
-                            "finish_reason": "length",
-                        }
-                    ],
-                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(output)},
+                    "id": f"chatcmpl-{request_id}",
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": self.model,
+                    "choices": [{"index": 0, "message": message, "finish_reason": _finish(body, call)}],
+                    "usage": usage,
+                    "kv_transfer_params": {"do_remote_decode": True},
                 }
             )
-        return StreamingResponse(
-            self._stream(prompt, output, mark, request_id), media_type="text/event-stream"
+        stream = (
+            self._chat_stream(prompt, output, mark, request_id, body, call)
+            if chat
+            else self._stream(prompt, output, mark, request_id)
         )
+        return StreamingResponse(stream, media_type="text/event-stream")
+
+    async def _chat_stream(
+        self,
+        prompt: list[int],
+        output: list[int],
+        mark: ConversationMark | None,
+        request_id: str,
+        body: dict[str, Any],
+        call: dict[str, str] | None,
+    ) -> AsyncIterator[bytes]:
+        """vLLM's chat stream: a role chunk, content (or tool-call) deltas, the finish, the usage."""
+        head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": 1,
+                "model": self.model}  # fmt: skip
+
+        def event(delta: dict[str, Any], finish: str | None, tokens: list[int]) -> bytes:
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = tokens
+            return _sse_bytes({**head, "choices": [choice]})
+
+        finished = False
+        try:
+            yield event({"role": "assistant", "content": ""}, None, [])
+            for index, token in enumerate(output):
+                if self.fail_decode_after_tokens is not None and index >= self.fail_decode_after_tokens:
+                    raise ConnectionAbortedError("injected failure mid-stream")
+                if self.decode_token_delay_seconds:
+                    await asyncio.sleep(self.decode_token_delay_seconds)
+                last = index == len(output) - 1
+                if call is None:
+                    yield event({"content": standin_detokenize([token])}, "length" if last else None, [token])
+                    continue
+                if index == 0:
+                    first = {**_tool_call_body(request_id, call), "index": 0}
+                    first["function"] = {"name": call["name"], "arguments": ""}
+                    yield event({"tool_calls": [first]}, None, [token])
+                if last:
+                    arguments = {"index": 0, "function": {"arguments": call["arguments"]}}
+                    yield event({"tool_calls": [arguments]}, _finish(body, call), [token])
+            finished = True
+            self._retain(mark, prompt, output, request_id)
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(output)}
+            yield _sse_bytes({**head, "choices": [], "usage": usage})
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not finished:
+                self.counters.aborted_requests += 1
 
     async def _stream(
         self, prompt: list[int], output: list[int], mark: ConversationMark | None, request_id: str
@@ -426,6 +555,17 @@ class StandInEngine:
             self.counters.published_retentions += 1
         except grpc.aio.AioRpcError as error:
             log.warning("stand-in publish failed", extra={"error": error.details()})
+
+
+def _tool_call_body(request_id: str, call: Mapping[str, str]) -> dict[str, Any]:
+    return {"id": f"call-{request_id}", "type": "function", "function": dict(call)}
+
+
+def _finish(body: Mapping[str, Any], call: Mapping[str, str] | None) -> str:
+    """vLLM's finish reasons: "tool_calls" for required tool calls, "stop" for a named one."""
+    if call is None:
+        return "length"
+    return "tool_calls" if body.get("tool_choice") == "required" else "stop"
 
 
 def _sse_bytes(payload: dict[str, Any]) -> bytes:

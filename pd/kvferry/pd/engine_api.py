@@ -7,11 +7,12 @@ with fakes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from kvferry.pd import vllm_params
+from kvferry.pd.chat import ChatRequest
 from kvferry.pd.kvferry_params import (
     BlockGenerations,
     ConversationMark,
@@ -96,6 +97,8 @@ class Sampling:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Stop strings (not part of the output).
+    stop: tuple[str, ...] = ()
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -106,6 +109,8 @@ class Sampling:
         }
         if self.seed is not None:
             body["seed"] = self.seed
+        if self.stop:
+            body["stop"] = list(self.stop)
         if self.stop_token_ids:
             body["stop_token_ids"] = list(self.stop_token_ids)
         return body
@@ -113,6 +118,7 @@ class Sampling:
 
 @dataclass(frozen=True)
 class PrefillRequest:
+    # The prompt's token ids; with ``chat``, the ids its messages render to (forwarded to the engine).
     token_ids: tuple[int, ...]
     mark: ConversationMark | None = None
     # Pull this prefix from a decode engine instead of computing it.
@@ -125,17 +131,22 @@ class PrefillRequest:
     pull_options: PullOptions | None = None
     # The generations the reused retention published for ``reuse``'s blocks (P checks them after the pull).
     generations: BlockGenerations | None = None
+    # Served through the chat endpoint (kvferry.pd.chat) instead of as a token-id completion.
+    chat: ChatRequest | None = None
 
     def transfer_params(self) -> dict[str, Any]:
         if self.reuse is not None and self.mark is not None and self.read_ms is None:
             raise ValueError("a marked prefill that reuses a retention must carry its read window (read_ms)")
-        return prefill_transfer_params(
+        params = prefill_transfer_params(
             self.mark,
             self.reuse,
             read_ms=self.read_ms,
             pull_options=self.pull_options,
             generations=self.generations,
         )
+        if self.chat is not None and self.token_ids:
+            params[vllm_params.PROMPT_TOKEN_IDS] = list(self.token_ids)
+        return params
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,8 @@ class Usage:
     # Prompt tokens whose KV was not computed (local prefix cache + pulled); needs the engine's
     # --enable-prompt-tokens-details, else None.
     cached_tokens: int | None = None
+    # The engine's usage object as it came (fields kvferry does not model, e.g. reasoning tokens).
+    body: Mapping[str, Any] | None = field(default=None, compare=False)
 
     @classmethod
     def from_body(cls, raw: Mapping[str, Any] | None) -> Usage | None:
@@ -156,6 +169,7 @@ class Usage:
             prompt_tokens=int(raw.get("prompt_tokens") or 0),
             completion_tokens=int(raw.get("completion_tokens") or 0),
             cached_tokens=None if cached is None else int(cached),
+            body=raw,
         )
 
 
@@ -173,25 +187,43 @@ class DecodeRequest:
     # A conversation mark retains the decode's blocks; a release mark frees them at the end; none
     # leaves them to vLLM (held for its decoder_kv_blocks_ttl).
     mark: Mark | None = None
+    # Ignored with ``chat``: the chat request carries its sampling fields.
     sampling: Sampling = field(default_factory=Sampling)
     request_id: str | None = None
+    # Served through the chat endpoint (kvferry.pd.chat) instead of as a token-id completion.
+    chat: ChatRequest | None = None
 
     def transfer_params(self) -> dict[str, Any]:
-        return decode_transfer_params(self.handoff, self.mark)
+        params = decode_transfer_params(self.handoff, self.mark)
+        if self.chat is not None and self.token_ids:
+            params[vllm_params.PROMPT_TOKEN_IDS] = list(self.token_ids)
+        return params
 
 
-FinishReason = Literal["stop", "length", "abort", "error"] | str
+# "tool_calls": a chat answer whose message calls tools (a normal end, like "stop").
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"] | str
+# The finish reasons of a decode that ran to its end (its blocks are retained when marked).
+NORMAL_FINISH_REASONS = frozenset({"stop", "length", "tool_calls"})
 
 
-@dataclass(frozen=True)
+# Slotted, not frozen: one is built per streamed token (a frozen dataclass's __init__ costs several times
+# more).
+@dataclass(slots=True)
 class DecodeChunk:
-    """One streamed piece of the decode: new tokens, and on the last one the finish reason."""
+    """One streamed piece of the decode: new tokens, and on the last one the finish reason.
+
+    A chat stream's chunk is the engine's event as it came (``raw``, the JSON after ``data:``), for relaying
+    as is: only its finish reason and usage are read, ``token_ids`` and ``text`` stay empty
+    (:func:`kvferry.pd.engine_client.chat_delta` reads the rest). Its trailing usage-only event comes
+    with ``raw`` empty and ``usage`` set."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: FinishReason | None = None
-    # Only on the trailing usage chunk (then token_ids is empty).
+    # Only on the trailing usage chunk (then token_ids is empty), or on every chunk of a chat stream with
+    # stream_options.continuous_usage_stats.
     usage: Usage | None = None
+    raw: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -203,14 +235,11 @@ class DecodeResult:
     finish_reason: FinishReason | None
     usage: Usage | None
     retained: KvHandoff | None
+    # A chat decode: the engine's chat completion as it came, without its kv_transfer_params (``text``:
+    # its message's content).
+    body: Mapping[str, Any] | None = None
     # The generations D published with the retained blocks (None: it does not fence pulls).
     retained_generations: BlockGenerations | None = None
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
 
 
 @dataclass(frozen=True)
@@ -232,14 +261,9 @@ class EngineApi(Protocol):
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    async def render_chat(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-    ) -> list[int]:
-        """Token ids of ``messages`` rendered through the model's chat template."""
+    async def render_chat(self, chat: ChatRequest) -> list[int]:
+        """Token ids of the chat's prompt, rendered through the model's chat template as the engine's chat
+        endpoint renders it (:meth:`~kvferry.pd.chat.ChatRequest.tokenize_body`)."""
         ...
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:

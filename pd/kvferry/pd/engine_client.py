@@ -4,7 +4,8 @@ This is the one way kvferry talks to engines over HTTP. The wire forms of ``kv_t
 :mod:`kvferry.pd.vllm_params` and :mod:`kvferry.pd.kvferry_params`; the requests and answers
 :mod:`kvferry.pd.engine_api`; a turn's sequence of calls :mod:`kvferry.pd.sequence`.
 
-How a turn flows (see docs/connector.md):
+How a turn flows (see docs/connector.md; a chat turn sends the same through ``/v1/chat/completions``, the
+bodies :mod:`kvferry.pd.chat` builds):
 
 1. Prefill: ``POST /v1/completions`` on P with the prompt's token ids, ``max_tokens=1`` and
    ``kv_transfer_params = {"do_remote_decode": true, ...}``. When the conversation has KV
@@ -32,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from kvferry.pd.chat import ChatRequest
 from kvferry.pd.engine_api import (
-    ChatMessage,
     DecodeChunk,
     DecodeRequest,
     DecodeResult,
@@ -128,25 +129,9 @@ class VllmEngineClient:
         )
         return [int(t) for t in body["tokens"]]
 
-    async def render_chat(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-    ) -> list[int]:
-        """Token ids of ``messages`` rendered through the model's chat template."""
-        body = await self._post_json(
-            "/tokenize",
-            {
-                "model": self.model,
-                "messages": [{"role": m.role, "content": m.content} for m in messages],
-                "add_generation_prompt": add_generation_prompt,
-                "continue_final_message": continue_final_message,
-                "add_special_tokens": False,
-            },
-            control=True,
-        )
+    async def render_chat(self, chat: ChatRequest) -> list[int]:
+        """Token ids of the chat's prompt, rendered as the chat endpoint renders it."""
+        body = await self._post_json("/tokenize", chat.tokenize_body(self.model), control=True)
         return [int(t) for t in body["tokens"]]
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -175,16 +160,22 @@ class VllmEngineClient:
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Computes the prompt on a prefill engine (pulling ``reuse`` first when given)."""
-        body = {
-            "model": self.model,
-            "prompt": list(request.token_ids),
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "stream": False,
-            "return_token_ids": True,
-            "kv_transfer_params": request.transfer_params(),
-        }
-        answer = await self._post_json("/v1/completions", body, request_id=request.request_id)
+        if request.chat is not None:
+            path, body = "/v1/chat/completions", request.chat.prefill_body(self.model)
+        else:
+            path, body = (
+                "/v1/completions",
+                {
+                    "model": self.model,
+                    "prompt": list(request.token_ids),
+                    "max_tokens": 1,
+                    "temperature": 0.0,
+                    "stream": False,
+                    "return_token_ids": True,
+                },
+            )
+        body["kv_transfer_params"] = request.transfer_params()
+        answer = await self._post_json(path, body, request_id=request.request_id)
         handoff = KvHandoff.from_params(answer.get("kv_transfer_params"))
         if handoff is None or not handoff.do_remote_prefill:
             raise EngineHttpError(
@@ -201,46 +192,61 @@ class VllmEngineClient:
 
     async def decode_stream(self, request: DecodeRequest) -> AsyncGenerator[DecodeChunk, None]:
         """Streams the decode engine's output. Stop iterating (or cancel) to abort it."""
-        body = self._decode_body(request, stream=True)
+        path, body = self._decode_body(request, stream=True)
+        parse = _chat_event if request.chat is not None else _completion_event
         headers = _request_headers(request.request_id)
         try:
-            async with self._http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+            async with self._http.stream("POST", path, json=body, headers=headers) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     _raise_for_status(self.base_url, response)
-                async for line in response.aiter_lines():
-                    chunk = _parse_stream_line(self.base_url, line)
-                    if chunk is not None:
-                        yield chunk
+                events = SseData()
+                async for piece in response.aiter_bytes():
+                    for data in events.feed(piece):
+                        chunk = parse(self.base_url, data)
+                        if chunk is not None:
+                            yield chunk
         except httpx.HTTPError as error:
             raise EngineUnavailableError(self.base_url, error) from error
 
     async def decode(self, request: DecodeRequest) -> DecodeResult:
         """Non-streaming decode; its answer names the blocks D retained (``retained``)."""
-        body = self._decode_body(request, stream=False)
-        answer = await self._post_json("/v1/completions", body, request_id=request.request_id)
+        path, body = self._decode_body(request, stream=False)
+        answer = await self._post_json(path, body, request_id=request.request_id)
+        params = answer.pop("kv_transfer_params", None)
         choice = (answer.get("choices") or [{}])[0]
+        if request.chat is not None:
+            text = str((choice.get("message") or {}).get("content") or "")
+        else:
+            text = str(choice.get("text") or "")
         return DecodeResult(
             token_ids=tuple(int(t) for t in choice.get("token_ids") or ()),
-            text=str(choice.get("text") or ""),
+            text=text,
             finish_reason=choice.get("finish_reason"),
             usage=Usage.from_body(answer.get("usage")),
-            retained=KvHandoff.from_params(answer.get("kv_transfer_params")),
-            retained_generations=BlockGenerations.from_params(answer.get("kv_transfer_params")),
+            retained=KvHandoff.from_params(params),
+            retained_generations=BlockGenerations.from_params(params),
+            body=answer if request.chat is not None else None,
         )
 
-    def _decode_body(self, request: DecodeRequest, *, stream: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": list(request.token_ids),
-            "stream": stream,
-            "return_token_ids": True,
-            "kv_transfer_params": request.transfer_params(),
-        }
-        body.update(request.sampling.to_body())
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        return body
+    def _decode_body(self, request: DecodeRequest, *, stream: bool) -> tuple[str, dict[str, Any]]:
+        if request.chat is not None:
+            path, body = "/v1/chat/completions", request.chat.decode_body(self.model, stream=stream)
+        else:
+            path, body = (
+                "/v1/completions",
+                {
+                    "model": self.model,
+                    "prompt": list(request.token_ids),
+                    "stream": stream,
+                    "return_token_ids": True,
+                },
+            )
+            body.update(request.sampling.to_body())
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+        body["kv_transfer_params"] = request.transfer_params()
+        return path, body
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -304,22 +310,47 @@ def _json_object(url: str, response: httpx.Response) -> dict[str, Any]:
     return body
 
 
-def _parse_stream_line(url: str, line: str) -> DecodeChunk | None:
-    """One SSE line of a streamed completion -> chunk (None for keep-alives and [DONE])."""
-    if not line.startswith("data:"):
-        return None
-    data = line[len("data:") :].strip()
-    if not data or data == "[DONE]":
-        return None
+class SseData:
+    """The ``data:`` payloads of a server-sent event stream fed in pieces, however its bytes are split
+    (keep-alives, comments and ``[DONE]`` left out). Not a generator: one less layer per relayed token."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        buffer = self._buffer + piece if self._buffer else piece
+        found = []
+        start = 0
+        while (end := buffer.find(b"\n", start)) >= 0:
+            line = buffer[start:end]
+            start = end + 1
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                if data and data != b"[DONE]":
+                    found.append(data)
+        self._buffer = buffer[start:]
+        return found
+
+
+def _event(url: str, data: bytes) -> dict[str, Any]:
+    """A stream event as JSON; an error event raises :class:`EngineHttpError`."""
     try:
         event = json.loads(data)
     except ValueError:
         raise EngineHttpError(url, 200, f"malformed stream event: {data[:200]!r}") from None
+    if not isinstance(event, dict):
+        raise EngineHttpError(url, 200, f"malformed stream event: {data[:200]!r}")
     if "error" in event:
         error = event["error"]
         message = error.get("message", error) if isinstance(error, dict) else error
         code = error.get("code", 500) if isinstance(error, dict) else 500
         raise EngineHttpError(url, int(code) if isinstance(code, int) else 500, str(message))
+    return event
+
+
+def _completion_event(url: str, data: bytes) -> DecodeChunk | None:
+    """One event of a streamed completion -> chunk (None for an event with nothing in it)."""
+    event = _event(url, data)
     usage = Usage.from_body(event.get("usage"))
     choices = event.get("choices") or []
     if not choices:
@@ -331,3 +362,23 @@ def _parse_stream_line(url: str, line: str) -> DecodeChunk | None:
         finish_reason=choice.get("finish_reason"),
         usage=usage,
     )
+
+
+# Every chat event but the last carries these bytes and no usage (vLLM 0.32 sets finish_reason explicitly;
+# inside a JSON string the quote before the colon would be escaped, so only the field itself matches).
+_NOT_FINISHED = b'"finish_reason":null'
+_USAGE = b'"usage":{'
+
+
+def _chat_event(url: str, data: bytes) -> DecodeChunk:
+    """One event of a streamed chat completion -> chunk carrying it as is (``raw``). Only events that may
+    end the stream, carry usage or report an error are parsed."""
+    if _NOT_FINISHED in data and _USAGE not in data:
+        return DecodeChunk((), "", raw=data)
+    event = _event(url, data)
+    usage = Usage.from_body(event.get("usage"))
+    choices = event.get("choices") or []
+    if not choices:
+        # The trailing usage event: the caller reports usage its own way.
+        return DecodeChunk((), "", usage=usage)
+    return DecodeChunk((), "", finish_reason=choices[0].get("finish_reason"), usage=usage, raw=data)

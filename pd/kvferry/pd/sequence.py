@@ -16,10 +16,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvferry.pd.chat import ChatRequest
 from kvferry.pd.engine_api import (
     DecodeChunk,
     DecodeRequest,
@@ -51,7 +53,9 @@ class Pull:
 class EngineTurn:
     """What one turn asks of its prefill and decode engines."""
 
+    # The prompt; with ``chat``, the ids its messages render to (both engines compute exactly these).
     token_ids: tuple[int, ...]
+    # Unused with ``chat``, which carries its own sampling fields.
     sampling: Sampling = field(default_factory=Sampling)
     # A conversation mark: D retains the turn for the conversation (and P gets the mark with the pull's read
     # deadline). A release mark: D frees the blocks when the decode finishes. None: vLLM's own handling.
@@ -61,6 +65,9 @@ class EngineTurn:
     request_id: str | None = None
     # Options for P's pull (tests and comparisons; routers send none).
     pull_options: PullOptions | None = None
+    # Served through the engines' chat endpoint (kvferry.pd.chat): templates, tool and reasoning parsers and
+    # structured outputs run in the engines.
+    chat: ChatRequest | None = None
 
     @property
     def offered_pull_tokens(self) -> int:
@@ -96,6 +103,8 @@ class Decoded:
     # A non-streamed decode's returned params: the blocks D retained (vLLM streams carry none).
     retained: KvHandoff | None
     seconds: float
+    # A non-streamed chat decode: D's chat completion as it came (without its kv_transfer_params).
+    body: Mapping[str, Any] | None = None
     # The generations D published with the retained blocks (non-streamed decodes of fencing engines).
     retained_generations: BlockGenerations | None = None
 
@@ -166,6 +175,7 @@ async def prefill(
             read_ms=read_ms,
             request_id=f"{turn.request_id}-p" if turn.request_id else None,
             pull_options=turn.pull_options,
+            chat=turn.chat,
             generations=pull.generations if pull is not None else None,
         )
     )
@@ -187,6 +197,7 @@ async def decode(
         mark=turn.mark,
         sampling=turn.sampling,
         request_id=f"{turn.request_id}-d" if turn.request_id else None,
+        chat=turn.chat,
     )
     started = time.perf_counter()
     token_ids: list[int] = []
@@ -194,6 +205,7 @@ async def decode(
     finish_reason = ""
     usage: Usage | None = None
     retained: KvHandoff | None = None
+    body: Mapping[str, Any] | None = None
     retained_generations: BlockGenerations | None = None
     if stream:
         # Closing the stream (here, or when our caller closes us) closes the HTTP request: vLLM aborts it.
@@ -207,6 +219,7 @@ async def decode(
     else:
         answer = await engine.decode(request)
         finish_reason, usage, retained = answer.finish_reason or "", answer.usage, answer.retained
+        body = answer.body
         retained_generations = answer.retained_generations
         token_ids.extend(answer.token_ids)
         texts.append(answer.text)
@@ -220,5 +233,6 @@ async def decode(
         usage=usage,
         retained=retained,
         seconds=time.perf_counter() - started,
+        body=body,
         retained_generations=retained_generations,
     )

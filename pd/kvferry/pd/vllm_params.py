@@ -34,6 +34,11 @@ DCP_SIZE = "dcp_size"
 PP_SIZE = "pp_size"
 # "pull" (NIXL READ by the receiver); sent for older vLLM releases, which read it.
 TRANSFER_MODE = "transfer_mode"
+# A chat request's prompt as token ids (vLLM >= 0.32, "decode-side token reuse"): the chat endpoint serves
+# these instead of rendering the messages (unless ``echo`` is set or a message has non-text content);
+# tool/reasoning parsers and structured outputs still follow the request's fields. The engine pops it
+# before the request reaches its connector.
+PROMPT_TOKEN_IDS = "prompt_token_ids"
 
 # The keys that name remote blocks: removing them makes the engine compute instead of pulling.
 REMOTE_BLOCK_KEYS = (

@@ -1,5 +1,6 @@
 """What the picker reads from a request: the conversation, the model and the API key, the way the router's
-HTTP API reads them (``X-Conversation-Id`` or the body's ``conversation_id``; a mismatch is refused)."""
+HTTP API reads them (``X-Conversation-Id`` or the body's ``conversation_id``, a mismatch refused; else
+``prompt_cache_key``)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ def request_identity(headers: Mapping[str, str], body: bytes) -> RequestIdentity
         if not isinstance(parsed, dict):
             raise InvalidArgument(f"the request body must be a JSON object, not {type(parsed).__name__}")
         fields = parsed
-    conversation = conversation_of(_string_field(fields, "conversation_id"), headers.get(CONVERSATION_HEADER))
+    conversation = conversation_of(
+        headers.get(CONVERSATION_HEADER),
+        _string_field(fields, "conversation_id"),
+        _string_field(fields, "prompt_cache_key"),
+    )
     model = validation.model_name(_string_field(fields, "model") or "")
     return RequestIdentity(conversation, model, headers.get("authorization"))
 

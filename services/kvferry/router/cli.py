@@ -165,6 +165,20 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         default=_DEFAULTS.max_body_bytes,
     )
     flags.add(
+        "--responses-max-stored",
+        "KVFERRY_ROUTER_RESPONSES_MAX_STORED",
+        "Responses API: stored responses this process keeps for previous_response_id (oldest go first)",
+        type=int,
+        default=_DEFAULTS.responses_max_stored,
+    )
+    flags.add(
+        "--responses-ttl",
+        "KVFERRY_ROUTER_RESPONSES_TTL",
+        "Responses API: how long a stored response can be continued or fetched, seconds",
+        type=float,
+        default=_DEFAULTS.responses_ttl_seconds,
+    )
+    flags.add(
         "--max-turns-per-tenant",
         "KVFERRY_ROUTER_MAX_TURNS_PER_TENANT",
         "turns one tenant may have in flight on this router; past it RESOURCE_EXHAUSTED / 429 with "
@@ -220,6 +234,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         engine_read_timeout_seconds=args.engine_read_timeout,
         engine_max_connections=args.engine_max_connections,
         max_body_bytes=args.max_body_bytes,
+        responses_max_stored=args.responses_max_stored,
+        responses_ttl_seconds=args.responses_ttl,
         max_turns_per_tenant=args.max_turns_per_tenant,
         max_concurrent_streams=args.max_concurrent_streams,
         max_http_connections=args.max_http_connections,

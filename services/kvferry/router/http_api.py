@@ -1,31 +1,54 @@
-"""The OpenAI-compatible HTTP front door: ``/v1/chat/completions``, ``/v1/completions`` (SSE streaming
-and not), ``/v1/models`` and ``/health``.
+"""The OpenAI-compatible HTTP front door: ``/v1/chat/completions`` (through the engines' own chat endpoint),
+``/v1/completions``, ``/v1/responses``, ``/v1/models``, the conversation calls under
+``/v1/kvferry/conversations/{id}``, ``/health`` and ``/metrics``.
 
-The conversation id comes from the ``X-Conversation-Id`` header or a ``conversation_id`` body field,
-so the official ``openai`` client works unchanged (``extra_headers`` / ``extra_body``). Without one a
-request is a one-off turn: nothing is looked up or retained. Errors use OpenAI's error body.
+A conversation is named by the ``X-Conversation-Id`` header, a ``conversation_id`` body field, OpenAI's
+``prompt_cache_key`` or (Responses) ``previous_response_id``, so the official ``openai`` client and the
+frameworks built on it work unchanged. Without one a request is a one-off turn: nothing is looked up or
+retained. Errors use OpenAI's error body.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Mapping
+from typing import Any, Protocol
 
+from kvferry.pd.chat import ChatDelta
 from kvferry.router import validation
+from kvferry.router.conversations import Conversations
 from kvferry.router.engines import EngineTable
+from kvferry.router.openai_chat import ChatCall, load_json_object, parse_chat
+from kvferry.router.openai_completions import CompletionCall, parse_completion
+from kvferry.router.openai_responses import (
+    ResponseEvents,
+    ResponsesCall,
+    ResponseStore,
+    StoredResponse,
+    chain_conversation_id,
+    chat_body,
+    final_status,
+    history_message,
+    new_response_id,
+    output_from_answer,
+    parse_responses,
+    response_object,
+    sse_event,
+)
 from kvferry.router.tenants import ApiKeys, Tenant
 from kvferry.router.turns import (
+    ChatOut,
     ChatPrompt,
     PreparedTurn,
-    Prompt,
+    SamplingOptions,
     TextOut,
-    TextPrompt,
-    TokenPrompt,
+    TurnEvent,
     TurnRequest,
     TurnResult,
     TurnRunner,
@@ -33,13 +56,14 @@ from kvferry.router.turns import (
 from kvferry.runtime.errors import (
     ErrorKind,
     InvalidArgument,
+    NotFound,
     RequestTooLarge,
     ServiceError,
     http_status,
     internal_error,
 )
+from kvferry.runtime.ids import check_id
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -49,53 +73,21 @@ from starlette.types import Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 CONVERSATION_HEADER = "x-conversation-id"
+# Non-streamed answers also say what the turn reused (streams say it in their usage chunk).
 TURN_HEADER = "x-kvferry-turn"
+PULLED_TOKENS_HEADER = "x-kvferry-pulled-tokens"
+REUSE_HEADER = "x-kvferry-reuse"
+_DONE = b"data: [DONE]\n\n"
+
+TurnEvents = AsyncGenerator[TurnEvent | TurnResult, None]
 
 
-class _Body(BaseModel):
-    # Unknown OpenAI fields are ignored, as OpenAI-compatible servers do. Strict: "yes" is not a boolean
-    # and "5" not a number (OpenAI answers 400 too); an integer is still a float.
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ClosingEvents(Protocol):
+    """A turn's events being answered: iterate them, close them (which closes the turn)."""
 
+    def __aiter__(self) -> AsyncIterator[TurnEvent | TurnResult]: ...
 
-class _ContentPart(_Body):
-    type: str
-    text: str | None = None
-
-
-class _Message(_Body):
-    role: str
-    content: str | list[_ContentPart] | None = None
-
-
-class _StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _Generation(_Body):
-    model: str = ""
-    stream: bool = False
-    stream_options: _StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    logprobs: Any = None
-    ignore_eos: bool = False
-    # kvferry's own fields (the openai client sends them through `extra_body`).
-    conversation_id: str | None = None
-    retain: bool | None = None
-
-
-class _ChatBody(_Generation):
-    messages: list[_Message]
-    max_completion_tokens: int | None = None
-
-
-class _CompletionBody(_Generation):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    async def aclose(self) -> None: ...
 
 
 # OpenAI's error ``type`` for each kind of failure (the HTTP status comes from the kit's table).
@@ -136,16 +128,37 @@ def error_response(error: ServiceError) -> JSONResponse:
     )
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
+def _sse(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _error_event(error: BaseException) -> bytes:
+    """An error after the stream began: OpenAI's error object as the stream's last event."""
+    failure = error if isinstance(error, ServiceError) else internal_error(error, "router", "streaming")
+    return _sse(
+        {
+            "error": {
+                "message": failure.message,
+                "type": _openai_error_type(failure),
+                "param": failure.param,
+                "code": http_status(failure),
+            }
+        }
+    )
+
+
 def usage_body(result: TurnResult) -> dict[str, Any]:
+    """OpenAI's usage object (the decode engine's, with its details) and kvferry's reuse figures."""
+    engine = result.engine_usage or {}
     return {
+        **engine,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.pulled_tokens},
+        "prompt_tokens_details": {
+            **(engine.get("prompt_tokens_details") or {}),
+            "cached_tokens": result.pulled_tokens,
+        },
         "pulled_tokens": result.pulled_tokens,
         "recomputed_tokens": result.recomputed_tokens,
         "kvferry": {
@@ -159,6 +172,14 @@ def usage_body(result: TurnResult) -> dict[str, Any]:
     }
 
 
+def result_headers(result: TurnResult) -> dict[str, str]:
+    return {
+        TURN_HEADER: str(result.turn),
+        PULLED_TOKENS_HEADER: str(result.pulled_tokens),
+        REUSE_HEADER: result.reuse.value,
+    }
+
+
 class HttpApi:
     """Handlers bound to one router's parts; :meth:`app` builds the Starlette application."""
 
@@ -168,6 +189,8 @@ class HttpApi:
         runner: TurnRunner,
         keys: ApiKeys,
         engines: EngineTable,
+        conversations: Conversations,
+        responses: ResponseStore,
         registry_connected: Callable[[], bool],
         max_body_bytes: int,
         metrics_registry: CollectorRegistry | None = None,
@@ -176,16 +199,25 @@ class HttpApi:
         self._runner = runner
         self._keys = keys
         self._engines = engines
+        self._conversations = conversations
+        self._responses = responses
         self._registry_connected = registry_connected
         self._max_body_bytes = max_body_bytes
 
     def app(self) -> Starlette:
+        conversation = "/v1/kvferry/conversations/{conversation_id}"
         return Starlette(
             exception_handlers={Exception: _internal_error_response},
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/responses", self.create_response, methods=["POST"]),
+                Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
+                Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route(conversation, self.describe_conversation, methods=["GET"]),
+                Route(conversation, self.close_conversation, methods=["DELETE"]),
+                Route(conversation + "/renew", self.renew_conversation, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ],
@@ -214,7 +246,7 @@ class HttpApi:
 
     async def models(self, request: Request) -> Response:
         try:
-            tenant = self._keys.authenticate(request.headers.get("authorization"))
+            tenant = self._tenant(request)
         except ServiceError as error:
             return error_response(error)
         data = []
@@ -233,58 +265,152 @@ class HttpApi:
             )
         return JSONResponse({"object": "list", "data": data})
 
+    async def renew_conversation(self, request: Request) -> Response:
+        async def renew(tenant: Tenant, conv: str) -> Response:
+            expire = await self._conversations.renew(tenant.name, conv)
+            return JSONResponse({"conversation_id": conv, "expire_time": round(expire, 3)})
+
+        return await self._conversation_call(request, renew)
+
+    async def close_conversation(self, request: Request) -> Response:
+        async def close(tenant: Tenant, conv: str) -> Response:
+            await self._conversations.close(tenant.name, conv)
+            return JSONResponse({"conversation_id": conv, "closed": True})
+
+        return await self._conversation_call(request, close)
+
+    async def describe_conversation(self, request: Request) -> Response:
+        async def describe(tenant: Tenant, conv: str) -> Response:
+            record = await self._conversations.describe(tenant.name, conv)
+            return JSONResponse(
+                {
+                    "conversation_id": conv,
+                    "turn": record.turn,
+                    "num_tokens": record.num_tokens,
+                    "engine_id": record.engine_id,
+                    "expire_time": round(record.expire_time, 3),
+                }
+            )
+
+        return await self._conversation_call(request, describe)
+
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
+        try:
+            tenant = self._tenant(request)
+            call = parse_chat(load_json_object(await self._read_body(request)))
+            turn_request = self._chat_turn(request, tenant, call)
+        except ServiceError as error:
+            return error_response(error)
+        return await self._serve(
+            request,
+            turn_request,
+            lambda turn, events: self._relay_chat(turn, events, call.include_usage),
+            self._chat_answer,
+        )
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completion")
-
-    # -- shared flow ---------------------------------------------------------------------------
-
-    async def _generate(self, request: Request, kind: Literal["chat", "completion"]) -> Response:
-        events: AsyncGenerator[TextOut | TurnResult, None] | None = None
         try:
-            tenant = self._keys.authenticate(request.headers.get("authorization"))
-            raw = await self._read_body(request)
-            body: _ChatBody | _CompletionBody
-            prompt: Prompt
-            if kind == "chat":
-                chat = _parse(_ChatBody, raw)
-                messages = [_message(i, m) for i, m in enumerate(chat.messages)]
-                body, prompt = chat, ChatPrompt(validation.chat_messages(messages))
-            else:
-                completion = _parse(_CompletionBody, raw)
-                body, prompt = completion, _completion_prompt(completion.prompt)
-            turn_request = _turn_request(body, prompt, tenant, request.headers.get(CONVERSATION_HEADER))
-            turn = await self._runner.prepare(turn_request)
-            events = self._runner.execute(turn)
-            # Wait for the first event before answering: a failure up to here gets a real status.
-            first = await anext(events)
+            tenant = self._tenant(request)
+            call = parse_completion(load_json_object(await self._read_body(request)))
+            turn_request = self._completion_turn(request, tenant, call)
         except ServiceError as error:
-            if events is not None:
-                await events.aclose()
             return error_response(error)
-        headers = {CONVERSATION_HEADER: turn_request.conversation_id} if turn_request.conversation_id else {}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _ClosingStreamingResponse(
-                self._stream(kind, turn, first, events, include_usage),
-                media_type="text/event-stream",
-                headers={**headers, "cache-control": "no-cache"},
-            )
-        # A client that goes away before the whole answer is ready aborts the turn, as in streaming.
-        collect = asyncio.ensure_future(self._collect(kind, turn, first, events, headers))
-        disconnected = asyncio.ensure_future(_client_gone(request))
+        return await self._serve(
+            request,
+            turn_request,
+            lambda turn, events: self._stream_completion(turn, events, call.include_usage),
+            self._completion_answer,
+        )
+
+    async def create_response(self, request: Request) -> Response:
         try:
-            await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            disconnected.cancel()
-        if not collect.done():
-            collect.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await collect
-            return Response(status_code=499)  # nobody reads it: the client closed the connection
-        return collect.result()
+            tenant = self._tenant(request)
+            call = parse_responses(load_json_object(await self._read_body(request)))
+            previous = None
+            if call.body.previous_response_id is not None:
+                previous = self._responses.get(tenant.name, call.body.previous_response_id)
+            history = previous.messages if previous is not None else ()
+            chat = parse_chat(chat_body(call, history))
+            responding = _Responding(call, new_response_id(), history, tenant.name, int(time.time()))
+            conversation = conversation_of(
+                request.headers.get(CONVERSATION_HEADER),
+                call.body.conversation_id,
+                call.body.prompt_cache_key,
+            )
+            if conversation is None and previous is not None:
+                conversation = previous.conversation_id
+            if conversation is None and responding.store:
+                conversation = chain_conversation_id(responding.response_id)
+            responding.conversation_id = conversation
+            turn_request = dataclasses.replace(
+                self._chat_turn(request, tenant, chat), conversation_id=conversation
+            )
+        except ServiceError as error:
+            return error_response(error)
+        return await self._serve(
+            request,
+            turn_request,
+            lambda turn, events: self._stream_response(events, responding),
+            lambda turn, events: self._response_answer(events, responding),
+        )
+
+    async def get_response(self, request: Request) -> Response:
+        try:
+            tenant = self._tenant(request)
+            record = self._responses.get(tenant.name, request.path_params["response_id"])
+        except ServiceError as error:
+            error.param = None
+            return error_response(error)
+        return JSONResponse(dict(record.response))
+
+    async def delete_response(self, request: Request) -> Response:
+        try:
+            tenant = self._tenant(request)
+        except ServiceError as error:
+            return error_response(error)
+        response_id = request.path_params["response_id"]
+        if not self._responses.delete(tenant.name, response_id):
+            return error_response(NotFound(f"response {response_id[:80]!r} is not stored"))
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    # -- requests to turns --------------------------------------------------------------------
+
+    def _tenant(self, request: Request) -> Tenant:
+        return self._keys.authenticate(request.headers.get("authorization"))
+
+    def _chat_turn(self, request: Request, tenant: Tenant, call: ChatCall) -> TurnRequest:
+        return TurnRequest(
+            tenant=tenant,
+            conversation_id=conversation_of(
+                request.headers.get(CONVERSATION_HEADER), call.conversation_id, call.prompt_cache_key
+            ),
+            model=call.model,
+            prompt=ChatPrompt(call.chat),
+            sampling=SamplingOptions(max_tokens=call.max_tokens),
+            retain=call.retain,
+            stream=call.stream,
+        )
+
+    def _completion_turn(self, request: Request, tenant: Tenant, call: CompletionCall) -> TurnRequest:
+        return TurnRequest(
+            tenant=tenant,
+            conversation_id=conversation_of(
+                request.headers.get(CONVERSATION_HEADER), call.conversation_id, call.prompt_cache_key
+            ),
+            model=call.model,
+            prompt=call.prompt,
+            sampling=call.sampling,
+            retain=call.retain,
+            stream=call.stream,
+        )
+
+    async def _conversation_call(
+        self, request: Request, call: Callable[[Tenant, str], Awaitable[Response]]
+    ) -> Response:
+        try:
+            return await call(self._tenant(request), request.path_params["conversation_id"])
+        except ServiceError as error:
+            return error_response(error)
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused (413) as soon as it passes the limit: a declared Content-Length before any byte
@@ -302,72 +428,154 @@ class HttpApi:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _collect(
+    # -- the shared flow ------------------------------------------------------------------------
+
+    async def _serve(
         self,
-        kind: Literal["chat", "completion"],
-        turn: PreparedTurn,
-        first: TextOut | TurnResult,
-        events: AsyncGenerator[TextOut | TurnResult, None],
-        headers: dict[str, str],
+        request: Request,
+        turn_request: TurnRequest,
+        stream: Callable[[PreparedTurn, ClosingEvents], AsyncGenerator[bytes, None]],
+        answer: Callable[[PreparedTurn, ClosingEvents], Awaitable[Response]],
     ) -> Response:
-        texts: list[str] = []
-        result: TurnResult | None = None
+        """Runs the turn; a failure before its first output gets a real status, later ones end the stream.
+        A client that goes away aborts the turn (its engine requests) in both forms."""
         try:
-            event: TextOut | TurnResult = first
-            while True:
-                if isinstance(event, TextOut):
-                    texts.append(event.text)
-                else:
-                    result = event
-                try:
-                    event = await anext(events)
-                except StopAsyncIteration:
-                    break
+            turn = await self._runner.prepare(turn_request)
         except ServiceError as error:
             return error_response(error)
+        headers = {CONVERSATION_HEADER: turn_request.conversation_id} if turn_request.conversation_id else {}
+        if turn_request.stream:
+            started = self._runner.execute(turn)
+            try:
+                # Wait for the first event before answering: a failure up to here gets a real status.
+                first = await anext(started)
+            except ServiceError as error:
+                await started.aclose()
+                return error_response(error)
+            return _ClosingStreamingResponse(
+                stream(turn, _Resumed(first, started)),
+                media_type="text/event-stream",
+                headers={**headers, "cache-control": "no-cache"},
+            )
+        collect = asyncio.ensure_future(answer(turn, self._runner.execute(turn)))
+        disconnected = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnected.cancel()
+        if not collect.done():
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+            return Response(status_code=499)  # nobody reads it: the client closed the connection
+        response = collect.result()
+        response.headers.update(headers)
+        return response
+
+    # -- chat -----------------------------------------------------------------------------------
+
+    async def _relay_chat(
+        self, turn: PreparedTurn, events: ClosingEvents, include_usage: bool
+    ) -> AsyncGenerator[bytes, None]:
+        """The decode engine's chunks as it sent them; the usage chunk (when asked for) carries kvferry's
+        figures and comes once the turn's retention is published."""
+        head: dict[str, Any] | None = None
+        try:
+            async for event in events:
+                if isinstance(event, ChatOut):
+                    if head is None:
+                        head = json.loads(event.raw)
+                    yield b"data: " + event.raw + b"\n\n"
+                elif isinstance(event, TurnResult) and include_usage:
+                    yield _sse(
+                        {
+                            "id": head["id"] if head else "chatcmpl-" + turn.request_id,
+                            "object": "chat.completion.chunk",
+                            "created": head["created"] if head else int(time.time()),
+                            "model": head["model"] if head else turn.model,
+                            "choices": [],
+                            "usage": usage_body(event),
+                        }
+                    )
+            yield _DONE
+        except Exception as error:
+            yield _error_event(error)
+        finally:
+            # Also runs when the client disconnects: closing the turn aborts its engine requests.
+            await events.aclose()
+
+    async def _chat_answer(self, turn: PreparedTurn, events: ClosingEvents) -> Response:
+        result = await _result(events)
+        if isinstance(result, ServiceError):
+            return error_response(result)
+        assert result.answer is not None
+        return JSONResponse({**result.answer, "usage": usage_body(result)}, headers=result_headers(result))
+
+    # -- responses ------------------------------------------------------------------------------
+
+    async def _response_answer(self, events: ClosingEvents, responding: _Responding) -> Response:
+        result = await _result(events)
+        if isinstance(result, ServiceError):
+            return error_response(result)
+        assert result.answer is not None
+        response = responding.response(result, output_from_answer(result.answer))
+        self._store(responding, response)
+        return JSONResponse(response, headers=result_headers(result))
+
+    async def _stream_response(
+        self, events: ClosingEvents, responding: _Responding
+    ) -> AsyncGenerator[bytes, None]:
+        """The chat stream as Responses events: the response is created, its items open, grow and close,
+        and it completes (stored, when asked) once the turn's retention is published."""
+        builder = ResponseEvents(responding.response(None, []))
+        try:
+            for event in builder.start():
+                yield sse_event(event)
+            async for turn_event in events:
+                if isinstance(turn_event, ChatOut):
+                    for event in builder.add(ChatDelta.from_event(json.loads(turn_event.raw))):
+                        yield sse_event(event)
+                elif isinstance(turn_event, TurnResult):
+                    for event in builder.finish():
+                        yield sse_event(event)
+                    response = responding.response(turn_event, builder.output)
+                    self._store(responding, response)
+                    yield sse_event(builder.end(response))
+        except Exception as error:
+            if not isinstance(error, ServiceError):
+                error = internal_error(error, "router", "responses stream")
+            yield sse_event(builder.error(error.message, error.kind.name.lower()))
         finally:
             await events.aclose()
-        assert result is not None
-        text = "".join(texts)
-        choice: dict[str, Any]
-        if kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": result.finish_reason,
-                "logprobs": None,
-            }
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
-        return JSONResponse(
-            {
-                "id": _response_id(kind, turn),
-                "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()),
-                "model": result.model,
-                "choices": [choice],
-                "usage": usage_body(result),
-            },
-            headers={**headers, TURN_HEADER: str(result.turn)},
+
+    def _store(self, responding: _Responding, response: dict[str, Any]) -> None:
+        if not responding.store or responding.conversation_id is None:
+            return
+        messages = (*responding.history, *responding.call.input_messages, history_message(response["output"]))
+        self._responses.put(
+            StoredResponse(
+                tenant=responding.tenant,
+                response_id=responding.response_id,
+                conversation_id=responding.conversation_id,
+                messages=messages,
+                response=response,
+                stored_at=time.time(),
+            )
         )
 
-    async def _stream(
-        self,
-        kind: Literal["chat", "completion"],
-        turn: PreparedTurn,
-        first: TextOut | TurnResult,
-        events: AsyncGenerator[TextOut | TurnResult, None],
-        include_usage: bool,
+    # -- completions ----------------------------------------------------------------------------
+
+    async def _stream_completion(
+        self, turn: PreparedTurn, events: ClosingEvents, include_usage: bool
     ) -> AsyncGenerator[bytes, None]:
-        response_id = _response_id(kind, turn)
+        response_id = "cmpl-" + turn.request_id
         created = int(time.time())
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
             return _sse(
                 {
                     "id": response_id,
-                    "object": obj,
+                    "object": "text_completion",
                     "created": created,
                     "model": turn.model,
                     "choices": choices,
@@ -375,47 +583,148 @@ class HttpApi:
                 | extra
             )
 
-        def piece(text: str, finish_reason: str | None, first_piece: bool = False) -> dict[str, Any]:
-            if kind == "chat":
-                delta: dict[str, Any] = {"content": text} if text or not finish_reason else {}
-                if first_piece:
-                    delta["role"] = "assistant"
-                return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-
         try:
-            event: TextOut | TurnResult = first
-            first_piece = True
-            while True:
+            async for event in events:
                 if isinstance(event, TextOut):
-                    yield chunk([piece(event.text, None, first_piece)])
-                    first_piece = False
-                else:
-                    yield chunk([piece("", event.finish_reason)])
+                    yield chunk([{"index": 0, "text": event.text, "finish_reason": None, "logprobs": None}])
+                elif isinstance(event, TurnResult):
+                    yield chunk(
+                        [{"index": 0, "text": "", "finish_reason": event.finish_reason, "logprobs": None}]
+                    )
                     if include_usage:
                         yield chunk([], usage=usage_body(event))
-                try:
-                    event = await anext(events)
-                except StopAsyncIteration:
-                    break
-            yield b"data: [DONE]\n\n"
+            yield _DONE
         except Exception as error:
-            failure = (
-                error if isinstance(error, ServiceError) else internal_error(error, "router", "streaming")
-            )
-            yield _sse(
-                {
-                    "error": {
-                        "message": failure.message,
-                        "type": _openai_error_type(failure),
-                        "param": failure.param,
-                        "code": http_status(failure),
-                    }
-                }
-            )
+            yield _error_event(error)
         finally:
-            # Also runs when the client disconnects: closing the turn aborts its engine requests.
             await events.aclose()
+
+    async def _completion_answer(self, turn: PreparedTurn, events: ClosingEvents) -> Response:
+        texts: list[str] = []
+        result = await _result(events, on_text=texts.append)
+        if isinstance(result, ServiceError):
+            return error_response(result)
+        return JSONResponse(
+            {
+                "id": "cmpl-" + turn.request_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": result.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "".join(texts),
+                        "finish_reason": result.finish_reason,
+                        "logprobs": None,
+                    }
+                ],
+                "usage": usage_body(result),
+            },
+            headers=result_headers(result),
+        )
+
+
+def conversation_of(
+    header_id: str | None, body_id: str | None, prompt_cache_key: str | None = None
+) -> str | None:
+    """The conversation a request belongs to: the ``X-Conversation-Id`` header (``header_id``) or the
+    body's ``conversation_id`` (they must agree when both are sent), else OpenAI's ``prompt_cache_key`` (as
+    is when it is a valid conversation id, else ``pck:`` and a digest of it). The endpoint picker reads
+    requests with it too."""
+    if header_id is not None and body_id is not None and header_id != body_id:
+        raise InvalidArgument(
+            "the X-Conversation-Id header and the conversation_id field differ; send one",
+            param="conversation_id",
+        )
+    if header_id is not None:
+        return validation.conversation_id(header_id, param=CONVERSATION_HEADER)
+    if body_id is not None:
+        return validation.conversation_id(body_id)
+    if prompt_cache_key is not None:
+        if check_id("prompt_cache_key", prompt_cache_key) is None:
+            return prompt_cache_key
+        # OpenAI's key is any string; a conversation id is not: one stable id per key.
+        return "pck:" + hashlib.sha256(prompt_cache_key.encode()).hexdigest()[:40]
+    return None
+
+
+@dataclasses.dataclass
+class _Responding:
+    """One ``POST /v1/responses`` under way."""
+
+    call: ResponsesCall
+    response_id: str
+    history: tuple[dict[str, Any], ...]
+    tenant: str
+    created_at: int
+    conversation_id: str | None = None
+
+    @property
+    def store(self) -> bool:
+        return self.call.body.store is not False
+
+    def response(self, result: TurnResult | None, output: list[dict[str, Any]]) -> dict[str, Any]:
+        return response_object(
+            self.call,
+            response_id=self.response_id,
+            model=result.model if result is not None else self.call.body.model,
+            created_at=self.created_at,
+            status=final_status(result.finish_reason) if result is not None else "in_progress",
+            output=output,
+            finish_reason=result.finish_reason if result is not None else None,
+            chat_usage=usage_body(result) if result is not None else None,
+        )
+
+
+class _Resumed:
+    """The turn's events again from the first (already taken); closing it closes the turn. Hands out the
+    turn's own awaitables rather than wrapping them in a generator: one less layer per relayed token."""
+
+    def __init__(self, first: TurnEvent | TurnResult, rest: TurnEvents) -> None:
+        self._first: TurnEvent | TurnResult | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> _Resumed:
+        return self
+
+    def __anext__(self) -> Awaitable[TurnEvent | TurnResult]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return _Ready(first)
+        return self._rest.__anext__()
+
+    async def aclose(self) -> None:
+        await self._rest.aclose()
+
+
+class _Ready:
+    """An awaitable that is done: its value at once."""
+
+    def __init__(self, value: TurnEvent | TurnResult) -> None:
+        self._value = value
+
+    def __await__(self) -> Generator[Any, None, TurnEvent | TurnResult]:
+        return self._value
+        yield  # a generator, done at its first step
+
+
+async def _result(
+    events: ClosingEvents, on_text: Callable[[str], object] | None = None
+) -> TurnResult | ServiceError:
+    """Runs the turn to its end: its result, or the error that ended it."""
+    result: TurnResult | None = None
+    try:
+        async for event in events:
+            if isinstance(event, TurnResult):
+                result = event
+            elif isinstance(event, TextOut) and on_text is not None:
+                on_text(event.text)
+    except ServiceError as error:
+        return error
+    finally:
+        await events.aclose()
+    assert result is not None
+    return result
 
 
 async def _internal_error_response(request: Request, error: Exception) -> Response:
@@ -426,110 +735,6 @@ async def _client_gone(request: Request) -> None:
     """Returns when the client disconnects (the request body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _response_id(kind: str, turn: PreparedTurn) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + turn.request_id
-
-
-_BodyT = TypeVar("_BodyT", bound=_Body)
-
-
-def _parse(model: type[_BodyT], raw: bytes) -> _BodyT:
-    if not raw:
-        raise InvalidArgument("the request body is empty: send a JSON object")
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as error:
-        problems = []
-        for item in error.errors()[:5]:
-            where = ".".join(str(part) for part in item["loc"]) or "body"
-            problems.append(f"{where}: {item['msg']}")
-        first_loc = error.errors()[0]["loc"] if error.errors() else ()
-        raise InvalidArgument(
-            "malformed request body: " + "; ".join(problems),
-            param=str(first_loc[0]) if first_loc else None,
-        ) from None
-
-
-def _message(index: int, message: _Message) -> tuple[str, str]:
-    content = message.content
-    if content is None:
-        return message.role, ""
-    if isinstance(content, str):
-        return message.role, content
-    texts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise InvalidArgument(
-                f"messages[{index}].content has a {part.type!r} part; only text parts are supported",
-                param=f"messages[{index}].content",
-            )
-        texts.append(part.text)
-    return message.role, "".join(texts)
-
-
-def _completion_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> Prompt:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidArgument("prompt is empty", param="prompt")
-        return TextPrompt(prompt)
-    if not prompt:
-        raise InvalidArgument("prompt is empty", param="prompt")
-    if all(isinstance(t, int) for t in prompt):
-        return TokenPrompt(validation.token_ids([t for t in prompt if isinstance(t, int)], param="prompt"))
-    if len(prompt) != 1:
-        raise InvalidArgument(
-            "batched prompts are not supported: send one prompt per request", param="prompt"
-        )
-    single = prompt[0]
-    return _completion_prompt(single)  # type: ignore[arg-type]
-
-
-def conversation_of(body_conversation: str | None, header_conversation: str | None) -> str | None:
-    """A request's conversation id: the ``X-Conversation-Id`` header or the body's ``conversation_id``
-    (refused when both are given and differ), checked; None for a one-off turn."""
-    conv = body_conversation
-    if header_conversation is not None:
-        if conv is not None and conv != header_conversation:
-            raise InvalidArgument(
-                "the X-Conversation-Id header and the conversation_id field differ; send one",
-                param="conversation_id",
-            )
-        conv = header_conversation
-    if conv is not None:
-        validation.conversation_id(conv)
-    return conv
-
-
-def _turn_request(
-    body: _ChatBody | _CompletionBody, prompt: Prompt, tenant: Tenant, header_conversation: str | None
-) -> TurnRequest:
-    if body.n not in (None, 1):
-        raise InvalidArgument("n must be 1: the router generates one choice per request", param="n")
-    if body.logprobs:
-        raise InvalidArgument("logprobs are not supported by the router", param="logprobs")
-    conv = conversation_of(body.conversation_id, header_conversation)
-    max_tokens = body.max_tokens
-    if isinstance(body, _ChatBody) and body.max_completion_tokens is not None:
-        max_tokens = body.max_completion_tokens
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return TurnRequest(
-        tenant=tenant,
-        conversation_id=conv,
-        model=validation.model_name(body.model),
-        prompt=prompt,
-        sampling=validation.sampling(
-            max_tokens=max_tokens,
-            # OpenAI's default temperature is 1.
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=stop,
-            ignore_eos=body.ignore_eos,
-        ),
-        retain=True if body.retain is None else body.retain,
-    )
 
 
 class _ClosingStreamingResponse(StreamingResponse):

@@ -20,6 +20,7 @@ import uvicorn
 from kvferry.pd.engine_client import HttpTimeouts
 from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, max_read_window, read_window_fits
 from kvferry.router.calibration import CPU_DEFAULT, GPU_PROFILES, CostProfile
+from kvferry.router.conversations import Conversations
 from kvferry.router.cost import CostSettings
 from kvferry.router.engine_clients import EngineClients
 from kvferry.router.engines import EngineTable, LoadTracker
@@ -28,6 +29,7 @@ from kvferry.router.http_api import HttpApi
 from kvferry.router.limits import TenantLimits, TenantLimitSettings
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.observe import TurnTelemetry
+from kvferry.router.openai_responses import ResponseStore
 from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
 from kvferry.router.tenants import ApiKeys, load_tenants, parse_key_pairs
 from kvferry.router.turns import TurnRunner, TurnSettings
@@ -84,6 +86,9 @@ class RouterConfig:
     engine_read_timeout_seconds: float = 120.0
     engine_max_connections: int = 512
     max_body_bytes: int = 32 * 1024 * 1024
+    # Stored Responses-API responses (previous_response_id): how many this process keeps, and how long.
+    responses_max_stored: int = 10_000
+    responses_ttl_seconds: float = 3600.0
     # Turns one tenant may have in flight on this router (gRPC and HTTP together); past it
     # RESOURCE_EXHAUSTED / 429 with Retry-After. 0: no cap.
     max_turns_per_tenant: int = 0
@@ -296,7 +301,8 @@ async def start_router(
                     "no engine table from the registry yet; serving anyway and retrying in the background",
                     extra={"registry": config.registry_address},
                 )
-        servicer = RouterServicer(runner=runner, keys=keys, registry=registry)
+        conversations = Conversations(registry)
+        servicer = RouterServicer(runner=runner, keys=keys, conversations=conversations)
         grpc_endpoint = await host.serve_grpc(
             config.grpc_listen,
             [(router_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)],
@@ -312,6 +318,10 @@ async def start_router(
             runner=runner,
             keys=keys,
             engines=engines,
+            conversations=conversations,
+            responses=ResponseStore(
+                capacity=config.responses_max_stored, ttl_seconds=config.responses_ttl_seconds
+            ),
             registry_connected=lambda: watcher.connected,
             max_body_bytes=config.max_body_bytes,
             metrics_registry=metrics.registry,

@@ -25,14 +25,15 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvferry.pd.chat import ChatRequest
 from kvferry.pd.engine_api import (
     ENGINE_ERRORS,
-    ChatMessage,
+    NORMAL_FINISH_REASONS,
     EngineApi,
     EngineHttpError,
     EngineUnavailableError,
@@ -59,7 +60,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    messages: tuple[ChatMessage, ...]
+    """A chat request in OpenAI's form, served through the engines' chat endpoint (kvferry.pd.chat); its
+    sampling fields are its own (the turn's :class:`SamplingOptions` give only ``max_tokens``)."""
+
+    chat: ChatRequest
 
 
 @dataclass(frozen=True)
@@ -96,12 +100,26 @@ class TurnRequest:
     prompt: Prompt
     sampling: SamplingOptions = dataclasses.field(default_factory=SamplingOptions)
     retain: bool = True
+    # False: the decode is not streamed: one TextOut with the whole text, or (chat) the engine's whole
+    # answer in the result.
+    stream: bool = True
 
 
 @dataclass(frozen=True)
 class TextOut:
     text: str
     token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChatOut:
+    """One event of a chat turn's stream, as the decode engine sent it (the JSON after ``data:``; its
+    trailing usage event is not one: the turn's result reports usage)."""
+
+    raw: bytes
+
+
+TurnEvent = TextOut | ChatOut
 
 
 @dataclass(frozen=True)
@@ -124,6 +142,10 @@ class TurnResult:
     request_id: str
     # Prompt tokens the retention was proven to hold (whether pulled or not).
     matched_tokens: int = 0
+    # A chat turn that was not streamed: the decode engine's chat completion (kv_transfer_params removed).
+    answer: Mapping[str, Any] | None = None
+    # The decode engine's usage object (fields kvferry passes on, e.g. reasoning tokens).
+    engine_usage: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -145,6 +167,8 @@ class PreparedTurn:
     model: str
     token_ids: tuple[int, ...]
     sampling: Sampling
+    # A chat turn's request as the engines get it (max_tokens resolved).
+    chat: ChatRequest | None
     retention: RetentionRecord | None
     # False when the registry did not answer: this turn neither reuses nor retains.
     registry_ok: bool
@@ -342,12 +366,18 @@ class TurnRunner:
             if held_mark is not None:
                 await self._release(held_mark)
             raise
+        chat = None
+        if isinstance(request.prompt, ChatPrompt):
+            chat = request.prompt.chat
+            if request.sampling.max_tokens is None:
+                chat = ChatRequest({**chat.body, "max_tokens": max_tokens})
         return PreparedTurn(
             request=request,
             request_id=request_id,
             model=model,
             token_ids=token_ids,
             sampling=Sampling(**_sampling_fields(request.sampling, max_tokens)),
+            chat=chat,
             retention=retention,
             registry_ok=registry_ok,
             started=started,
@@ -397,7 +427,7 @@ class TurnRunner:
             client = self._clients.get(engine)
             try:
                 if isinstance(prompt, ChatPrompt):
-                    return tuple(await client.render_chat(prompt.messages))
+                    return tuple(await client.render_chat(prompt.chat))
                 return tuple(await client.tokenize(prompt.text))
             except EngineHttpError as error:
                 if 400 <= error.status_code < 500:
@@ -537,8 +567,9 @@ class TurnRunner:
 
     # -- execute ------------------------------------------------------------------------------
 
-    async def execute(self, turn: PreparedTurn) -> AsyncGenerator[TextOut | TurnResult, None]:
-        """Streams the turn's text and ends with its :class:`TurnResult`."""
+    async def execute(self, turn: PreparedTurn) -> AsyncGenerator[TurnEvent | TurnResult, None]:
+        """Streams the turn's output (:class:`TextOut`, or a chat turn's :class:`ChatOut`) and ends with its
+        :class:`TurnResult`."""
         request = turn.request
         published = False
         span_context = trace.set_span_in_context(turn.span)
@@ -587,7 +618,7 @@ class TurnRunner:
                 # after the turn, off the time to first token.
                 self._spawn(self._renew(request.tenant.name, turn.retention.conversation_id))
 
-    async def _run(self, turn: PreparedTurn) -> AsyncGenerator[TextOut | TurnResult, None]:
+    async def _run(self, turn: PreparedTurn) -> AsyncGenerator[TurnEvent | TurnResult, None]:
         """The attempts: plan, then the engines' prefill-then-decode; an engine failing before any output is
         retried by recompute on other engines."""
         mark = self._mark(turn)
@@ -613,6 +644,7 @@ class TurnRunner:
                 mark=mark if mark is not None else ReleaseMark(),
                 pull=plan.pull,
                 request_id=f"{turn.request_id}-{attempt}",
+                chat=turn.chat,
             )
             computed = len(turn.token_ids) - engine_turn.offered_pull_tokens
             # Counted from the plan on (no await in between), so turns planned meanwhile see this one: P's
@@ -629,6 +661,7 @@ class TurnRunner:
                         self._clients.get(plan.prefill),
                         self._clients.get(plan.decode),
                         engine_turn,
+                        stream=turn.request.stream,
                         clock=self._clock,
                     )
                 ) as events:
@@ -638,11 +671,20 @@ class TurnRunner:
                             self._load.add_prefill(plan.prefill.engine_id, -computed)
                         elif isinstance(event, Decoded):
                             decoded = event
-                        elif event.token_ids or event.text:
+                        elif not turn.request.stream:
+                            # The whole answer at once: it is the first output.
+                            emitted = True
+                            ttft_ms = (time.perf_counter() - turn.started) * 1000
+                            if turn.chat is None:
+                                yield TextOut(text=event.text, token_ids=event.token_ids)
+                        elif event.raw or event.token_ids or event.text:
                             if not emitted:
                                 emitted = True
                                 ttft_ms = (time.perf_counter() - turn.started) * 1000
-                            yield TextOut(text=event.text, token_ids=event.token_ids)
+                            if event.raw:
+                                yield ChatOut(event.raw)
+                            else:
+                                yield TextOut(text=event.text, token_ids=event.token_ids)
                 assert prefilled is not None and decoded is not None
                 result = await self._finish(turn, plan, mark, prefilled, decoded, ttft_ms)
                 if turn.mark is not None:
@@ -687,7 +729,7 @@ class TurnRunner:
         retained_turn = 0
         finished = time.perf_counter()
         polls = 0
-        if mark is not None and decoded.finish_reason in ("stop", "length"):
+        if mark is not None and decoded.finish_reason in NORMAL_FINISH_REASONS:
             retained_turn, polls = await self._await_publication(mark, plan.decode.engine_id)
         prompt_len = len(turn.token_ids)
         pulled = prefilled.pulled_tokens
@@ -707,6 +749,8 @@ class TurnRunner:
             turn=retained_turn,
             request_id=turn.request_id,
             matched_tokens=plan.match.tokens,
+            answer=decoded.body,
+            engine_usage=decoded.usage.body if decoded.usage is not None else None,
         )
         log.info(
             "turn done",
@@ -793,11 +837,8 @@ def _sampling_fields(options: SamplingOptions, max_tokens: int) -> dict[str, Any
         "top_p": options.top_p or 1.0,
         "seed": options.seed,
         "ignore_eos": options.ignore_eos,
+        "stop": options.stop,
     }
-    if options.stop:
-        if "stop" not in {f.name for f in dataclasses.fields(Sampling)}:
-            raise InvalidArgument("stop strings are not supported by this router version yet", param="stop")
-        fields["stop"] = tuple(options.stop)
     return fields
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvferry.pd.engine_api import ChatMessage
 from kvferry.router.turns import SamplingOptions
 from kvferry.runtime.errors import InvalidArgument
 from kvferry.runtime.ids import check_id
@@ -49,20 +48,6 @@ def token_ids(ids: Sequence[int], *, param: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def chat_messages(messages: Sequence[tuple[str, str]]) -> tuple[ChatMessage, ...]:
-    if not messages:
-        raise InvalidArgument("messages is empty: send at least one message", param="messages")
-    checked = []
-    for index, (role, content) in enumerate(messages):
-        if role not in CHAT_ROLES:
-            raise InvalidArgument(
-                f"messages[{index}].role is {role[:40]!r}; use one of {sorted(CHAT_ROLES)}",
-                param=f"messages[{index}].role",
-            )
-        checked.append(ChatMessage(role=role, content=content))
-    return tuple(checked)
-
-
 def sampling(
     *,
     max_tokens: int | None,
@@ -78,8 +63,8 @@ def sampling(
         )
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise InvalidArgument(f"seed must fit in a signed 64-bit integer, got {seed}", param="seed")
-    if not 0.0 <= temperature <= 10.0:
-        raise InvalidArgument(f"temperature must be within [0, 10], got {temperature}", param="temperature")
+    if not 0.0 <= temperature <= 2.0:
+        raise InvalidArgument(f"temperature must be within [0, 2], got {temperature}", param="temperature")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise InvalidArgument(f"top_p must be within (0, 1], got {top_p}", param="top_p")
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):

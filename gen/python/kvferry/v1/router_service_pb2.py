@@ -22,46 +22,57 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvferry/v1/router_service.proto\x12\nkvferry.v1\x1a\x1fgoogle/protobuf/timestamp.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvferry.v1.ChatMessage\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"x\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\"\xf4\x01\n\x0fGenerateRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.kvferry.v1.ChatPromptH\x00\x12)\n\x06tokens\x18\x04 \x01(\x0b\x32\x17.kvferry.v1.TokenPromptH\x00\x12\x0e\n\x04text\x18\x05 \x01(\tH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x13\n\x06retain\x18\x07 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\t\n\x07_retain\",\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\"\x9a\x02\n\x0bTurnSummary\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rpulled_tokens\x18\x03 \x01(\x03\x12\x19\n\x11recomputed_tokens\x18\x04 \x01(\x03\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12(\n\x05reuse\x18\x07 \x01(\x0e\x32\x19.kvferry.v1.ReuseDecision\x12\x19\n\x11prefill_engine_id\x18\x08 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\t \x01(\t\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x0c\n\x04turn\x18\x0b \x01(\x03\"o\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.kvferry.v1.TextDeltaH\x00\x12*\n\x07summary\x18\x02 \x01(\x0b\x32\x17.kvferry.v1.TurnSummaryH\x00\x42\x07\n\x05\x65vent\"3\n\x18RenewConversationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"L\n\x19RenewConversationResponse\x12/\n\x0b\x65xpire_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"3\n\x18\x43loseConversationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"\x1b\n\x19\x43loseConversationResponse\"1\n\x16GetConversationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"\x98\x01\n\x17GetConversationResponse\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0c\n\x04turn\x18\x02 \x01(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\x99\x01\n\rReuseDecision\x12\x1e\n\x1aREUSE_DECISION_UNSPECIFIED\x10\x00\x12\x17\n\x13REUSE_DECISION_NONE\x10\x01\x12\x17\n\x13REUSE_DECISION_PULL\x10\x02\x12\x1c\n\x18REUSE_DECISION_RECOMPUTE\x10\x03\x12\x18\n\x14REUSE_DECISION_LOCAL\x10\x04\x32\xf8\x02\n\rRouterService\x12G\n\x08Generate\x12\x1b.kvferry.v1.GenerateRequest\x1a\x1c.kvferry.v1.GenerateResponse0\x01\x12`\n\x11RenewConversation\x12$.kvferry.v1.RenewConversationRequest\x1a%.kvferry.v1.RenewConversationResponse\x12`\n\x11\x43loseConversation\x12$.kvferry.v1.CloseConversationRequest\x1a%.kvferry.v1.CloseConversationResponse\x12Z\n\x0fGetConversation\x12\".kvferry.v1.GetConversationRequest\x1a#.kvferry.v1.GetConversationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvferry/v1/router_service.proto\x12\nkvferry.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8d\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.kvferry.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x11\n\treasoning\x18\x06 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"[\n\nToolChoice\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1a.kvferry.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xbc\x01\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvferry.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.kvferry.v1.Tool\x12+\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x16.kvferry.v1.ToolChoice\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"x\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\"\xf4\x01\n\x0fGenerateRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.kvferry.v1.ChatPromptH\x00\x12)\n\x06tokens\x18\x04 \x01(\x0b\x32\x17.kvferry.v1.TokenPromptH\x00\x12\x0e\n\x04text\x18\x05 \x01(\tH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvferry.v1.SamplingParams\x12\x13\n\x06retain\x18\x07 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\t\n\x07_retain\"n\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x11\n\treasoning\x18\x03 \x01(\t\x12-\n\ntool_calls\x18\x04 \x03(\x0b\x32\x19.kvferry.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x9a\x02\n\x0bTurnSummary\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rpulled_tokens\x18\x03 \x01(\x03\x12\x19\n\x11recomputed_tokens\x18\x04 \x01(\x03\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12(\n\x05reuse\x18\x07 \x01(\x0e\x32\x19.kvferry.v1.ReuseDecision\x12\x19\n\x11prefill_engine_id\x18\x08 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\t \x01(\t\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x0c\n\x04turn\x18\x0b \x01(\x03\"o\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.kvferry.v1.TextDeltaH\x00\x12*\n\x07summary\x18\x02 \x01(\x0b\x32\x17.kvferry.v1.TurnSummaryH\x00\x42\x07\n\x05\x65vent\"3\n\x18RenewConversationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"L\n\x19RenewConversationResponse\x12/\n\x0b\x65xpire_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"3\n\x18\x43loseConversationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"\x1b\n\x19\x43loseConversationResponse\"1\n\x16GetConversationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"\x98\x01\n\x17GetConversationResponse\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0c\n\x04turn\x18\x02 \x01(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*\x99\x01\n\rReuseDecision\x12\x1e\n\x1aREUSE_DECISION_UNSPECIFIED\x10\x00\x12\x17\n\x13REUSE_DECISION_NONE\x10\x01\x12\x17\n\x13REUSE_DECISION_PULL\x10\x02\x12\x1c\n\x18REUSE_DECISION_RECOMPUTE\x10\x03\x12\x18\n\x14REUSE_DECISION_LOCAL\x10\x04\x32\xf8\x02\n\rRouterService\x12G\n\x08Generate\x12\x1b.kvferry.v1.GenerateRequest\x1a\x1c.kvferry.v1.GenerateResponse0\x01\x12`\n\x11RenewConversation\x12$.kvferry.v1.RenewConversationRequest\x1a%.kvferry.v1.RenewConversationResponse\x12`\n\x11\x43loseConversation\x12$.kvferry.v1.CloseConversationRequest\x1a%.kvferry.v1.CloseConversationResponse\x12Z\n\x0fGetConversation\x12\".kvferry.v1.GetConversationRequest\x1a#.kvferry.v1.GetConversationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvferry.v1.router_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REUSEDECISION']._serialized_start=1450
-  _globals['_REUSEDECISION']._serialized_end=1603
-  _globals['_CHATMESSAGE']._serialized_start=80
-  _globals['_CHATMESSAGE']._serialized_end=124
-  _globals['_CHATPROMPT']._serialized_start=126
-  _globals['_CHATPROMPT']._serialized_end=181
-  _globals['_TOKENPROMPT']._serialized_start=183
-  _globals['_TOKENPROMPT']._serialized_end=215
-  _globals['_SAMPLINGPARAMS']._serialized_start=217
-  _globals['_SAMPLINGPARAMS']._serialized_end=337
-  _globals['_GENERATEREQUEST']._serialized_start=340
-  _globals['_GENERATEREQUEST']._serialized_end=584
-  _globals['_TEXTDELTA']._serialized_start=586
-  _globals['_TEXTDELTA']._serialized_end=630
-  _globals['_TURNSUMMARY']._serialized_start=633
-  _globals['_TURNSUMMARY']._serialized_end=915
-  _globals['_GENERATERESPONSE']._serialized_start=917
-  _globals['_GENERATERESPONSE']._serialized_end=1028
-  _globals['_RENEWCONVERSATIONREQUEST']._serialized_start=1030
-  _globals['_RENEWCONVERSATIONREQUEST']._serialized_end=1081
-  _globals['_RENEWCONVERSATIONRESPONSE']._serialized_start=1083
-  _globals['_RENEWCONVERSATIONRESPONSE']._serialized_end=1159
-  _globals['_CLOSECONVERSATIONREQUEST']._serialized_start=1161
-  _globals['_CLOSECONVERSATIONREQUEST']._serialized_end=1212
-  _globals['_CLOSECONVERSATIONRESPONSE']._serialized_start=1214
-  _globals['_CLOSECONVERSATIONRESPONSE']._serialized_end=1241
-  _globals['_GETCONVERSATIONREQUEST']._serialized_start=1243
-  _globals['_GETCONVERSATIONREQUEST']._serialized_end=1292
-  _globals['_GETCONVERSATIONRESPONSE']._serialized_start=1295
-  _globals['_GETCONVERSATIONRESPONSE']._serialized_end=1447
-  _globals['_ROUTERSERVICE']._serialized_start=1606
-  _globals['_ROUTERSERVICE']._serialized_end=1982
+  _globals['_TOOLCHOICEMODE']._serialized_start=2073
+  _globals['_TOOLCHOICEMODE']._serialized_end=2208
+  _globals['_REUSEDECISION']._serialized_start=2211
+  _globals['_REUSEDECISION']._serialized_end=2364
+  _globals['_CHATMESSAGE']._serialized_start=111
+  _globals['_CHATMESSAGE']._serialized_end=252
+  _globals['_TOOLCALL']._serialized_start=254
+  _globals['_TOOLCALL']._serialized_end=309
+  _globals['_TOOL']._serialized_start=311
+  _globals['_TOOL']._serialized_end=377
+  _globals['_TOOLCHOICE']._serialized_start=379
+  _globals['_TOOLCHOICE']._serialized_end=470
+  _globals['_CHATPROMPT']._serialized_start=473
+  _globals['_CHATPROMPT']._serialized_end=661
+  _globals['_TOKENPROMPT']._serialized_start=663
+  _globals['_TOKENPROMPT']._serialized_end=695
+  _globals['_SAMPLINGPARAMS']._serialized_start=697
+  _globals['_SAMPLINGPARAMS']._serialized_end=817
+  _globals['_GENERATEREQUEST']._serialized_start=820
+  _globals['_GENERATEREQUEST']._serialized_end=1064
+  _globals['_TEXTDELTA']._serialized_start=1066
+  _globals['_TEXTDELTA']._serialized_end=1176
+  _globals['_TOOLCALLDELTA']._serialized_start=1178
+  _globals['_TOOLCALLDELTA']._serialized_end=1253
+  _globals['_TURNSUMMARY']._serialized_start=1256
+  _globals['_TURNSUMMARY']._serialized_end=1538
+  _globals['_GENERATERESPONSE']._serialized_start=1540
+  _globals['_GENERATERESPONSE']._serialized_end=1651
+  _globals['_RENEWCONVERSATIONREQUEST']._serialized_start=1653
+  _globals['_RENEWCONVERSATIONREQUEST']._serialized_end=1704
+  _globals['_RENEWCONVERSATIONRESPONSE']._serialized_start=1706
+  _globals['_RENEWCONVERSATIONRESPONSE']._serialized_end=1782
+  _globals['_CLOSECONVERSATIONREQUEST']._serialized_start=1784
+  _globals['_CLOSECONVERSATIONREQUEST']._serialized_end=1835
+  _globals['_CLOSECONVERSATIONRESPONSE']._serialized_start=1837
+  _globals['_CLOSECONVERSATIONRESPONSE']._serialized_end=1864
+  _globals['_GETCONVERSATIONREQUEST']._serialized_start=1866
+  _globals['_GETCONVERSATIONREQUEST']._serialized_end=1915
+  _globals['_GETCONVERSATIONRESPONSE']._serialized_start=1918
+  _globals['_GETCONVERSATIONRESPONSE']._serialized_end=2070
+  _globals['_ROUTERSERVICE']._serialized_start=2367
+  _globals['_ROUTERSERVICE']._serialized_end=2743
 # @@protoc_insertion_point(module_scope)
