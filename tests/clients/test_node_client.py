@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.router import RouterFactory, StandInFactory
-from tests.router.test_router_standin import wait_for_engines
+from tests.fixtures.router import RouterFactory, StandInFactory, wait_for_engines
 
 CLIENT = Path(__file__).resolve().parents[2] / "clients" / "typescript"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvferry.pd.engine_api import ChatMessage
+from kvferry.pd.chat import ChatMessage, ChatRequest
 from kvferry.pd.kvferry_params import ConversationMark
 from kvferry.pd.reuse import max_reusable_tokens
 from kvferry.stack.engine import direct_turn
@@ -42,7 +42,7 @@ def _id(name: str) -> str:
 
 async def _chat_prompt(pair: EnginePair, text: str) -> list[int]:
     async with pair.prefill.client() as prefill:
-        return await prefill.render_chat([ChatMessage("user", text)])
+        return await prefill.render_chat(ChatRequest.of([ChatMessage("user", text)]))
 
 
 async def test_different_prompts_give_different_greedy_outputs(engine_pair: EnginePair) -> None:

@@ -20,9 +20,9 @@ from kvferry.v1 import resources_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
 from tests.fixtures.registry import RegistryHandle
-from tests.fixtures.router import RouterFactory, StandInFactory, router_api_keys
+from tests.fixtures.router import RouterFactory, StandInFactory, router_api_keys, wait_for_engines
 from tests.picker.test_ext_proc import envoy_messages, request_headers, send, until
-from tests.router.test_router_standin import chat_request, generate, wait_for_engines
+from tests.router.test_router_standin import chat_request, generate
 
 
 @pytest_asyncio.fixture

@@ -20,11 +20,62 @@ import {
   type ServiceError,
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
+import { Struct } from "../../google/protobuf/struct.js";
 import { Timestamp } from "../../google/protobuf/timestamp.js";
 
 export const protobufPackage = "kvferry.v1";
 
 export const protobufFileName = "kvferry/v1/router_service.proto";
+
+/** How the model should use tools. */
+export enum ToolChoiceMode {
+  /** TOOL_CHOICE_MODE_UNSPECIFIED - Not set: `auto` when tools are given, `none` otherwise (OpenAI's default). */
+  TOOL_CHOICE_MODE_UNSPECIFIED = 0,
+  /** TOOL_CHOICE_MODE_AUTO - The model decides. */
+  TOOL_CHOICE_MODE_AUTO = 1,
+  /** TOOL_CHOICE_MODE_NONE - No tool calls. */
+  TOOL_CHOICE_MODE_NONE = 2,
+  /** TOOL_CHOICE_MODE_REQUIRED - At least one tool call (guided decoding on the engines). */
+  TOOL_CHOICE_MODE_REQUIRED = 3,
+  UNRECOGNIZED = -1,
+}
+
+export function toolChoiceModeFromJSON(object: any): ToolChoiceMode {
+  switch (object) {
+    case 0:
+    case "TOOL_CHOICE_MODE_UNSPECIFIED":
+      return ToolChoiceMode.TOOL_CHOICE_MODE_UNSPECIFIED;
+    case 1:
+    case "TOOL_CHOICE_MODE_AUTO":
+      return ToolChoiceMode.TOOL_CHOICE_MODE_AUTO;
+    case 2:
+    case "TOOL_CHOICE_MODE_NONE":
+      return ToolChoiceMode.TOOL_CHOICE_MODE_NONE;
+    case 3:
+    case "TOOL_CHOICE_MODE_REQUIRED":
+      return ToolChoiceMode.TOOL_CHOICE_MODE_REQUIRED;
+    case -1:
+    case "UNRECOGNIZED":
+    default:
+      return ToolChoiceMode.UNRECOGNIZED;
+  }
+}
+
+export function toolChoiceModeToJSON(object: ToolChoiceMode): string {
+  switch (object) {
+    case ToolChoiceMode.TOOL_CHOICE_MODE_UNSPECIFIED:
+      return "TOOL_CHOICE_MODE_UNSPECIFIED";
+    case ToolChoiceMode.TOOL_CHOICE_MODE_AUTO:
+      return "TOOL_CHOICE_MODE_AUTO";
+    case ToolChoiceMode.TOOL_CHOICE_MODE_NONE:
+      return "TOOL_CHOICE_MODE_NONE";
+    case ToolChoiceMode.TOOL_CHOICE_MODE_REQUIRED:
+      return "TOOL_CHOICE_MODE_REQUIRED";
+    case ToolChoiceMode.UNRECOGNIZED:
+    default:
+      return "UNRECOGNIZED";
+  }
+}
 
 /** How the turn reused KV. */
 export enum ReuseDecision {
@@ -85,16 +136,68 @@ export function reuseDecisionToJSON(object: ReuseDecision): string {
 
 /** One chat message. */
 export interface ChatMessage {
-  /** `system`, `user`, `assistant` or `tool`. */
+  /** `system`, `developer`, `user`, `assistant` or `tool`. */
   role: string;
   /** The message text. */
   content: string;
+  /** An assistant message's tool calls (its content may then be empty). */
+  toolCalls: ToolCall[];
+  /** A `tool` message: the id of the call it answers. */
+  toolCallId: string;
+  /** The author's name (templates that use it render it). */
+  name: string;
+  /** An assistant message's reasoning (templates that keep reasoning render it back). */
+  reasoning: string;
 }
 
-/** A prompt given as chat messages (rendered with the model's chat template). */
+/** A call of a function tool, as the model made it. */
+export interface ToolCall {
+  /** The call's id: a `tool` message answers the call by it. */
+  id: string;
+  /** The function's name. */
+  name: string;
+  /** The arguments: a JSON object, as text. */
+  arguments: string;
+}
+
+/** A function the model may call. */
+export interface Tool {
+  /** The function's name. */
+  name: string;
+  /** What it does (the model reads it). */
+  description: string;
+  /** Its parameters: a JSON Schema object, as JSON text (empty: none). */
+  parametersJson: string;
+}
+
+/** Whether, or which, tool the model must call. */
+export interface ToolChoice {
+  /** One of a mode or a function. */
+  choice?:
+    | //
+    /** Auto, none or required. */
+    { $case: "mode"; value: ToolChoiceMode }
+    | //
+    /** Call this function (guided decoding on the engines). */
+    { $case: "functionName"; value: string }
+    | undefined;
+}
+
+/**
+ * A prompt given as chat messages (rendered with the model's chat template; the engines' tool-call and
+ * reasoning parsers read the answer).
+ */
 export interface ChatPrompt {
   /** The whole conversation so far, oldest first. */
   messages: ChatMessage[];
+  /** Functions the model may call. */
+  tools: Tool[];
+  /** How the model should use them. */
+  toolChoice?:
+    | ToolChoice
+    | undefined;
+  /** Keyword arguments of the chat template, e.g. {"enable_thinking": false} (numbers arrive as doubles). */
+  chatTemplateKwargs?: { [key: string]: any } | undefined;
 }
 
 /** A prompt given as token ids. */
@@ -147,10 +250,26 @@ export interface GenerateRequest {
 
 /** Generated text, as it arrives. */
 export interface TextDelta {
-  /** New text. */
+  /** New text (a chat answer's content). */
   text: string;
   /** New token ids. */
   tokenIds: bigint[];
+  /** New reasoning text (engines with a reasoning parser split it from the content). */
+  reasoning: string;
+  /** Pieces of tool calls (chat prompts with tools). */
+  toolCalls: ToolCallDelta[];
+}
+
+/** A piece of a streamed tool call. */
+export interface ToolCallDelta {
+  /** Which call of the answer (0 for the first). */
+  index: number;
+  /** The call's id (on its first piece). */
+  id: string;
+  /** The function's name (on its first piece). */
+  name: string;
+  /** More of the arguments' JSON text. */
+  arguments: string;
 }
 
 /** Summary of a finished turn (the last event of Generate). */
@@ -173,7 +292,7 @@ export interface TurnSummary {
   prefillEngineId: string;
   /** Engine that decoded (and now retains the conversation). */
   decodeEngineId: string;
-  /** `stop`, `length` or `abort`. */
+  /** `stop`, `length`, `tool_calls` (a chat answer that calls tools) or `abort`. */
   finishReason: string;
   /** Turn number now retained. */
   turn: bigint;
@@ -235,7 +354,7 @@ export interface GetConversationResponse {
 }
 
 function createBaseChatMessage(): ChatMessage {
-  return { role: "", content: "" };
+  return { role: "", content: "", toolCalls: [], toolCallId: "", name: "", reasoning: "" };
 }
 
 export const ChatMessage: MessageFns<ChatMessage> = {
@@ -245,6 +364,18 @@ export const ChatMessage: MessageFns<ChatMessage> = {
     }
     if (message.content !== "") {
       writer.uint32(18).string(message.content);
+    }
+    for (const v of message.toolCalls) {
+      ToolCall.encode(v!, writer.uint32(26).fork()).join();
+    }
+    if (message.toolCallId !== "") {
+      writer.uint32(34).string(message.toolCallId);
+    }
+    if (message.name !== "") {
+      writer.uint32(42).string(message.name);
+    }
+    if (message.reasoning !== "") {
+      writer.uint32(50).string(message.reasoning);
     }
     return writer;
   },
@@ -278,6 +409,38 @@ export const ChatMessage: MessageFns<ChatMessage> = {
             message.content = reader.string();
             continue;
           }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.toolCalls.push(ToolCall.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.toolCallId = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.reasoning = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -294,6 +457,18 @@ export const ChatMessage: MessageFns<ChatMessage> = {
     return {
       role: isSet(object.role) ? globalThis.String(object.role) : "",
       content: isSet(object.content) ? globalThis.String(object.content) : "",
+      toolCalls: globalThis.Array.isArray(object?.toolCalls)
+        ? object.toolCalls.map((e: any) => ToolCall.fromJSON(e))
+        : globalThis.Array.isArray(object?.tool_calls)
+        ? object.tool_calls.map((e: any) => ToolCall.fromJSON(e))
+        : [],
+      toolCallId: isSet(object.toolCallId)
+        ? globalThis.String(object.toolCallId)
+        : isSet(object.tool_call_id)
+        ? globalThis.String(object.tool_call_id)
+        : "",
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      reasoning: isSet(object.reasoning) ? globalThis.String(object.reasoning) : "",
     };
   },
 
@@ -305,6 +480,18 @@ export const ChatMessage: MessageFns<ChatMessage> = {
     if (message.content !== "") {
       obj.content = message.content;
     }
+    if (message.toolCalls?.length) {
+      obj.toolCalls = message.toolCalls.map((e) => ToolCall.toJSON(e));
+    }
+    if (message.toolCallId !== "") {
+      obj.toolCallId = message.toolCallId;
+    }
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.reasoning !== "") {
+      obj.reasoning = message.reasoning;
+    }
     return obj;
   },
 
@@ -315,18 +502,340 @@ export const ChatMessage: MessageFns<ChatMessage> = {
     const message = createBaseChatMessage();
     message.role = object.role ?? "";
     message.content = object.content ?? "";
+    message.toolCalls = object.toolCalls?.map((e) => ToolCall.fromPartial(e)) || [];
+    message.toolCallId = object.toolCallId ?? "";
+    message.name = object.name ?? "";
+    message.reasoning = object.reasoning ?? "";
+    return message;
+  },
+};
+
+function createBaseToolCall(): ToolCall {
+  return { id: "", name: "", arguments: "" };
+}
+
+export const ToolCall: MessageFns<ToolCall> = {
+  encode(message: ToolCall, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.id !== "") {
+      writer.uint32(10).string(message.id);
+    }
+    if (message.name !== "") {
+      writer.uint32(18).string(message.name);
+    }
+    if (message.arguments !== "") {
+      writer.uint32(26).string(message.arguments);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ToolCall {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseToolCall();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.id = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.arguments = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ToolCall {
+    return {
+      id: isSet(object.id) ? globalThis.String(object.id) : "",
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      arguments: isSet(object.arguments) ? globalThis.String(object.arguments) : "",
+    };
+  },
+
+  toJSON(message: ToolCall): unknown {
+    const obj: any = {};
+    if (message.id !== "") {
+      obj.id = message.id;
+    }
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.arguments !== "") {
+      obj.arguments = message.arguments;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ToolCall>, I>>(base?: I): ToolCall {
+    return ToolCall.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ToolCall>, I>>(object: I): ToolCall {
+    const message = createBaseToolCall();
+    message.id = object.id ?? "";
+    message.name = object.name ?? "";
+    message.arguments = object.arguments ?? "";
+    return message;
+  },
+};
+
+function createBaseTool(): Tool {
+  return { name: "", description: "", parametersJson: "" };
+}
+
+export const Tool: MessageFns<Tool> = {
+  encode(message: Tool, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.name !== "") {
+      writer.uint32(10).string(message.name);
+    }
+    if (message.description !== "") {
+      writer.uint32(18).string(message.description);
+    }
+    if (message.parametersJson !== "") {
+      writer.uint32(26).string(message.parametersJson);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): Tool {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTool();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.description = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.parametersJson = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): Tool {
+    return {
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      description: isSet(object.description) ? globalThis.String(object.description) : "",
+      parametersJson: isSet(object.parametersJson)
+        ? globalThis.String(object.parametersJson)
+        : isSet(object.parameters_json)
+        ? globalThis.String(object.parameters_json)
+        : "",
+    };
+  },
+
+  toJSON(message: Tool): unknown {
+    const obj: any = {};
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.description !== "") {
+      obj.description = message.description;
+    }
+    if (message.parametersJson !== "") {
+      obj.parametersJson = message.parametersJson;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<Tool>, I>>(base?: I): Tool {
+    return Tool.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<Tool>, I>>(object: I): Tool {
+    const message = createBaseTool();
+    message.name = object.name ?? "";
+    message.description = object.description ?? "";
+    message.parametersJson = object.parametersJson ?? "";
+    return message;
+  },
+};
+
+function createBaseToolChoice(): ToolChoice {
+  return { choice: undefined };
+}
+
+export const ToolChoice: MessageFns<ToolChoice> = {
+  encode(message: ToolChoice, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    switch (message.choice?.$case) {
+      case "mode":
+        writer.uint32(8).int32(message.choice.value);
+        break;
+      case "functionName":
+        writer.uint32(18).string(message.choice.value);
+        break;
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ToolChoice {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseToolChoice();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.choice = { $case: "mode", value: reader.int32() as any };
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.choice = { $case: "functionName", value: reader.string() };
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ToolChoice {
+    return {
+      choice: isSet(object.mode)
+        ? { $case: "mode", value: toolChoiceModeFromJSON(object.mode) }
+        : isSet(object.functionName)
+        ? { $case: "functionName", value: globalThis.String(object.functionName) }
+        : isSet(object.function_name)
+        ? { $case: "functionName", value: globalThis.String(object.function_name) }
+        : undefined,
+    };
+  },
+
+  toJSON(message: ToolChoice): unknown {
+    const obj: any = {};
+    if (message.choice?.$case === "mode") {
+      obj.mode = toolChoiceModeToJSON(message.choice.value);
+    } else if (message.choice?.$case === "functionName") {
+      obj.functionName = message.choice.value;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ToolChoice>, I>>(base?: I): ToolChoice {
+    return ToolChoice.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ToolChoice>, I>>(object: I): ToolChoice {
+    const message = createBaseToolChoice();
+    switch (object.choice?.$case) {
+      case "mode": {
+        if (object.choice?.value !== undefined && object.choice?.value !== null) {
+          message.choice = { $case: "mode", value: object.choice.value };
+        }
+        break;
+      }
+      case "functionName": {
+        if (object.choice?.value !== undefined && object.choice?.value !== null) {
+          message.choice = { $case: "functionName", value: object.choice.value };
+        }
+        break;
+      }
+    }
     return message;
   },
 };
 
 function createBaseChatPrompt(): ChatPrompt {
-  return { messages: [] };
+  return { messages: [], tools: [], toolChoice: undefined, chatTemplateKwargs: undefined };
 }
 
 export const ChatPrompt: MessageFns<ChatPrompt> = {
   encode(message: ChatPrompt, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
     for (const v of message.messages) {
       ChatMessage.encode(v!, writer.uint32(10).fork()).join();
+    }
+    for (const v of message.tools) {
+      Tool.encode(v!, writer.uint32(18).fork()).join();
+    }
+    if (message.toolChoice !== undefined) {
+      ToolChoice.encode(message.toolChoice, writer.uint32(26).fork()).join();
+    }
+    if (message.chatTemplateKwargs !== undefined) {
+      Struct.encode(Struct.wrap(message.chatTemplateKwargs), writer.uint32(34).fork()).join();
     }
     return writer;
   },
@@ -352,6 +861,30 @@ export const ChatPrompt: MessageFns<ChatPrompt> = {
             message.messages.push(ChatMessage.decode(reader, reader.uint32()));
             continue;
           }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.tools.push(Tool.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.toolChoice = ToolChoice.decode(reader, reader.uint32());
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.chatTemplateKwargs = Struct.unwrap(Struct.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -369,6 +902,17 @@ export const ChatPrompt: MessageFns<ChatPrompt> = {
       messages: globalThis.Array.isArray(object?.messages)
         ? object.messages.map((e: any) => ChatMessage.fromJSON(e))
         : [],
+      tools: globalThis.Array.isArray(object?.tools) ? object.tools.map((e: any) => Tool.fromJSON(e)) : [],
+      toolChoice: isSet(object.toolChoice)
+        ? ToolChoice.fromJSON(object.toolChoice)
+        : isSet(object.tool_choice)
+        ? ToolChoice.fromJSON(object.tool_choice)
+        : undefined,
+      chatTemplateKwargs: isObject(object.chatTemplateKwargs)
+        ? object.chatTemplateKwargs
+        : isObject(object.chat_template_kwargs)
+        ? object.chat_template_kwargs
+        : undefined,
     };
   },
 
@@ -376,6 +920,15 @@ export const ChatPrompt: MessageFns<ChatPrompt> = {
     const obj: any = {};
     if (message.messages?.length) {
       obj.messages = message.messages.map((e) => ChatMessage.toJSON(e));
+    }
+    if (message.tools?.length) {
+      obj.tools = message.tools.map((e) => Tool.toJSON(e));
+    }
+    if (message.toolChoice !== undefined) {
+      obj.toolChoice = ToolChoice.toJSON(message.toolChoice);
+    }
+    if (message.chatTemplateKwargs !== undefined) {
+      obj.chatTemplateKwargs = message.chatTemplateKwargs;
     }
     return obj;
   },
@@ -386,6 +939,11 @@ export const ChatPrompt: MessageFns<ChatPrompt> = {
   fromPartial<I extends Exact<DeepPartial<ChatPrompt>, I>>(object: I): ChatPrompt {
     const message = createBaseChatPrompt();
     message.messages = object.messages?.map((e) => ChatMessage.fromPartial(e)) || [];
+    message.tools = object.tools?.map((e) => Tool.fromPartial(e)) || [];
+    message.toolChoice = (object.toolChoice !== undefined && object.toolChoice !== null)
+      ? ToolChoice.fromPartial(object.toolChoice)
+      : undefined;
+    message.chatTemplateKwargs = object.chatTemplateKwargs ?? undefined;
     return message;
   },
 };
@@ -837,7 +1395,7 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
 };
 
 function createBaseTextDelta(): TextDelta {
-  return { text: "", tokenIds: [] };
+  return { text: "", tokenIds: [], reasoning: "", toolCalls: [] };
 }
 
 export const TextDelta: MessageFns<TextDelta> = {
@@ -854,6 +1412,12 @@ export const TextDelta: MessageFns<TextDelta> = {
         writer.int64(v);
       }
       writer.join();
+    }
+    if (message.reasoning !== "") {
+      writer.uint32(26).string(message.reasoning);
+    }
+    for (const v of message.toolCalls) {
+      ToolCallDelta.encode(v!, writer.uint32(34).fork()).join();
     }
     return writer;
   },
@@ -897,6 +1461,22 @@ export const TextDelta: MessageFns<TextDelta> = {
 
             break;
           }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.reasoning = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.toolCalls.push(ToolCallDelta.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -917,6 +1497,12 @@ export const TextDelta: MessageFns<TextDelta> = {
         : globalThis.Array.isArray(object?.token_ids)
         ? object.token_ids.map((e: any) => BigInt(e))
         : [],
+      reasoning: isSet(object.reasoning) ? globalThis.String(object.reasoning) : "",
+      toolCalls: globalThis.Array.isArray(object?.toolCalls)
+        ? object.toolCalls.map((e: any) => ToolCallDelta.fromJSON(e))
+        : globalThis.Array.isArray(object?.tool_calls)
+        ? object.tool_calls.map((e: any) => ToolCallDelta.fromJSON(e))
+        : [],
     };
   },
 
@@ -928,6 +1514,12 @@ export const TextDelta: MessageFns<TextDelta> = {
     if (message.tokenIds?.length) {
       obj.tokenIds = message.tokenIds.map((e) => e.toString());
     }
+    if (message.reasoning !== "") {
+      obj.reasoning = message.reasoning;
+    }
+    if (message.toolCalls?.length) {
+      obj.toolCalls = message.toolCalls.map((e) => ToolCallDelta.toJSON(e));
+    }
     return obj;
   },
 
@@ -938,6 +1530,125 @@ export const TextDelta: MessageFns<TextDelta> = {
     const message = createBaseTextDelta();
     message.text = object.text ?? "";
     message.tokenIds = object.tokenIds?.map((e) => BigInt(e)) || [];
+    message.reasoning = object.reasoning ?? "";
+    message.toolCalls = object.toolCalls?.map((e) => ToolCallDelta.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseToolCallDelta(): ToolCallDelta {
+  return { index: 0, id: "", name: "", arguments: "" };
+}
+
+export const ToolCallDelta: MessageFns<ToolCallDelta> = {
+  encode(message: ToolCallDelta, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.index !== 0) {
+      writer.uint32(8).int32(message.index);
+    }
+    if (message.id !== "") {
+      writer.uint32(18).string(message.id);
+    }
+    if (message.name !== "") {
+      writer.uint32(26).string(message.name);
+    }
+    if (message.arguments !== "") {
+      writer.uint32(34).string(message.arguments);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ToolCallDelta {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseToolCallDelta();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.index = reader.int32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.id = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.arguments = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ToolCallDelta {
+    return {
+      index: isSet(object.index) ? globalThis.Number(object.index) : 0,
+      id: isSet(object.id) ? globalThis.String(object.id) : "",
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      arguments: isSet(object.arguments) ? globalThis.String(object.arguments) : "",
+    };
+  },
+
+  toJSON(message: ToolCallDelta): unknown {
+    const obj: any = {};
+    if (message.index !== 0) {
+      obj.index = Math.round(message.index);
+    }
+    if (message.id !== "") {
+      obj.id = message.id;
+    }
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.arguments !== "") {
+      obj.arguments = message.arguments;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ToolCallDelta>, I>>(base?: I): ToolCallDelta {
+    return ToolCallDelta.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ToolCallDelta>, I>>(object: I): ToolCallDelta {
+    const message = createBaseToolCallDelta();
+    message.index = object.index ?? 0;
+    message.id = object.id ?? "";
+    message.name = object.name ?? "";
+    message.arguments = object.arguments ?? "";
     return message;
   },
 };
@@ -2011,6 +2722,10 @@ function fromJsonTimestamp(o: any): Date {
   } else {
     return fromTimestamp(Timestamp.fromJSON(o));
   }
+}
+
+function isObject(value: any): boolean {
+  return typeof value === "object" && value !== null;
 }
 
 function isSet(value: any): boolean {
