@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from kvferry.router.server import COST_PROFILES
 from kvferry.stack import gpu, up
+from kvferry.stack.demo import GPU_MODEL, TEST_MODEL
 from kvferry.stack.engine import DEFAULT_MODEL_DIR, GPU_UCX_ENV
 from kvferry.stack.engine_plan import EnginePlanError, plan_engines
 from kvferry.stack.settings import StackConfig, resolve, setting_flags
@@ -103,3 +104,11 @@ def test_the_gpu_settings_come_from_the_environment_and_a_config_file_too(
     assert from_file.gpu and from_file.connector_module == "vllm_pull_proof_connector"
     with pytest.raises(SystemExit):
         _config("--gpu-memory-utilization", "1.5")
+
+
+def test_the_demo_says_what_the_model_is() -> None:
+    assert up.model_note(_config()) == TEST_MODEL and "seeded random weights" in TEST_MODEL
+    assert up.model_note(_config("--gpu")) == GPU_MODEL and "dummy weights" in GPU_MODEL
+    assert "noise" in TEST_MODEL and "noise" in GPU_MODEL
+    own = up.model_note(_config("--model-dir", "/models/qwen3-8b"))
+    assert own == "The model is the one in /models/qwen3-8b." and "noise" not in own

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvferry.stack.demo import run_demo
+from kvferry.stack.demo import TEST_MODEL, run_demo
 from kvferry.stack.engine import REPO_ROOT
 from kvferry.stack.etcd_process import free_port
 from kvferry.stack.processes import StackState, StartedProcess, is_ours, session_members
@@ -118,7 +118,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
 def test_up_runs_the_demo_with_reuse_and_says_what_to_look_at(stack: RunningStack) -> None:
     out = "\n".join(stack.lines)
     assert stack.returncode == 0, out
-    for line in ("kvferry stack is up", "router gRPC", "router HTTP", "API key", "dummy weights"):
+    for line in ("kvferry stack is up", "router gRPC", "router HTTP", "API key", TEST_MODEL, "Look at"):
         assert line in out
     assert "waiting for engine" not in out, "off a terminal the ticking waits are not printed"
     rows = [DEMO_ROW.match(line) for line in stack.lines]

@@ -158,7 +158,7 @@ def _supervise_here(args: argparse.Namespace, config: StackConfig, workdir: Path
         if not args.no_demo:
             from kvferry.stack.demo import main as demo_main
 
-            demo_main(endpoints["router gRPC"], config.api_key, args.turns)
+            demo_main(endpoints["router gRPC"], config.api_key, args.turns, model_note(config))
         console.line(
             "\nsupervising: a process that exits is restarted and said here; "
             "Ctrl-C or `kvferry down` stops the stack"
@@ -231,7 +231,7 @@ def _run_detached(args: argparse.Namespace, config: StackConfig, workdir: Path) 
     if not args.no_demo:
         from kvferry.stack.demo import main as demo_main
 
-        demo_main(endpoints["router gRPC"], config.api_key, args.turns)
+        demo_main(endpoints["router gRPC"], config.api_key, args.turns, model_note(config))
     console.line(
         f"\nnext: `. {workdir / ENV_FILE} && python examples/agent_sdk.py` (or examples/agent_openai.py)\n"
         f"the stack runs in the background (supervisor pid {supervisor.pid}; a process that exits is "
@@ -504,6 +504,15 @@ def engine_plan(config: StackConfig) -> tuple[PlannedEngine, ...]:
 def _port_of(address: str) -> int:
     port = address.rpartition(":")[2]
     return int(port) if port.isdigit() else 0
+
+
+def model_note(config: StackConfig) -> str:
+    """What the demo says of the engines' model: the text of the test model and of the GPU shape is noise."""
+    from kvferry.stack.demo import GPU_MODEL, TEST_MODEL
+
+    if config.model_dir:
+        return f"The model is the one in {config.model_dir}."
+    return GPU_MODEL if config.gpu else TEST_MODEL
 
 
 def _router_gpu_args(config: StackConfig) -> list[str]:
