@@ -28,6 +28,7 @@ from kvferry.stack.demo import TEST_MODEL, run_demo
 from kvferry.stack.engine import REPO_ROOT
 from kvferry.stack.etcd_process import free_port
 from kvferry.stack.processes import StackState, StartedProcess, is_ours, session_members
+from kvferry.stack.status import report
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(1200)]
 
@@ -163,6 +164,27 @@ def test_status_from_another_directory_lists_processes_health_and_retained_block
     for name in ("etcd", "registry", "router", "engine-decode-0", "sidecar-prefill-0"):
         assert re.search(rf"^\s+{name}\s+\d+\s+running\s+0$", status.stdout, re.M), status.stdout
     assert re.search(r"decode-0\s+decode\s+\S+\s+healthy\s+retained blocks \d+ of \d+", status.stdout)
+    assert re.search(r"^\s+prefill-0\s+\d+ conversations, \d+ blocks, \d+ tokens$", status.stdout, re.M)
+    # A conversation left open is listed under the decode engine that retains it (the registry's view;
+    # read in-process: the retention lives one TTL).
+    turn = httpx.post(
+        f"{stack.http_url}/v1/chat/completions",
+        headers={"authorization": "Bearer kvferry-demo-key"},
+        json={
+            "messages": [{"role": "user", "content": "a prompt of a few blocks " * 20}],
+            "max_tokens": 4,
+            "conversation_id": "open-1",
+        },
+        timeout=120,
+    )
+    assert turn.status_code == 200, turn.text
+    # The decode engine's sidecar publishes the retention as the turn ends: wait for it (within its TTL).
+    deadline = time.monotonic() + RETENTION_TTL_SECONDS
+    while "demo/open-1" not in (listed := asyncio.run(report(stack.state().endpoints))):
+        assert time.monotonic() < deadline, f"the open conversation is not listed:\n{listed}"
+        time.sleep(0.3)
+    assert re.search(r"^\s+decode-0\s+[1-9]\d* conversations, [1-9]\d* blocks", listed, re.M), listed
+    assert re.search(r"^\s+demo/open-1  turn 1  \d+ tokens  \d+ blocks  expires in \d+ s$", listed, re.M)
     assert re.search(r"registry\s+\S+ serving", status.stdout), status.stdout
 
 
