@@ -102,6 +102,16 @@ SETTINGS: tuple[Setting, ...] = (
         "use this registry (host:port) instead of starting one",
     ),
     Setting(
+        "registry",
+        "listen",
+        "--registry-listen",
+        "KVFERRY_REGISTRY_LISTEN",
+        str,
+        "",
+        "host:port the registry kvferry up starts listens on (default: a free loopback port; set it for "
+        "external engines' sidecars to find the registry at a fixed address)",
+    ),
+    Setting(
         "engines",
         "external",
         "--external-engines",
@@ -238,6 +248,7 @@ SETTINGS: tuple[Setting, ...] = (
 class StackConfig:
     etcd_endpoints: str = ""
     registry_address: str = ""
+    registry_listen: str = ""
     external_engines: bool = False
     prefill_engines: int = 1
     decode_engines: int = 1
@@ -274,6 +285,7 @@ class StackConfig:
 _FIELDS = {
     "etcd.endpoints": "etcd_endpoints",
     "registry.address": "registry_address",
+    "registry.listen": "registry_listen",
     "engines.external": "external_engines",
     "engines.prefill": "prefill_engines",
     "engines.decode": "decode_engines",
@@ -349,6 +361,11 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
             values[setting.name] = setting.default
             sources[setting.name] = "default"
     config = StackConfig(**{_FIELDS[name]: value for name, value in values.items()}, sources=sources)
+    if config.registry_address and config.registry_listen:
+        raise ValueError(
+            "registry.address (use a running registry) and registry.listen (where to start one) exclude "
+            "each other: set one"
+        )
     for key, tenant in config.tenant_keys:
         if not key or not tenant:
             raise ValueError(f"router.api_keys: {config.api_keys!r} is not KEY=TENANT[,KEY=TENANT...]")

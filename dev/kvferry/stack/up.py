@@ -311,7 +311,9 @@ def _start(
         etcd_endpoints = etcd.endpoint
     registry = config.registry_address
     if not registry:
-        registry, command = registry_command(kvferry, etcd_endpoints, config.retention_ttl_seconds)
+        registry, command = registry_command(
+            kvferry, etcd_endpoints, config.retention_ttl_seconds, config.registry_listen
+        )
         command += _metrics_args(config, 0)
         supervisor.add("registry", partial(spawn, "registry", command, logs / "registry.log", state))
     readiness.wait_grpc_serving("registry", registry, timeout_seconds=30)
@@ -497,7 +499,9 @@ def engine_plan(config: StackConfig) -> tuple[PlannedEngine, ...]:
         cores=sorted(os.sched_getaffinity(0)),
         share_cores=config.share_cores,
         gpus=gpu.count_gpus() if config.gpu else None,
-        reserved_ports=[_port_of(config.grpc_listen), _port_of(config.http_listen)],
+        reserved_ports=[
+            _port_of(address) for address in (config.grpc_listen, config.http_listen, config.registry_listen)
+        ],
     )
 
 
