@@ -235,6 +235,16 @@ def test_a_killed_engine_api_server_takes_its_vllm_children_along_and_is_restart
         assert time.monotonic() < deadline, f"orphans of the killed API server: {session_members(engine)}"
         time.sleep(0.2)
     stack.wait_for_supervisor_line(r"engine-decode-0 restarted \(pid \d+\)", 30)
+    # Recovery: the restarted engine becomes healthy (a start takes a minute or two here) and serves turns.
+    deadline = time.monotonic() + 600
+    healthy = re.compile(r"^\s+decode-0\s+decode\s+\S+\s+healthy\s", re.M)
+    while not healthy.search(listed := asyncio.run(report(stack.state().endpoints))):
+        assert time.monotonic() < deadline, f"the restarted decode engine never became healthy:\n{listed}"
+        time.sleep(2)
+    while httpx.get(f"{stack.http_url}/health", timeout=2).status_code != 200:
+        assert time.monotonic() < deadline, "the router never took the restarted decode engine back"
+        time.sleep(0.5)
+    asyncio.run(run_demo(stack.state().endpoints["router gRPC"], "kvferry-demo-key", turns=2))
 
 
 def test_down_from_another_directory_stops_everything_and_only_that(
