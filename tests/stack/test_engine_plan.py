@@ -140,3 +140,21 @@ def test_up_refuses_more_engines_than_cores_before_starting_anything(
     assert f"{cores + 1} engines ({cores} prefill + 1 decode) need {cores + 1} CPU cores" in error
     assert "--share-cores" in error
     assert list(tmp_path.iterdir()) == [], "kvferry up started something before refusing"
+
+
+def test_engine_ports_keep_clear_of_every_port_the_settings_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _config(
+        [
+            "--grpc-listen",
+            "127.0.0.1:40000",
+            "--http-listen",
+            "127.0.0.1:40001",
+            "--registry-listen",
+            "127.0.0.1:40002",
+            "--metrics-port",
+            "40003",  # registry 40003, router 40004, sidecars 40005 and 40006
+        ]
+    )
+    monkeypatch.setattr(up, "free_port", ports(40000))
+    plan = up.engine_plan(config)
+    assert [(e.http_port, e.side_channel_port) for e in plan] == [(40007, 40008), (40009, 40010)]

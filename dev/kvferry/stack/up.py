@@ -489,7 +489,7 @@ def engine_processes(
 
 def engine_plan(config: StackConfig) -> tuple[PlannedEngine, ...]:
     """The engines ``config`` asks for on this machine: on the cores this process may use, or with
-    ``--gpu`` on the GPUs nvidia-smi lists; their ports clear of the router's."""
+    ``--gpu`` on the GPUs nvidia-smi lists; their ports clear of those the settings name."""
     from kvferry.stack import gpu
 
     return plan_engines(
@@ -499,10 +499,19 @@ def engine_plan(config: StackConfig) -> tuple[PlannedEngine, ...]:
         cores=sorted(os.sched_getaffinity(0)),
         share_cores=config.share_cores,
         gpus=gpu.count_gpus() if config.gpu else None,
-        reserved_ports=[
-            _port_of(address) for address in (config.grpc_listen, config.http_listen, config.registry_listen)
-        ],
+        reserved_ports=_stack_ports(config),
     )
+
+
+def _stack_ports(config: StackConfig) -> list[int]:
+    """The ports the settings give the router, the registry and (``--metrics-port``) each service's
+    /metrics: the engines' ports keep clear of them."""
+    listens = (config.grpc_listen, config.http_listen, config.registry_listen)
+    ports = [_port_of(address) for address in listens]
+    if config.metrics_base_port:
+        services = 2 + config.prefill_engines + config.decode_engines  # registry, router, a sidecar each
+        ports += range(config.metrics_base_port, config.metrics_base_port + services)
+    return ports
 
 
 def _port_of(address: str) -> int:
