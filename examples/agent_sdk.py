@@ -12,8 +12,9 @@ Run against ``kvferry up``'s router with the environment file it writes (or expo
     python examples/agent_sdk.py                  # tool time: the lease's TTL + 5 s
     python examples/agent_sdk.py --no-keep-alive  # the same, to see the reuse lost
 
-The repo's demo model has random weights, so it never asks for a tool by itself: the agent calls
-the tool after each task unless the model's reply asks for one as ``CALL search(query)``.
+``kvferry up``'s test model (Qwen3's tokenizer, seeded random weights) writes noise, so it never asks
+for a tool by itself: the agent calls the tool after each task unless the model's reply asks for one
+as ``CALL search(query)``. Look at TTFT and the pulled tokens, not at the text.
 """
 
 from __future__ import annotations

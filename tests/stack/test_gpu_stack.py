@@ -9,10 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-from kvferry.connector.settings import KvferrySettings
 from kvferry.router.server import COST_PROFILES
 from kvferry.stack import gpu, up
-from kvferry.stack.engine import DEFAULT_MODEL_DIR, GPU_UCX_ENV, EngineProcess
+from kvferry.stack.demo import GPU_MODEL, TEST_MODEL
+from kvferry.stack.engine import DEFAULT_MODEL_DIR, GPU_UCX_ENV
+from kvferry.stack.engine_plan import EnginePlanError, plan_engines
 from kvferry.stack.settings import StackConfig, resolve, setting_flags
 
 
@@ -33,11 +34,16 @@ def test_the_gpu_model_has_the_qwen3_8b_shape_and_the_repos_tokenizer(tmp_path: 
     assert (model / "tokenizer.json").read_bytes() == (DEFAULT_MODEL_DIR / "tokenizer.json").read_bytes()
 
 
-def test_one_gpu_holds_both_engines_two_get_one_each() -> None:
-    assert gpu.engine_gpus(1) == (0, 0) and gpu.default_memory_utilization(0, 0) == 0.45
-    assert gpu.engine_gpus(4) == (0, 1) and gpu.default_memory_utilization(0, 1) == 0.85
-    with pytest.raises(RuntimeError, match="no GPU"):
-        gpu.engine_gpus(0)
+def test_one_gpu_holds_both_engines_two_get_one_each_more_go_round_robin() -> None:
+    def places(prefill: int, decode: int, gpus: int) -> list[int | None]:
+        plan = plan_engines(prefill, decode, free_port=iter(range(20000, 21000)).__next__, gpus=gpus)
+        return [engine.gpu for engine in plan]
+
+    assert places(1, 1, gpus=1) == [0, 0] and gpu.default_memory_utilization(2) == 0.45
+    assert places(1, 1, gpus=4) == [0, 1] and gpu.default_memory_utilization(1) == 0.85
+    assert places(2, 2, gpus=2) == [0, 1, 0, 1] and gpu.default_memory_utilization(4) == 0.225
+    with pytest.raises(EnginePlanError, match="no GPU"):
+        places(1, 1, gpus=0)
 
 
 def test_up_gpu_configures_cuda_engines_and_the_routers_gpu_profile(
@@ -45,16 +51,9 @@ def test_up_gpu_configures_cuda_engines_and_the_routers_gpu_profile(
 ) -> None:
     monkeypatch.setattr(gpu, "count_gpus", lambda: 1)
     config = _config("--gpu", "--connector-module", "vllm_pull_proof_connector")
-    options = up._gpu_options(tmp_path, config)
-    assert options.gpus == (0, 0)
-    engine = EngineProcess(
-        role="prefill",
-        engine_id="prefill-0",
-        log_path=tmp_path / "p.log",
-        settings=KvferrySettings(sidecar_address="unix:/tmp/s.sock"),
-        gpu=options.gpus[0],
-        **options.engine_fields,
-    )
+    plan = up.engine_plan(config)
+    assert [(e.engine_id, e.gpu, e.cpu_core) for e in plan] == [("prefill-0", 0, None), ("decode-0", 0, None)]
+    engine = up.engine_processes(config, plan, tmp_path, tmp_path / "logs")[0]
     command = engine.command()
     transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
     assert transfer["kv_buffer_device"] == "cuda"
@@ -105,3 +104,11 @@ def test_the_gpu_settings_come_from_the_environment_and_a_config_file_too(
     assert from_file.gpu and from_file.connector_module == "vllm_pull_proof_connector"
     with pytest.raises(SystemExit):
         _config("--gpu-memory-utilization", "1.5")
+
+
+def test_the_demo_says_what_the_model_is() -> None:
+    assert up.model_note(_config()) == TEST_MODEL and "seeded random weights" in TEST_MODEL
+    assert up.model_note(_config("--gpu")) == GPU_MODEL and "dummy weights" in GPU_MODEL
+    assert "noise" in TEST_MODEL and "noise" in GPU_MODEL
+    own = up.model_note(_config("--model-dir", "/models/qwen3-8b"))
+    assert own == "The model is the one in /models/qwen3-8b." and "noise" not in own

