@@ -9,7 +9,8 @@
 #   CHECKOUT/.gpu-carry/wN folders of at most 60 MB, each wheel over that split into NAME.whl.part-N files.
 #   CHECKOUT/.git/info/exclude must ignore /.gpu-carry/ (so nothing of it is ever committed there).
 # There, one call per folder, within a warm machine's idle window (what is under /tmp stays between calls):
-#   run(command="bash .gpu-carry/device.sh take", carry=[".gpu-carry/wN"])     for every folder but the last;
+#   run(command="bash .gpu-carry/device.sh take", carry=[".gpu-carry/wN", ".gpu-carry/device.sh"])
+#       for every folder but the last (device.sh travels each time: .gpu-carry/ is ignored);
 #   run(command="bash .gpu-carry/device.sh run SCRIPT ARGS...", carry=[".gpu-carry/wLAST", ".gpu-carry/src.tar.gz",
 #       ".gpu-carry/device.sh"])
 #   `run` installs the wheels taken so far into /tmp/site, unpacks the worktree into /tmp/kvferry and runs
