@@ -120,3 +120,21 @@ async def test_http_errors_and_unreachable_engines_raise_typed_errors() -> None:
         with pytest.raises(api.EngineUnavailableError):
             await client.prefill(api.PrefillRequest((1, 2, 3)))
         assert not await client.health()
+
+
+async def test_a_call_on_a_closed_client_is_the_engines_failure() -> None:
+    """The router closes the client of an engine that left while a turn may still hold it: that turn's next
+    call must fail as an unreachable engine (retried elsewhere), not with httpx's RuntimeError."""
+    client = vh.VllmEngineClient(
+        "http://engine", "m", transport=httpx.MockTransport(lambda _: httpx.Response(200))
+    )
+    await client.aclose()
+    with pytest.raises(api.EngineUnavailableError, match="closed"):
+        await client.tokenize("hi")
+    with pytest.raises(api.EngineUnavailableError, match="closed"):
+        await client.models()
+    with pytest.raises(api.EngineUnavailableError, match="closed"):
+        handoff = KvHandoff.from_params(P_PARAMS)
+        assert handoff is not None
+        async for _ in client.decode_stream(api.DecodeRequest((1, 2), handoff)):
+            pass

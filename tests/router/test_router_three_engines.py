@@ -142,6 +142,18 @@ async def test_affinity_keeps_conversations_on_their_decode_engine_and_load_spre
     three: ThreeEngines,
 ) -> None:
     model = three.pair.model
+    # Load spreading compares turns in flight plus each engine's reported running requests: start from idle
+    # engines (earlier modules' turns on the pair's decode engine may still be reported for a heartbeat).
+    deadline = asyncio.get_running_loop().time() + 60
+    while busy := {
+        e.engine_id: e.stats.running_requests
+        for e in three.router.engines.all()
+        if e.can_decode and e.stats.running_requests
+    }:
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"decode engines still report running requests: {busy}"
+        )
+        await asyncio.sleep(0.2)
     convs = [f"aff-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
     histories: list[list[tuple[str, str]]] = [
         [("system", SYSTEM), ("user", f"Question {i}.")] for i in range(2)

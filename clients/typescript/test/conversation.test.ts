@@ -9,7 +9,8 @@ import { after, test } from "node:test";
 import { credentials, Metadata, status, type ServiceError } from "@grpc/grpc-js";
 
 import {
-  type ChatMessage,
+  ChatMessage,
+  ChatPrompt,
   type GenerateRequest,
   type GetConversationResponse,
   type RenewConversationResponse,
@@ -94,11 +95,16 @@ function close(conversationId: string): Promise<void> {
   );
 }
 
+// Messages with only a role and content (the generated type also has the tool-call fields).
+function say(role: string, content: string): ChatMessage {
+  return ChatMessage.fromPartial({ role, content });
+}
+
 function chatTurn(conversationId: string, messages: ChatMessage[]): GenerateRequest {
   return {
     conversationId,
     model,
-    prompt: { $case: "chat", value: { messages } },
+    prompt: { $case: "chat", value: ChatPrompt.fromPartial({ messages }) },
     sampling: { maxTokens: 12, temperature: 0, topP: 0, seed: 0n, stop: [], ignoreEos: true },
   };
 }
@@ -116,8 +122,8 @@ async function rejectsWith(promise: Promise<unknown>, code: status): Promise<Ser
 test("a conversation: generate, reuse, keep alive, close", async () => {
   const conversationId = `node-${process.pid}-${Date.now()}`;
   const history: ChatMessage[] = [
-    { role: "system", content: "You are a terse assistant. ".repeat(12) },
-    { role: "user", content: "List three prime numbers." },
+    say("system", "You are a terse assistant. ".repeat(12)),
+    say("user", "List three prime numbers."),
   ];
 
   const first = await generate(chatTurn(conversationId, history));
@@ -135,7 +141,7 @@ test("a conversation: generate, reuse, keep alive, close", async () => {
   assert.equal(retained.engineId, first.summary.decodeEngineId);
   assert.ok(retained.numTokens >= first.summary.promptTokens);
 
-  history.push({ role: "assistant", content: first.text }, { role: "user", content: "And their sum?" });
+  history.push(say("assistant", first.text), say("user", "And their sum?"));
   const second = await generate(chatTurn(conversationId, history));
   assert.equal(second.summary.reuse, ReuseDecision.REUSE_DECISION_PULL);
   assert.ok(second.summary.pulledTokens > 0n, "the second turn pulls the first turn's KV");
@@ -147,7 +153,7 @@ test("a conversation: generate, reuse, keep alive, close", async () => {
 });
 
 test("errors are gRPC status codes", async () => {
-  const request = chatTurn(`node-errors-${process.pid}`, [{ role: "user", content: "hi" }]);
+  const request = chatTurn(`node-errors-${process.pid}`, [say("user", "hi")]);
   await rejectsWith(generate(request, "not-a-key"), status.UNAUTHENTICATED);
   await rejectsWith(generate({ ...request, conversationId: "bad id" }), status.INVALID_ARGUMENT);
   await rejectsWith(generate({ ...request, model: "no-such-model" }), status.NOT_FOUND);

@@ -101,6 +101,12 @@ class VllmEngineClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    def _require_open(self) -> None:
+        """A call on a closed client (its engine left while a turn still held it) is the engine's
+        failure, which callers retry elsewhere, not httpx's RuntimeError."""
+        if self._http.is_closed:
+            raise EngineUnavailableError(self.base_url, ConnectionError("the engine's client is closed"))
+
     # -- control ----------------------------------------------------------------------------
 
     async def health(self) -> bool:
@@ -195,6 +201,7 @@ class VllmEngineClient:
         path, body = self._decode_body(request, stream=True)
         parse = _chat_event if request.chat is not None else _completion_event
         headers = _request_headers(request.request_id)
+        self._require_open()
         try:
             async with self._http.stream("POST", path, json=body, headers=headers) as response:
                 if response.status_code >= 400:
@@ -251,6 +258,7 @@ class VllmEngineClient:
     # -- plumbing ---------------------------------------------------------------------------
 
     async def _get_json(self, path: str) -> dict[str, Any]:
+        self._require_open()
         try:
             response = await self._http.get(path, timeout=self.timeouts.for_control())
         except httpx.HTTPError as error:
@@ -262,6 +270,7 @@ class VllmEngineClient:
         self, path: str, body: Mapping[str, Any], *, control: bool = False, request_id: str | None = None
     ) -> httpx.Response:
         timeout = self.timeouts.for_control() if control else self.timeouts.for_generation()
+        self._require_open()
         try:
             response = await self._http.post(
                 path, json=body, timeout=timeout, headers=_request_headers(request_id)
