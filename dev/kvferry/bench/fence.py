@@ -127,6 +127,8 @@ def engines(args: argparse.Namespace, workdir: Path) -> tuple[EngineProcess, Eng
                 cpu_core=core,
                 model_dir=model_dir,
                 served_model_name=model_dir.name,
+                # The bench model ships a config and a tokenizer, no weights: vLLM's dummy ones (timing only).
+                load_format="dummy" if args.model_dir is None else "auto",
                 settings=settings,
                 max_model_len=args.prompt_tokens + 512,
                 kv_cache_gib=max(1, -(-args.prompt_tokens * args.runs * 2 * 4096 // 2**30)),
