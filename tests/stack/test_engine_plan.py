@@ -158,3 +158,59 @@ def test_engine_ports_keep_clear_of_every_port_the_settings_name(monkeypatch: py
     monkeypatch.setattr(up, "free_port", ports(40000))
     plan = up.engine_plan(config)
     assert [(e.http_port, e.side_channel_port) for e in plan] == [(40007, 40008), (40009, 40010)]
+
+
+def test_the_engines_get_the_kv_cache_and_max_model_len_the_settings_name(tmp_path: Path) -> None:
+    plan = plan_engines(1, 1, free_port=ports(), cores=[0, 1])
+
+    def launch(config: StackConfig) -> list[tuple[str, str | None, str | None]]:
+        """Each engine's --max-model-len, its CPU KV cache (GiB) and its GPU one (bytes)."""
+        found = []
+        for engine in up.engine_processes(config, plan_for(config), tmp_path, tmp_path / "logs"):
+            command = engine.command()
+            gpu_kv = (
+                command.index("--kv-cache-memory-bytes") + 1 if "--kv-cache-memory-bytes" in command else 0
+            )
+            found.append(
+                (
+                    command[command.index("--max-model-len") + 1],
+                    engine.environment().get("VLLM_CPU_KVCACHE_SPACE"),
+                    command[gpu_kv] if gpu_kv else None,
+                )
+            )
+        return found
+
+    def plan_for(config: StackConfig) -> tuple[PlannedEngine, ...]:
+        return plan_engines(1, 1, free_port=ports(), gpus=1) if config.gpu else plan
+
+    assert launch(_config([])) == [("8192", "1", None)] * 2
+    assert (
+        launch(_config(["--max-model-len", "2048"], {"KVFERRY_KV_CACHE_GIB": "3"}))
+        == [("2048", "3", None)] * 2
+    )
+    # A GPU engine's KV cache: what --gpu-memory-utilization leaves, unless the setting sizes it.
+    assert launch(_config(["--gpu"])) == [("40960", None, None)] * 2
+    sized = _config(["--gpu", "--kv-cache-gib", "20", "--max-model-len", "16384"])
+    assert launch(sized) == [("16384", None, str(20 * 2**30))] * 2
+
+
+def test_up_starts_etcd_on_the_ports_the_settings_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(["--etcd-client-port", "40000"], {"KVFERRY_ETCD_PEER_PORT": "40001"})
+    etcd = up.etcd_process(config, tmp_path, tmp_path / "logs")
+    command = etcd.command()
+    for flag in ("--listen-client-urls", "--advertise-client-urls"):
+        assert f"{flag}=http://127.0.0.1:40000" in command
+    for flag in ("--listen-peer-urls", "--initial-advertise-peer-urls"):
+        assert f"{flag}=http://127.0.0.1:40001" in command
+    assert etcd.endpoint == "127.0.0.1:40000"
+    # The engines' ports keep clear of them.
+    monkeypatch.setattr(up, "free_port", ports(40000))
+    assert [(e.http_port, e.side_channel_port) for e in up.engine_plan(config)] == [
+        (40002, 40003),
+        (40004, 40005),
+    ]
+    # Unset: etcd picks free ports when it starts (and keeps them across its restarts).
+    default = up.etcd_process(_config([]), tmp_path, tmp_path / "logs")
+    assert (default.client_port, default.peer_port) == (0, 0)

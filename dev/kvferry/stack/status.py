@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvferry.stack.processes import StackState, is_ours, session_members
+from kvferry.stack.processes import SUPERVISOR_LOG, StackState, is_ours, session_members
 from kvferry.stack.settings import add_workdir_flag
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
@@ -34,12 +34,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"no stack runs from {args.workdir} (start one with `kvferry up`)")
         return 3
     print(f"stack in {args.workdir}")
+    for line in supervision_lines(state, time.time()):
+        print(line)
+    print(asyncio.run(report(state.endpoints)))
+    return 0
+
+
+def supervision_lines(state: StackState, now: float) -> list[str]:
+    """Whether the supervisor runs (and what to do when it does not), then each process: its state, how
+    often the supervisor restarted it, and why it last exited."""
     supervisor = state.supervisor
-    if supervisor is not None:
-        print(
-            f"  supervisor: kvferry up (pid {supervisor.pid}) {'running' if is_ours(supervisor) else 'gone'}"
-        )
-    print(f"  {'process':<20} {'pid':>7} {'state':<10} {'restarts':>8}")
+    if supervisor is not None and is_ours(supervisor):
+        lines = [
+            f"  supervisor: kvferry up (pid {supervisor.pid}) running; it restarts a process that exits "
+            f"and says so in {state.workdir / 'logs' / SUPERVISOR_LOG}"
+        ]
+    else:
+        which = f"kvferry up (pid {supervisor.pid})" if supervisor is not None else "none recorded"
+        lines = [
+            f"  supervisor: {which} is NOT running: a process that exits now stays down. "
+            "`kvferry down` stops what is left, then `kvferry up` starts a supervised stack again"
+        ]
+    lines.append(f"  {'process':<20} {'pid':>7} {'state':<10} {'restarts':>8}")
     for process in state.processes:
         if is_ours(process):
             condition = "running"
@@ -47,9 +63,11 @@ def run(args: argparse.Namespace) -> int:
             condition = "leftovers"  # the leader died; its children still run
         else:
             condition = "exited"
-        print(f"  {process.name:<20} {process.pid:>7} {condition:<10} {process.restarts:>8}")
-    print(asyncio.run(report(state.endpoints)))
-    return 0
+        line = f"  {process.name:<20} {process.pid:>7} {condition:<10} {process.restarts:>8}"
+        if process.last_exit:
+            line += f"  last exit {max(0.0, now - process.last_exit_at):.0f} s ago: {process.last_exit}"
+        lines.append(line)
+    return lines
 
 
 async def report(endpoints: Mapping[str, str]) -> str:

@@ -40,7 +40,9 @@ class Supervised:
 
 
 class Supervisor:
-    """Restarts the children it was given; ``announce`` hears every exit and restart (one line each)."""
+    """Restarts the children it was given; ``announce`` hears every exit and restart (one line each: the
+    terminal of ``kvferry up --foreground``, else ``logs/supervisor.log``), and the stack state records
+    each exit's reason beside the restart count (``kvferry status``)."""
 
     def __init__(
         self,
@@ -72,7 +74,9 @@ class Supervisor:
                     child.backoff.reset()
                 delay = child.backoff.next_delay()
                 child.restart_at = now + delay
-                self._announce(f"{child.name} exited ({_exit_reason(code)}); restarting in {delay:.1f} s")
+                reason = _exit_reason(code)
+                self._state.note_exit(child.name, reason)
+                self._announce(f"{child.name} exited ({reason}); restarting in {delay:.1f} s")
             elif now >= child.restart_at:
                 child.restart_at = None
                 child.started = now
@@ -81,6 +85,7 @@ class Supervisor:
                 except (OSError, RuntimeError) as failure:
                     delay = child.backoff.next_delay()
                     child.restart_at = now + delay
+                    self._state.note_exit(child.name, f"failed to start: {failure}")
                     self._announce(f"{child.name} failed to start ({failure}); retrying in {delay:.1f} s")
                     continue
                 self._announce(f"{child.name} restarted (pid {child.process.pid})")

@@ -47,6 +47,7 @@ from kvferry.stack.console import Console
 from kvferry.stack.engine_plan import EnginePlanError, PlannedEngine, plan_engines
 from kvferry.stack.etcd_process import EtcdProcess, free_port
 from kvferry.stack.processes import (
+    SUPERVISOR_LOG,
     StackState,
     process_started_at,
     registry_command,
@@ -69,7 +70,6 @@ if TYPE_CHECKING:  # loaded where engines start: it imports vLLM's neighbours
     from kvferry.stack.engine import EngineProcess
 
 ENV_FILE = "env"
-SUPERVISOR_LOG = "supervisor.log"
 FOLLOW_SECONDS = 0.5
 
 
@@ -235,7 +235,8 @@ def _run_detached(args: argparse.Namespace, config: StackConfig, workdir: Path) 
     console.line(
         f"\nnext: `. {workdir / ENV_FILE} && python examples/agent_sdk.py` (or examples/agent_openai.py)\n"
         f"the stack runs in the background (supervisor pid {supervisor.pid}; a process that exits is "
-        f"restarted, said in {log_path}); `kvferry status` shows it, `kvferry down` stops it"
+        f"restarted, each restart said in {log_path}); `kvferry status` shows it (with every "
+        "process's restarts and why it last exited), `kvferry down` stops it"
     )
     return 0
 
@@ -300,7 +301,7 @@ def _start(
     etcd_endpoints = config.etcd_endpoints
     if not etcd_endpoints:
         console.event("etcd: starting")
-        etcd = EtcdProcess(data_dir=workdir / "etcd-data", log_path=logs / "etcd.log")
+        etcd = etcd_process(config, workdir, logs)
 
         def launch_etcd() -> subprocess.Popen[bytes]:
             start_etcd(etcd, state)
@@ -360,6 +361,17 @@ def _start(
     _write_env_file(config, workdir, state.endpoints)
     state.save()  # the endpoints mark the stack as serving (what a detached start waits for)
     return state.endpoints
+
+
+def etcd_process(config: StackConfig, workdir: Path, logs: Path) -> EtcdProcess:
+    """The (not started) etcd of the stack: its data in ``workdir``, on the ports the settings name (free
+    ones where they say 0, kept across its restarts)."""
+    return EtcdProcess(
+        data_dir=workdir / "etcd-data",
+        log_path=logs / "etcd.log",
+        client_port=config.etcd_client_port,
+        peer_port=config.etcd_peer_port,
+    )
 
 
 def _start_engines(
@@ -444,7 +456,7 @@ def engine_processes(
     its own in ``workdir``."""
     from kvferry.connector.settings import KvferrySettings
     from kvferry.stack import gpu
-    from kvferry.stack.engine import DEFAULT_MODEL_DIR, EngineProcess
+    from kvferry.stack.engine import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL_DIR, EngineProcess
     from kvferry.stack.engine_plan import engines_per_gpu
 
     gpu_fields = _gpu_engine_fields(workdir, config) if config.gpu else None
@@ -464,12 +476,15 @@ def engine_processes(
                 lease_ttl_seconds=config.retention_ttl_seconds,
             ),
         }
+        if config.kv_cache_gib:
+            common["kv_cache_gib"] = config.kv_cache_gib
         if gpu_fields is None:
             engines.append(
                 EngineProcess(
                     **common,
                     cpu_core=planned.cpu_core,
                     model_dir=Path(config.model_dir) if config.model_dir else DEFAULT_MODEL_DIR,
+                    max_model_len=config.max_model_len or DEFAULT_MAX_MODEL_LEN,
                     connector_module=config.connector_module,
                 )
             )
@@ -504,10 +519,10 @@ def engine_plan(config: StackConfig) -> tuple[PlannedEngine, ...]:
 
 
 def _stack_ports(config: StackConfig) -> list[int]:
-    """The ports the settings give the router, the registry and (``--metrics-port``) each service's
+    """The ports the settings give the router, the registry, etcd and (``--metrics-port``) each service's
     /metrics: the engines' ports keep clear of them."""
     listens = (config.grpc_listen, config.http_listen, config.registry_listen)
-    ports = [_port_of(address) for address in listens]
+    ports = [_port_of(address) for address in listens] + [config.etcd_client_port, config.etcd_peer_port]
     if config.metrics_base_port:
         services = 2 + config.prefill_engines + config.decode_engines  # registry, router, a sidecar each
         ports += range(config.metrics_base_port, config.metrics_base_port + services)
@@ -549,7 +564,7 @@ def _gpu_engine_fields(workdir: Path, config: StackConfig) -> dict[str, Any]:
         "load_format": "dummy",
         "dtype": gpu.GPU_DTYPE,
         "block_size": gpu.GPU_BLOCK_SIZE,
-        "max_model_len": gpu.GPU_MAX_MODEL_LEN,
+        "max_model_len": config.max_model_len or gpu.GPU_MAX_MODEL_LEN,
         "connector_module": config.connector_module,
         "extra_args": gpu.GPU_VLLM_ARGS,
         "extra_env": gpu.GPU_VLLM_ENV,
