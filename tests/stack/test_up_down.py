@@ -35,12 +35,15 @@ pytestmark = [pytest.mark.stack, pytest.mark.timeout(1200)]
 DEMO_ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\w+)\s*$")
 # Short, so that the examples' simulated tool (the lease's TTL + 5 s) keeps the test short.
 RETENTION_TTL_SECONDS = 10
+# Settings given through the environment, checked where the stack uses them.
+MAX_MODEL_LEN = 6144
 
 
 @dataclass
 class RunningStack:
     home: Path
     http_url: str
+    etcd_client_port: int
     # What ``kvferry up`` printed, and its exit status (it returns once the demo ran).
     lines: list[str]
     returncode: int
@@ -85,13 +88,15 @@ class RunningStack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     base = tmp_path_factory.mktemp("stack")
-    http_port = free_port()
+    http_port, etcd_client_port = free_port(), free_port()
     env = {
         **os.environ,
         "KVFERRY_HOME": str(base / "home"),
         "KVFERRY_ROUTER_GRPC_LISTEN": f"127.0.0.1:{free_port()}",
         "KVFERRY_ROUTER_HTTP_LISTEN": f"127.0.0.1:{http_port}",
         "KVFERRY_RETENTION_TTL": str(RETENTION_TTL_SECONDS),
+        "KVFERRY_ETCD_CLIENT_PORT": str(etcd_client_port),
+        "KVFERRY_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
         "PYTHONUNBUFFERED": "1",
     }
     try:
@@ -105,7 +110,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
             timeout=1000,
         )
         yield RunningStack(
-            base / "home", f"http://127.0.0.1:{http_port}", up.stdout.splitlines(), up.returncode
+            base / "home",
+            f"http://127.0.0.1:{http_port}",
+            etcd_client_port,
+            up.stdout.splitlines(),
+            up.returncode,
         )
     finally:
         subprocess.run(
@@ -144,6 +153,15 @@ def test_up_runs_the_demo_with_reuse_and_says_what_to_look_at(stack: RunningStac
     }
     for component in ("registry", "router", "engine-decode-0", "sidecar-decode-0", "supervisor"):
         assert (stack.home / "logs" / f"{component}.log").stat().st_size > 0
+
+
+def test_the_settings_given_reach_etcd_and_the_engines(stack: RunningStack) -> None:
+    assert stack.state().endpoints["etcd"] == f"127.0.0.1:{stack.etcd_client_port}"
+    models = httpx.get(
+        f"{stack.http_url}/v1/models", headers={"authorization": "Bearer kvferry-demo-key"}, timeout=10
+    )
+    assert models.status_code == 200, models.text
+    assert [model["max_model_len"] for model in models.json()["data"]] == [MAX_MODEL_LEN]
 
 
 def test_up_returns_with_its_supervisor_detached_in_a_session_of_its_own(stack: RunningStack) -> None:
@@ -213,6 +231,14 @@ def test_a_killed_sidecar_is_restarted_and_its_engine_stays_in_service(stack: Ru
     stack.wait_for_supervisor_line(r"sidecar-decode-0 exited \(killed by SIGKILL\); restarting in", 10)
     stack.wait_for_supervisor_line(r"sidecar-decode-0 restarted \(pid \d+\)", 30)
     assert stack.recorded("sidecar-decode-0").restarts == 1
+    # After `kvferry up` returned, `kvferry status` is where a user sees the restart and why.
+    status = stack.kvferry("status", cwd=stack.home)
+    assert re.search(
+        r"^\s+sidecar-decode-0\s+\d+\s+running\s+1  last exit \d+ s ago: killed by SIGKILL$",
+        status.stdout,
+        re.M,
+    ), status.stdout
+    assert re.search(r"supervisor: kvferry up \(pid \d+\) running", status.stdout), status.stdout
     # The restarted sidecar registers the engine again well within the registry's engine TTL.
     deadline = time.monotonic() + 30
     while httpx.get(f"{stack.http_url}/health", timeout=2).status_code != 200:
