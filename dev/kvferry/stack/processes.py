@@ -95,6 +95,11 @@ class StackState:
             self.processes.append(started)
         self.save()
 
+    @property
+    def supervisor_log(self) -> Path:
+        """Where the detached supervisor says every exit and restart."""
+        return self.workdir / "logs" / SUPERVISOR_LOG
+
     def note_exit(self, name: str, reason: str) -> None:
         """Records why ``name`` exited, now (kept across its restart: :meth:`record`)."""
         for known in self.processes:

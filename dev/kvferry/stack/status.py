@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvferry.stack.processes import SUPERVISOR_LOG, StackState, is_ours, session_members
+from kvferry.stack.processes import StackState, is_ours, session_members
 from kvferry.stack.settings import add_workdir_flag
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
@@ -47,7 +47,7 @@ def supervision_lines(state: StackState, now: float) -> list[str]:
     if supervisor is not None and is_ours(supervisor):
         lines = [
             f"  supervisor: kvferry up (pid {supervisor.pid}) running; it restarts a process that exits "
-            f"and says so in {state.workdir / 'logs' / SUPERVISOR_LOG}"
+            f"and says so in {state.supervisor_log}"
         ]
     else:
         which = f"kvferry up (pid {supervisor.pid})" if supervisor is not None else "none recorded"
