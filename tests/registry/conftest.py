@@ -7,10 +7,9 @@ from collections.abc import AsyncIterator
 
 import pytest_asyncio
 from kvferry.registry.config import RegistryConfig
-from kvferry.registry.server import create_registry
 from kvferry.stack.etcd_process import EtcdProcess
 
-from tests.fixtures.registry import TEST_TTLS, RegistryHandle
+from tests.fixtures.registry import TEST_TTLS, RegistryHandle, running_registry
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -23,10 +22,5 @@ async def isolated_registry(etcd: EtcdProcess) -> AsyncIterator[RegistryHandle]:
         ttl=TEST_TTLS,
         history_seconds=0,
     )
-    running = await create_registry(config)
-    handle = RegistryHandle(address=running.address, registry=running, config=config)
-    try:
+    async with running_registry(config) as handle:
         yield handle
-    finally:
-        await handle.close()
-        await running.stop(grace_seconds=0.2)

@@ -16,13 +16,13 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvferry.registry.config import RegistryConfig
-from kvferry.registry.server import SERVICE_NAME, create_registry
+from kvferry.registry.server import SERVICE_NAME
 from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub
 
-from tests.fixtures.registry import TEST_TTLS, RegistryHandle, unique
+from tests.fixtures.registry import TEST_TTLS, RegistryHandle, running_registry, unique
 from tests.registry.builders import EventStream, get, publish, register, retention
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,13 +47,8 @@ async def outage_registry(own_etcd: EtcdProcess) -> AsyncIterator[RegistryHandle
         key_prefix="/kvferry-outage/",
         ttl=TEST_TTLS,
     )
-    running = await create_registry(config)
-    handle = RegistryHandle(address=running.address, registry=running, config=config)
-    try:
+    async with running_registry(config) as handle:
         yield handle
-    finally:
-        await handle.close()
-        await running.stop(grace_seconds=0.2)
 
 
 async def _health(handle: RegistryHandle) -> int:

@@ -12,14 +12,13 @@ import grpc
 import pytest
 import pytest_asyncio
 from kvferry.registry.etcd import EtcdGateway, EtcdSettings
-from kvferry.registry.server import create_registry
 from kvferry.registry.turns import LeasePool
 from kvferry.runtime.clock import ManualClock
 from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 
-from tests.fixtures.registry import RegistryHandle, unique
+from tests.fixtures.registry import RegistryHandle, running_registry, unique
 from tests.registry.builders import publish, register, retention, status_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,16 +41,10 @@ def end(tenant: str, conversation_id: str, request_id: str) -> api.EndTurnReques
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def second_replica(registry: RegistryHandle, etcd: EtcdProcess) -> AsyncIterator[RegistryHandle]:
+async def second_replica(registry: RegistryHandle) -> AsyncIterator[RegistryHandle]:
     """Another registry process on the same etcd and key prefix as ``registry``."""
-    config = dataclasses.replace(registry.config, listen_address="127.0.0.1:0")
-    running = await create_registry(config)
-    handle = RegistryHandle(address=running.address, registry=running, config=config)
-    try:
+    async with running_registry(dataclasses.replace(registry.config, listen_address="127.0.0.1:0")) as handle:
         yield handle
-    finally:
-        await handle.close()
-        await running.stop(grace_seconds=0.2)
 
 
 async def test_a_second_turn_of_a_conversation_is_refused_naming_the_running_one(

@@ -18,8 +18,9 @@ import httpx
 import pytest
 from kvferry.pd import vllm_params
 from kvferry.router.openai_chat import FIELDS, ChatBody, Support, parse_chat
+from kvferry.router.openai_completions import parse_completion
 from kvferry.router.openai_responses import parse_responses
-from kvferry.router.validation import MAX_TOKENS
+from kvferry.router.validation import MAX_TOKEN_ID, MAX_TOKENS
 from kvferry.runtime.errors import InvalidArgument
 from openai.types.chat import completion_create_params
 
@@ -157,3 +158,24 @@ def test_a_token_count_past_the_engines_range_is_refused_before_any_engine(
     with pytest.raises(InvalidArgument) as refused:
         parse({**body, field: MAX_TOKENS + 1})
     assert refused.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "field"),
+    [
+        (parse_chat, {"messages": [{"role": "user", "content": "hi"}]}, "stop_token_ids"),
+        (parse_chat, {"messages": [{"role": "user", "content": "hi"}]}, "allowed_token_ids"),
+        (parse_chat, {"messages": [{"role": "user", "content": "hi"}]}, "logprob_token_ids"),
+        (parse_completion, {}, "prompt"),
+    ],
+)
+def test_a_token_id_past_the_engines_range_is_refused_alike_on_both_apis(
+    parse: Any, body: dict[str, Any], field: str
+) -> None:
+    # One limit (kvferry.router.validation.MAX_TOKEN_ID): vLLM holds token ids as int32.
+    assert parse({**body, field: [1, MAX_TOKEN_ID]})
+    for wrong in (MAX_TOKEN_ID + 1, 2**63, -1):
+        with pytest.raises(InvalidArgument) as refused:
+            parse({**body, field: [1, wrong]})
+        assert refused.value.param is not None and refused.value.param.startswith(field), refused.value
+        assert str(MAX_TOKEN_ID) in refused.value.message or wrong < 0, refused.value.message

@@ -67,7 +67,7 @@ def test_a_long_list_is_cut_per_engine_saying_how_many_more() -> None:
 async def test_status_says_when_the_registry_does_not_answer() -> None:
     text = await report({"registry": f"127.0.0.1:{free_port()}"})
     assert re.search(r"registry\s+127\.0\.0\.1:\d+ not answering \(UNAVAILABLE\)", text), text
-    assert "engines: the registry did not answer (UNAVAILABLE" in text
+    assert "engines: registry did not answer ListEngines: UNAVAILABLE" in text
 
 
 def test_retention_lines_name_an_engine_the_registry_no_longer_lists() -> None:

@@ -82,7 +82,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBase
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -769,6 +769,18 @@ def _peer_generations(host: str, port: int, pp_rank: int, tp_rank: int) -> Gener
     return array
 
 
+def warn_when_fenced_pulls_fail_requests(settings: KvferrySettings, transfer: KVTransferConfig) -> None:
+    """At start, on an engine whose fenced pulls would fail their requests instead of recomputing them. Only
+    an engine that pulls retentions fences (a prefill: ``kv_producer``, or ``kv_both``); a decode engine's
+    pulls (P->D) are never fenced, so it is not told."""
+    if settings.fence_pulls and transfer.is_kv_producer and transfer.kv_load_failure_policy != "recompute":
+        logger.warning(
+            "a fenced pull fails its request: set kv_transfer_config.kv_load_failure_policy to "
+            '"recompute" so the engine recomputes instead (docs/connector.md#pull-time-fencing)',
+            extra={"kv_load_failure_policy": transfer.kv_load_failure_policy, "kv_role": transfer.kv_role},
+        )
+
+
 class KvferryConnector(NixlPullConnector):  # type: ignore[misc]
     """The class vLLM loads (``kv_connector: "KvferryConnector"``)."""
 
@@ -795,12 +807,7 @@ class KvferryConnector(NixlPullConnector):  # type: ignore[misc]
         self.connector_scheduler: KvferryScheduler | None = None
         self.connector_worker: KvferryWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            if settings.fence_pulls and transfer.kv_load_failure_policy != "recompute":
-                logger.warning(
-                    "a fenced pull fails its request: set kv_transfer_config.kv_load_failure_policy to "
-                    '"recompute" so the engine recomputes instead (docs/connector.md#pull-time-fencing)',
-                    extra={"kv_load_failure_policy": transfer.kv_load_failure_policy},
-                )
+            warn_when_fenced_pulls_fail_requests(settings, transfer)
             self.connector_scheduler = KvferryScheduler(
                 vllm_config, self.engine_id, kv_cache_config, settings, compat_hash
             )

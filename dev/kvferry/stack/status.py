@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvferry.router.registry_client import GrpcRegistry, RegistryUnavailable
+from kvferry.runtime.errors import ServiceError
 from kvferry.stack.processes import StackState, is_ours, session_members
 from kvferry.stack.settings import add_workdir_flag
 from kvferry.v1 import registry_service_pb2 as registry_pb2
@@ -81,16 +83,16 @@ async def report(endpoints: Mapping[str, str]) -> str:
     if not registry:
         return "\n".join(lines)
     async with grpc.aio.insecure_channel(registry) as channel:
-        stub = registry_grpc.RegistryServiceStub(channel)
         try:
-            engines = await _engines(stub)
-            retentions = await live_retentions(stub)
+            listed = await GrpcRegistry(channel, timeout_seconds=TIMEOUT_SECONDS).list_engine_records()
+            retentions = await live_retentions(registry_grpc.RegistryServiceStub(channel))
         except grpc.aio.AioRpcError as error:
             lines.append(f"  engines: the registry did not answer ({error.code().name}: {error.details()})")
             return "\n".join(lines)
-        except RuntimeError as problem:
+        except (RegistryUnavailable, ServiceError, RuntimeError) as problem:
             lines.append(f"  engines: {problem}")
             return "\n".join(lines)
+    engines = sorted(listed, key=lambda engine: engine.engine_id)
     lines.append(f"  engines (registered): {'none' if not engines else ''}")
     async with httpx.AsyncClient(timeout=TIMEOUT_SECONDS) as client:
         for engine in engines:
@@ -106,19 +108,6 @@ async def report(endpoints: Mapping[str, str]) -> str:
             )
     lines += retention_lines([engine.engine_id for engine in engines], retentions, time.time())
     return "\n".join(lines)
-
-
-async def _engines(stub: registry_grpc.RegistryServiceStub) -> list[resources_pb2.Engine]:
-    engines: list[resources_pb2.Engine] = []
-    page_token = ""
-    while True:
-        reply = await stub.ListEngines(
-            registry_pb2.ListEnginesRequest(page_size=1000, page_token=page_token), timeout=TIMEOUT_SECONDS
-        )
-        engines.extend(reply.engines)
-        page_token = reply.next_page_token
-        if not page_token:
-            return sorted(engines, key=lambda engine: engine.engine_id)
 
 
 async def live_retentions(

@@ -59,6 +59,8 @@ from kvferry.registry.records import (
     encode_tombstone,
     renewal_summary,
 )
+from kvferry.registry.txn_retry import TXN_ATTEMPTS as _TXN_ATTEMPTS
+from kvferry.registry.txn_retry import until_settled
 from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.runtime.errors import Aborted, FailedPrecondition, NotFound, ServiceError
 from kvferry.runtime.metrics import LEASE_RETENTION
@@ -67,8 +69,6 @@ from kvferry.v1 import resources_pb2 as resources
 
 log = logging.getLogger(__name__)
 
-# Optimistic transactions retry this often before answering ABORTED.
-_TXN_ATTEMPTS = 4
 # Records per snapshot read (a 128k-token record is ~170 KB: a page stays under ~35 MB).
 SNAPSHOT_PAGE = 200
 # Records kept in memory to answer lookups and renewals in one etcd round trip.
@@ -230,18 +230,16 @@ class RetentionStore:
         grant = asyncio.ensure_future(self.etcd.grant(ttl))
         published: PublishedRetention | None = None
         try:
-            for _ in range(_TXN_ATTEMPTS):
-                published = await self._try_publish(retention, conversation, grant, incarnation)
-                if published is not None:
-                    if published.superseded_turn:
-                        self._metrics.released(resources.RELEASE_REASON_SUPERSEDED)
-                    return published
+            published = await until_settled(
+                lambda: self._try_publish(retention, conversation, grant, incarnation),
+                changed=f"conversation {conversation.conversation_id}",
+                doing=" while publishing",
+            )
+            if published.superseded_turn:
+                self._metrics.released(resources.RELEASE_REASON_SUPERSEDED)
+            return published
         finally:
             await self._drop_unused_lease(grant, published.lease if published is not None else 0)
-        raise Aborted(
-            f"conversation {conversation.conversation_id} changed concurrently {_TXN_ATTEMPTS} times while "
-            "publishing; retry"
-        )
 
     async def _drop_unused_lease(self, grant: asyncio.Future[Lease], used: int) -> None:
         """Revokes the lease ``grant`` gave unless it is ``used`` (or cancels the grant)."""

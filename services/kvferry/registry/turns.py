@@ -40,16 +40,15 @@ from kvferry.registry.etcd import (
 from kvferry.registry.keys import ConversationKey, KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.records import decode_record
+from kvferry.registry.txn_retry import until_settled
 from kvferry.runtime.clock import Clock, SystemClock
-from kvferry.runtime.errors import Aborted, ServiceError
+from kvferry.runtime.errors import ServiceError
 from kvferry.runtime.metrics import LEASE_TURN
 from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import resources_pb2 as resources
 
 log = logging.getLogger(__name__)
 
-# Attempts when marks come and go under a call (a mark ended between the write and the read of it).
-_TXN_ATTEMPTS = 4
 # Marks this registry took, remembered to renew and clear them in one round trip (oldest forgotten first:
 # a forgotten one costs a read more, nothing else).
 _HELD_MARKS = 65_536
@@ -170,13 +169,9 @@ class TurnStore:
             renewed = await self._renew_held(key, held)
             if renewed is not None:
                 return renewed
-        for _ in range(_TXN_ATTEMPTS):
-            begun = await self._try_begin(conversation, key, request_id, holder, ttl)
-            if begun is not None:
-                return begun
-        raise Aborted(
-            f"the turn mark of conversation {conversation_id} changed concurrently {_TXN_ATTEMPTS} times; "
-            "retry"
+        return await until_settled(
+            lambda: self._try_begin(conversation, key, request_id, holder, ttl),
+            changed=f"the turn mark of conversation {conversation_id}",
         )
 
     async def _try_begin(

@@ -9,15 +9,14 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 from kvferry.router.server import COST_PROFILES, REUSE_POLICIES, RouterConfig, RunningRouter, start_router
 from kvferry.runtime.flags import EnvFlags, add_log_level_flag, add_telemetry_flags
+from kvferry.runtime.front_door import DEFAULT_REGISTRY, add_front_door_flags, front_door_from_args
 from kvferry.runtime.host import run_service
 from kvferry.runtime.logs import setup_logging
-from kvferry.runtime.tls import add_tls_flags, tls_from_args
 
-_DEFAULTS = RouterConfig(registry_address="127.0.0.1:50051")
+_DEFAULTS = RouterConfig(registry_address=DEFAULT_REGISTRY)
 
 
 def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
@@ -26,12 +25,7 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         "the prefill/decode engines registered in the registry. API keys map to tenants (--tenants-file)."
     )
     flags = EnvFlags(parser, environ)
-    flags.add(
-        "--registry",
-        "KVFERRY_REGISTRY",
-        "registry gRPC address, HOST:PORT",
-        default=_DEFAULTS.registry_address,
-    )
+    add_front_door_flags(flags, "router", registry_timeout_seconds=_DEFAULTS.registry_timeout_seconds)
     flags.add(
         "--grpc-listen",
         "KVFERRY_ROUTER_GRPC_LISTEN",
@@ -43,23 +37,6 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         "KVFERRY_ROUTER_HTTP_LISTEN",
         "HTTP listen address (port 0: any)",
         default="127.0.0.1:8080",
-    )
-    flags.add(
-        "--tenants-file",
-        "KVFERRY_ROUTER_TENANTS_FILE",
-        "API keys -> tenants, a .toml or .json file (format: docs/router.md)",
-    )
-    flags.add(
-        "--api-keys",
-        "KVFERRY_ROUTER_API_KEYS",
-        "extra API keys as KEY=TENANT[,KEY=TENANT...] (for local stacks; prefer --tenants-file)",
-    )
-    flags.add(
-        "--registry-timeout",
-        "KVFERRY_ROUTER_REGISTRY_TIMEOUT",
-        "deadline of each registry call, seconds",
-        type=float,
-        default=_DEFAULTS.registry_timeout_seconds,
     )
     flags.add(
         "--cost-profile",
@@ -208,18 +185,18 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         default="uvloop",
         choices=("uvloop", "asyncio"),
     )
-    add_tls_flags(flags)
     add_telemetry_flags(flags)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    front = front_door_from_args(args)
     return RouterConfig(
-        registry_address=args.registry,
+        registry_address=front.registry_address,
         grpc_listen=args.grpc_listen,
         http_listen=args.http_listen,
-        tenants_file=Path(args.tenants_file) if args.tenants_file else None,
-        api_keys=args.api_keys or "",
-        registry_timeout_seconds=args.registry_timeout,
+        tenants_file=front.tenants_file,
+        api_keys=front.api_keys,
+        registry_timeout_seconds=front.registry_timeout_seconds,
         cost_profile=args.cost_profile,
         kv_recompute_threshold=args.kv_recompute_threshold,
         lease_margin_seconds=args.lease_margin,
@@ -243,7 +220,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         startup_sync_seconds=3.0,
         metrics_address=args.metrics_address or None,
         otlp_endpoint=args.otlp_endpoint or None,
-        tls=tls_from_args(args),
+        tls=front.tls,
     )
 
 

@@ -452,8 +452,10 @@ class HttpApi:
             except ServiceError as error:
                 await started.aclose()
                 return error_response(error)
+            events = _Resumed(first, started)
             return _ClosingStreamingResponse(
-                stream(turn, _Resumed(first, started)),
+                stream(turn, events),
+                events,
                 media_type="text/event-stream",
                 headers={**headers, "cache-control": "no-cache"},
             )
@@ -738,19 +740,25 @@ async def _client_gone(request: Request) -> None:
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """Closes its body generator however the response ends.
+    """Closes its body generator, then the turn's events, however the response ends.
 
     Starlette cancels the response of a client that left; cancelled inside a send rather than inside
     the generator, the generator's cleanup (closing the turn, which aborts its engine requests) would
-    otherwise wait for garbage collection.
+    otherwise wait for garbage collection. Cancelled before the generator started (the client left before
+    the first byte), the generator has no cleanup to run: closing ``events`` ends the turn then, giving back
+    its tenant slot and its conversation's mark at once. Closing them twice is harmless.
     """
 
-    def __init__(self, body: AsyncGenerator[bytes, None], **kwargs: Any) -> None:
+    def __init__(self, body: AsyncGenerator[bytes, None], events: ClosingEvents, **kwargs: Any) -> None:
         super().__init__(body, **kwargs)
         self._body = body
+        self._events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._body.aclose()
+            try:
+                await self._body.aclose()
+            finally:
+                await self._events.aclose()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from kvferry.pd.chat import ChatRequest
-from kvferry.router.validation import MAX_TOKENS
+from kvferry.router.validation import MAX_TOKENS, TokenId
 from kvferry.runtime.errors import InvalidArgument
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -222,7 +222,7 @@ class _Open(BaseModel):
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 _Float = Annotated[float, Field(allow_inf_nan=False)]
-_TokenIds = list[Annotated[int, Field(ge=0, lt=_INT64)]]
+_TokenIds = list[TokenId]
 
 
 class _FunctionCall(_Open):

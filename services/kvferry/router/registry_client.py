@@ -297,7 +297,11 @@ class GrpcRegistry:
         return bool(response.ended)
 
     async def list_engines(self) -> list[EngineInfo]:
-        engines: list[EngineInfo] = []
+        return [EngineInfo.from_proto(engine) for engine in await self.list_engine_records()]
+
+    async def list_engine_records(self) -> list[resources_pb2.Engine]:
+        """ListEngines, every page: the registered engines as the registry stores them."""
+        engines: list[resources_pb2.Engine] = []
         page_token = ""
         while True:
             try:
@@ -307,7 +311,7 @@ class GrpcRegistry:
                 )
             except grpc.aio.AioRpcError as error:
                 raise self._fail(error, "ListEngines") from None
-            engines.extend(EngineInfo.from_proto(e) for e in response.engines)
+            engines.extend(response.engines)
             page_token = response.next_page_token
             if not page_token:
                 return engines

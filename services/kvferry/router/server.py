@@ -198,9 +198,12 @@ class RunningRouter:
         watcher: EngineWatcher,
         metrics: RouterMetrics,
         tenant_limits: TenantLimits,
+        http_app: Starlette,
         https: bool = False,
     ) -> None:
         self.host = host
+        # The ASGI application the HTTP server serves (tests drive it directly to play a client exactly).
+        self.http_app = http_app
         self.https = https
         self.grpc_address = grpc_address
         self.http_host = http_host
@@ -349,6 +352,7 @@ async def start_router(
         watcher=watcher,
         metrics=metrics,
         tenant_limits=runner.tenant_limits,
+        http_app=app,
         https=config.tls is not None,
     )
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
 from kvferry.router.turns import SamplingOptions
 from kvferry.runtime.errors import InvalidArgument
 from kvferry.runtime.ids import check_id
+from pydantic import Field
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 MAX_MODEL_NAME = 256
@@ -14,6 +16,8 @@ MAX_STOP_STRINGS = 16
 # vLLM holds token ids as int32 (its input_ids buffers), so no model has an id above this; larger
 # ones (2^63 and up do not even fit the digest's int64) are the caller's mistake, not an engine's.
 MAX_TOKEN_ID = 2**31 - 1
+# One token id in a request model (chat's stop_token_ids...): the range :func:`token_ids` checks.
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 # vLLM keeps both in 64-bit (max_tokens in int32 buffers too): beyond these the engine answers with a raw
 # validation dump instead of a message the caller can act on.
 MAX_TOKENS = 2**31 - 1
