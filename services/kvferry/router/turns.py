@@ -4,7 +4,8 @@
   1. resolve the model; 2. turn the prompt into token ids (the engines' own tokenizer / chat
   template) while, for a conversation, taking its turn mark in the registry (one turn in flight per
   conversation, across router replicas: a second one is refused, ABORTED / HTTP 409, naming the running
-  one) and looking its retention up (the lookup opens the retention's read window:
+  one) and looking its retention up - in the router's retention index when it can answer, else in the
+  registry; the mark's answer confirms it (the lookup opens the retention's read window:
   :class:`~kvferry.pd.reuse.ReadWindow`); 3. check the length against the model's limit.
 ``execute`` (an async stream of :class:`TextOut`, then one :class:`TurnResult`):
   4-6. plan the attempt (:func:`kvferry.router.plan.plan_turn`: the proven prefix, pull or recompute,
@@ -48,6 +49,7 @@ from kvferry.router.limits import TenantLimits, TenantLimitSettings, TurnSlot
 from kvferry.router.observe import TurnTelemetry
 from kvferry.router.plan import PlanSettings, TurnPlan, plan_turn
 from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
+from kvferry.router.retention_index import RetentionIndex, RetentionLookups
 from kvferry.router.summary import summary_proto
 from kvferry.router.tenants import Tenant
 from kvferry.runtime.errors import Aborted, InvalidArgument, NotFound, ServiceError, Unavailable
@@ -258,7 +260,10 @@ class TurnRunner:
         telemetry: TurnTelemetry | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        index: RetentionIndex | None = None,
     ) -> None:
+        """``index``: the router's retention index, read first by lookups (None: every lookup asks the
+        registry)."""
         self.telemetry = telemetry or TurnTelemetry()
         self._engines = engines
         self._load = load
@@ -270,6 +275,7 @@ class TurnRunner:
         # clock) is compared with the wall clock, and only to shorten a window.
         self._clock = clock
         self._wall_clock = wall_clock
+        self._lookups = RetentionLookups(registry, index, wall_clock=wall_clock)
         self._background: set[asyncio.Task[None]] = set()
         self.tenant_limits = TenantLimits(settings.tenant_limits)
 
@@ -319,13 +325,19 @@ class TurnRunner:
         request_id = f"kvf-{uuid.uuid4().hex[:20]}"
         tenant, conversation_id = request.tenant.name, request.conversation_id
         # The mark, the lookup and the tokenization run together: an uncontended turn waits for none of the
-        # registry calls unless they are slower than tokenizing.
+        # registry calls unless they are slower than tokenizing. The read window opens before the mark is
+        # asked: a lookup the mark confirms was current when the registry read the mark's transaction.
+        looked_up_at = self._clock()
         marking = (
             asyncio.ensure_future(self._begin_turn(tenant, conversation_id, request_id))
             if conversation_id
             else None
         )
-        lookup = asyncio.ensure_future(self._lookup(tenant, conversation_id)) if conversation_id else None
+        lookup = (
+            asyncio.ensure_future(self._lookup(tenant, conversation_id, looked_up_at))
+            if conversation_id
+            else None
+        )
         tokenizing = asyncio.ensure_future(self._tokenize(model, request.prompt))
         try:
             if marking is not None:
@@ -339,9 +351,12 @@ class TurnRunner:
             if conversation_id and mark is not None and registry_ok:
                 found = retention.turn if retention is not None else 0
                 if mark.begun.retained_turn != found:
-                    # Looked up before the mark was taken, and a turn was published in between: the lookup
-                    # made now is current (the mark holds the conversation still).
-                    retention, window, registry_ok = await self._lookup(tenant, conversation_id)
+                    # The lookup is not what the registry held when the mark was taken (a turn was published
+                    # or ended in between, or the index lags): the registry's answer now is current (the
+                    # mark holds the conversation still).
+                    retention, window, registry_ok = await self._lookup(
+                        tenant, conversation_id, self._clock(), from_registry=True
+                    )
         except BaseException as error:
             for task in (lookup, tokenizing):
                 if task is not None:
@@ -440,15 +455,16 @@ class TurnRunner:
         raise Unavailable(f"no engine of model {model!r} could tokenize the prompt: {last_error}")
 
     async def _lookup(
-        self, tenant: str, conversation_id: str | None
+        self, tenant: str, conversation_id: str | None, looked_up_at: float, *, from_registry: bool = False
     ) -> tuple[RetentionRecord | None, ReadWindow | None, bool]:
-        """The conversation's retention and its read window, which opens *before* the registry is asked:
-        the registry may end the retention right after it answered, and D's grace then runs from there."""
+        """The conversation's retention and its read window, opened at ``looked_up_at``: *before* the
+        registry is asked (the registry may end the retention right after it answered, and D's grace then
+        runs from there), or before the mark that confirms an index hit is asked. ``from_registry``: not
+        from the index."""
         if conversation_id is None:
             return None, None, True
-        looked_up_at = self._clock()
         try:
-            retention = await self._registry.get_retention(tenant, conversation_id)
+            found = await self._lookups.lookup(tenant, conversation_id, from_registry=from_registry)
         except RegistryUnavailable as error:
             self.telemetry.registry_error("get_retention")
             log.warning(
@@ -456,6 +472,8 @@ class TurnRunner:
                 extra={"conversation_id": conversation_id, "error": str(error)},
             )
             return None, None, False
+        self.telemetry.retention_lookup(found.path)
+        retention = found.retention
         if retention is None:
             return None, None, True
         window = ReadWindow.opened(
