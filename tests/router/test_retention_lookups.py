@@ -1,19 +1,22 @@
 """A turn's retention lookup through the router's retention index (RetentionLookups, TurnRunner with an
 index): served in process when the index holds the conversation, from the registry on a miss, while the
 index is not synced or its stream is broken, and after the index saw the retention end; a stale hit is
-caught by the turn's mark. No servers: the index is fed by an in-memory stream; the same paths against
-the real registry and router are in test_router_index.py."""
+caught by the turn's mark; the setting that turns the index off. No servers: the index is fed by an
+in-memory stream; the same paths against the real registry and router are in test_router_index.py."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+from kvferry.router.cli import config_from_args, configure
 from kvferry.router.cost import Reuse
 from kvferry.router.registry_client import RetentionRecord
 from kvferry.router.retention_index import RetentionIndex, RetentionLookups
+from kvferry.router.server import RouterConfig
 from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
@@ -230,3 +233,17 @@ async def test_a_stale_hit_is_caught_by_the_mark_and_looked_up_in_the_registry()
     assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.NONE, 0, 1)
     assert cluster.registry.lookups == before + 1 + 1  # the recheck, the publication poll
     await cluster.background()
+
+
+def _router_config(argv: list[str], environ: dict[str, str]) -> RouterConfig:
+    parser = argparse.ArgumentParser()
+    configure(parser, environ)
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_the_index_is_on_by_default_and_turned_off_by_flag_or_environment() -> None:
+    assert _router_config([], {}).retention_index
+    assert not _router_config(["--retention-index", "off"], {}).retention_index
+    assert not _router_config([], {"KVFERRY_ROUTER_RETENTION_INDEX": "off"}).retention_index
+    flag_wins = _router_config(["--retention-index", "on"], {"KVFERRY_ROUTER_RETENTION_INDEX": "off"})
+    assert flag_wins.retention_index
