@@ -1,8 +1,9 @@
 """A turn's retention lookup through the router's retention index (RetentionLookups, TurnRunner with an
 index): served in process when the index holds the conversation, from the registry on a miss, while the
 index is not synced or its stream is broken, and after the index saw the retention end; a stale hit is
-caught by the turn's mark; the setting that turns the index off. No servers: the index is fed by an
-in-memory stream; the same paths against the real registry and router are in test_router_index.py."""
+caught by the turn's mark; a turn's publication seen in the index; the setting that turns the index
+off. No servers: the index is fed by an in-memory stream; the same paths against the real registry and
+router are in test_router_index.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+from kvferry.pd.engine_api import DecodeRequest
+from kvferry.pd.kvferry_params import ConversationMark
 from kvferry.router.cli import config_from_args, configure
 from kvferry.router.cost import Reuse
 from kvferry.router.registry_client import RetentionRecord
@@ -21,6 +24,7 @@ from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 
+from tests.pd.fake_engine import FakeEngine
 from tests.router.test_turns import NOW, PROMPT, TENANT, Cluster, FakeRegistry
 from tests.sidecar.helpers import eventually
 
@@ -211,8 +215,33 @@ async def test_a_turn_s_lookup_is_read_from_the_index_and_confirmed_by_its_mark(
         _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
     assert (first.turn, second.turn, second.reuse) == (1, 2, Reuse.PULL)
     assert second.pulled_tokens == len(PROMPT)
-    # Only the publication poll asked the registry: the lookup was the index's.
+    # Only the publication wait asked the registry (the index never heard of turn 2 here): the lookup was
+    # the index's.
     assert cluster.registry.lookups == before + 1
+    await cluster.background()
+
+
+async def test_a_turn_s_publication_is_seen_in_the_index_without_polling_the_registry() -> None:
+    watch = Watch()
+    cluster = Cluster(index=RetentionIndex(watch))
+    assert cluster.index is not None
+
+    def publish(engine: FakeEngine, request: DecodeRequest) -> None:
+        # What etcd's watch does after the sidecar's publish: the index hears of it.
+        cluster.registry.publish(engine, request)
+        mark = request.mark
+        if isinstance(mark, ConversationMark):
+            watch.send(PUBLISHED, cluster.registry.retentions[mark.tenant, mark.conversation_id])
+
+    for fake in cluster.fakes.values():
+        fake.on_finished = publish
+    async with following(cluster.index):
+        await synced(watch, cluster.index)
+        _, first = await cluster.turn(PROMPT)
+        _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    assert (first.turn, second.turn, second.reuse) == (1, 2, Reuse.PULL)
+    # Turn 1's lookup missed (nothing retained yet); nothing else asked the registry.
+    assert cluster.registry.lookups == 1
     await cluster.background()
 
 

@@ -43,6 +43,8 @@ class IndexEntry:
     record: RetentionRecord
     # The registry revision this entry reflects.
     revision: int
+    # The revision of the event that published it (renewals leave it).
+    published: int
 
 
 def _key(retention: resources_pb2.Retention) -> tuple[str, str]:
@@ -59,7 +61,7 @@ def apply_event(
     if entry is not None and revision <= entry.revision:
         return  # what the entry already reflects
     if event.type == registry_pb2.RETENTION_EVENT_TYPE_PUBLISHED:
-        entries[key] = IndexEntry(RetentionRecord.from_proto(retention), revision)
+        entries[key] = IndexEntry(RetentionRecord.from_proto(retention), revision, revision)
         return
     if entry is None or entry.record.engine_request_id != retention.engine_request_id:
         return  # not the turn the index holds (an older one, or one it never saw)
@@ -94,6 +96,14 @@ class RetentionIndex:
         if entry is None or entry.record.expire_time <= now:
             return None
         return entry.record
+
+    def turn_since(self, tenant: str, conversation_id: str, after_revision: int, now: float) -> int:
+        """The conversation's live turn if it was published after registry revision ``after_revision``
+        (as the index saw it), else 0."""
+        entry = self._entries.get((tenant, conversation_id))
+        if entry is None or entry.published <= after_revision or entry.record.expire_time <= now:
+            return 0
+        return entry.record.turn
 
     async def run(self) -> None:
         """Follows the registry until cancelled, opening the stream again when it breaks."""
@@ -201,3 +211,10 @@ class RetentionLookups:
                 return Lookup(found, "index")
             path = "miss"
         return Lookup(await self._registry.get_retention(tenant, conversation_id), path)
+
+    def indexed_turn(self, tenant: str, conversation_id: str, after_revision: int) -> int | None:
+        """The conversation's live turn in the index if its entry is newer than ``after_revision`` (else
+        0); None when the index is off or not serving."""
+        if self.index is None or not self.index.serving:
+            return None
+        return self.index.turn_since(tenant, conversation_id, after_revision, self._wall_clock())

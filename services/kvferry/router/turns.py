@@ -11,9 +11,10 @@
   4-6. plan the attempt (:func:`kvferry.router.plan.plan_turn`: the proven prefix, pull or recompute,
   the engines); 7. run :func:`kvferry.pd.sequence.prefill_then_decode`: prefill with ``max_tokens=1``
   (pulling the prefix if chosen), then stream the decode, marked so its connector retains the
-  conversation for the next turn; 8. wait (bounded) until the registry shows the new retention, so the
-  next turn - on any router replica - finds it; 9. clear the turn's mark (renewed meanwhile), before the
-  client has the result, so its next turn is never refused.
+  conversation for the next turn; 8. wait (bounded) until the registry shows the new retention (seen in
+  the router's retention index, else asked), so the next turn - on any router replica - finds it;
+  9. clear the turn's mark (renewed meanwhile), before the client has the result, so its next turn is
+  never refused.
 An engine failing before the first token reaches the client is retried once on other engines by
 recompute; after the first token the client gets a clear error. The retention is renewed every turn.
 The engines and the registry come in through ports (:class:`EnginePort`, :class:`RetentionPort`).
@@ -58,6 +59,10 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
+
+# How long a turn waits for its publication to show in the router's retention index before it asks the
+# registry as well (a lagging index then costs registry polls, never a turn reported unpublished).
+INDEX_PUBLICATION_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,8 @@ class PreparedTurn:
     span: Span = trace.INVALID_SPAN
     # The tenant's slot for this turn (kvferry.router.limits), given back when the turn's stream ends.
     slot: TurnSlot | None = None
+    # The router's retention index's revision before the turn ran (0: no index).
+    index_revision: int = 0
 
 
 @dataclass(frozen=True)
@@ -328,6 +335,8 @@ class TurnRunner:
         # registry calls unless they are slower than tokenizing. The read window opens before the mark is
         # asked: a lookup the mark confirms was current when the registry read the mark's transaction.
         looked_up_at = self._clock()
+        # What the router's index held before this turn ran: its publication comes after.
+        index_revision = self._lookups.index.revision if self._lookups.index is not None else 0
         marking = (
             asyncio.ensure_future(self._begin_turn(tenant, conversation_id, request_id))
             if conversation_id
@@ -398,6 +407,7 @@ class TurnRunner:
             started=started,
             read_window=window,
             mark=held_mark,
+            index_revision=index_revision,
         )
 
     def _model_engines(self, model: str) -> list[EngineInfo]:
@@ -748,7 +758,9 @@ class TurnRunner:
         finished = time.perf_counter()
         polls = 0
         if mark is not None and decoded.finish_reason in NORMAL_FINISH_REASONS:
-            retained_turn, polls = await self._await_publication(mark, plan.decode.engine_id)
+            retained_turn, polls = await self._await_publication(
+                mark, plan.decode.engine_id, turn.index_revision
+            )
         prompt_len = len(turn.token_ids)
         pulled = prefilled.pulled_tokens
         result = TurnResult(
@@ -813,22 +825,35 @@ class TurnRunner:
             tenant=request.tenant.name, conversation_id=request.conversation_id, turn=retained_turn + 1
         )
 
-    async def _await_publication(self, mark: ConversationMark, engine_id: str) -> tuple[int, int]:
+    async def _await_publication(
+        self, mark: ConversationMark, engine_id: str, index_revision: int
+    ) -> tuple[int, int]:
         """The turn the registry holds once this turn's retention is published (0: not in time), and
-        how many lookups that took."""
+        how many registry lookups that took. The router's retention index shows a publication as soon as
+        etcd committed it (its watch is fed from etcd): while it is serving it is read first, and the
+        registry asked only when it has not shown the turn within ``INDEX_PUBLICATION_SECONDS`` (and once
+        before giving up). Only an index entry newer than ``index_revision`` (the index's revision before
+        the turn ran) counts: an older record of the same turn number is not this turn's."""
         started = time.monotonic()
         deadline = started + self._settings.publish_wait_seconds
         polls = 0
         while True:
-            polls += 1
-            try:
-                record = await self._registry.get_retention(mark.tenant, mark.conversation_id)
-            except (RegistryUnavailable, ServiceError):
-                record = None
-            if record is not None and record.turn >= mark.turn:
-                return record.turn, polls
-            delay = 0.003 if time.monotonic() - started < 0.05 else 0.02
-            if time.monotonic() + delay > deadline:
+            indexed = self._lookups.indexed_turn(mark.tenant, mark.conversation_id, index_revision)
+            if indexed is not None and indexed >= mark.turn:
+                return indexed, polls
+            elapsed = time.monotonic() - started
+            delay = 0.003 if elapsed < 0.05 else 0.02
+            last = time.monotonic() + delay > deadline
+            if indexed is None or elapsed >= INDEX_PUBLICATION_SECONDS or last:
+                polls += 1
+                try:
+                    record = await self._registry.get_retention(mark.tenant, mark.conversation_id)
+                except (RegistryUnavailable, ServiceError):
+                    record = None
+                if record is not None and record.turn >= mark.turn:
+                    return record.turn, polls
+                last = time.monotonic() + delay > deadline
+            if last:
                 log.warning(
                     "the new retention did not appear in the registry in time; the next turn may recompute",
                     extra={
