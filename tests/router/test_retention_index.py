@@ -46,13 +46,13 @@ def test_events_are_judged_by_revision_and_by_the_turn_held() -> None:
     entries: dict[tuple[str, str], IndexEntry] = {}
     apply_event(entries, _event(PUBLISHED, "r1", 10))
     apply_event(entries, _event(RENEWED, "r1", 12, expire=200.0))
-    assert entries["t", "c"].expire_ns == 200 * 10**9
+    assert entries["t", "c"].record.expire_time == 200.0
     apply_event(entries, _event(PUBLISHED, "r1", 9))  # older than what the entry reflects
     assert entries["t", "c"].revision == 12
     apply_event(entries, _event(PUBLISHED, "r2", 15, turn=2))  # a newer turn
     apply_event(entries, _event(ENDED, "r1", 15))  # the older turn's end, same revision: old news
     apply_event(entries, _event(ENDED, "r1", 16))  # not the turn held
-    assert entries["t", "c"].retention.engine_request_id == "r2"
+    assert entries["t", "c"].record.engine_request_id == "r2"
     apply_event(entries, _event(ENDED, "r2", 17))
     assert not entries
 
@@ -79,22 +79,25 @@ async def test_the_index_follows_the_registry_and_rebuilds_from_its_snapshot(
     client = GrpcRegistry(registry.channel(), timeout_seconds=5)
 
     async with _running(RetentionIndex(client.watch_all_retentions)) as index:
-        found = index.get(tenant, "before", time.time())  # from the snapshot
+        found = index.find(tenant, "before", time.time())  # from the snapshot
         assert found is not None and len(found.block_ids) == 4
 
         await publish(stub, retention(tenant, "after", engine_id, turn=1))
         await publish(stub, retention(tenant, "before", engine_id, turn=2, num_tokens=80))
-        await eventually(
-            lambda: (index.get(tenant, "before", time.time()) or resources.Retention()).turn == 2
-        )
-        assert index.get(tenant, "after", time.time()) is not None
 
-        old_expiry = index._entries[tenant, "after"].expire_ns
+        def turn_held(conversation_id: str) -> int:
+            found = index.find(tenant, conversation_id, time.time())
+            return found.turn if found is not None else 0
+
+        await eventually(lambda: turn_held("before") == 2)
+        assert index.find(tenant, "after", time.time()) is not None
+
+        old_expiry = index._entries[tenant, "after"].record.expire_time
         await asyncio.sleep(1.1)
         await stub.RenewRetention(
             api.RenewRetentionRequest(tenant=tenant, conversation_id="after"), timeout=5
         )
-        await eventually(lambda: index._entries[tenant, "after"].expire_ns > old_expiry)
+        await eventually(lambda: index._entries[tenant, "after"].record.expire_time > old_expiry)
 
         await stub.ReleaseRetention(
             api.ReleaseRetentionRequest(
@@ -102,10 +105,10 @@ async def test_the_index_follows_the_registry_and_rebuilds_from_its_snapshot(
             ),
             timeout=5,
         )
-        await eventually(lambda: index.get(tenant, "after", time.time()) is None)
+        await eventually(lambda: index.find(tenant, "after", time.time()) is None)
 
     # A restarted router rebuilds the index from the snapshot before it is ready.
     async with _running(RetentionIndex(client.watch_all_retentions)) as fresh:
-        rebuilt = fresh.get(tenant, "before", time.time())
+        rebuilt = fresh.find(tenant, "before", time.time())
         assert rebuilt is not None and rebuilt.turn == 2 and len(rebuilt.block_ids) == 5
-        assert fresh.get(tenant, "after", time.time()) is None
+        assert fresh.find(tenant, "after", time.time()) is None

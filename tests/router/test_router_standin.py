@@ -792,10 +792,14 @@ async def test_traces_and_metrics(router_factory: RouterFactory, standin_factory
     spans = {s.name: s for s in exporter.get_finished_spans()}
     server, turn = spans["kvferry.v1.RouterService/Generate"], spans["kvferry.turn"]
     assert turn.parent is not None and turn.parent.span_id == server.context.span_id
-    lookups = [
-        s for s in exporter.get_finished_spans() if s.name == "kvferry.v1.RegistryService/GetRetention"
+    # The turn's registry calls (its mark; the lookup is the router's index's) nest under the turn.
+    registry_calls = [
+        s
+        for s in exporter.get_finished_spans()
+        if s.name in ("kvferry.v1.RegistryService/BeginTurn", "kvferry.v1.RegistryService/EndTurn")
     ]
-    assert lookups and all(s.parent is not None and s.parent.span_id == turn.context.span_id for s in lookups)
+    assert len(registry_calls) >= 2
+    assert all(s.parent is not None and s.parent.span_id == turn.context.span_id for s in registry_calls)
     assert turn.attributes is not None
     assert turn.attributes["kvferry.reuse_decision"] == "pull"
     assert turn.attributes["kvferry.conversation"] == conv
@@ -809,6 +813,7 @@ async def test_traces_and_metrics(router_factory: RouterFactory, standin_factory
     assert 'kvferry_turns_total{reuse="pull"} 1.0' in scraped
     assert f"kvferry_tokens_pulled_total {float(summary.pulled_tokens)}" in scraped
     assert "kvferry_reuse_hits_total 1.0" in scraped
+    assert 'kvferry_retention_lookups_total{path="index"}' in scraped
 
 
 async def test_start_fails_cleanly_on_a_busy_port(router_factory: RouterFactory) -> None:

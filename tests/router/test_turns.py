@@ -22,6 +22,7 @@ from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.router.limits import TenantLimits, TenantLimitSettings
 from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
+from kvferry.router.retention_index import RetentionIndex
 from kvferry.router.tenants import Tenant
 from kvferry.router.turns import (
     ChatOut,
@@ -136,6 +137,8 @@ class Cluster:
     load: LoadTracker = field(default_factory=LoadTracker)
     # Both the monotonic and the wall clock the runner reads (tests move it).
     now: float = NOW
+    # The router's retention index the runner reads first (None: lookups ask the registry).
+    index: RetentionIndex | None = None
 
     def __post_init__(self) -> None:
         for engine_id in ("p1", "p2", "d1", "d2"):
@@ -163,6 +166,7 @@ class Cluster:
             settings=SETTINGS,
             clock=lambda: self.now,
             wall_clock=lambda: self.now,
+            index=self.index,
         )
 
     def get(self, engine: EngineInfo) -> EngineApi:

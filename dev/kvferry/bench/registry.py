@@ -6,7 +6,9 @@ Phases (``--phases``):
   ``--clients`` (closed loop: each client sends its next call when the last one answered);
   ops/s and p50/p99 latency.
 - ``paced``: lookups at a fixed ``--paced-rate`` (open loop) for ``--paced-seconds``; p50/p99/max
-  measured from each call's scheduled start, so a stalled client shows up as latency.
+  measured from each call's scheduled start, so a stalled client shows up as latency. Then the same
+  rate of lookups as a turn makes them: through a router's retention index (fed by
+  ``WatchAllRetentions``), each call timed.
 - ``hold``: publishes ``--hold-retentions`` retentions with ``--hold-ttl`` and renews each one
   every TTL/3 for ``--hold-seconds``; reports how many are still live at the end, the renewal
   rate it needed and reached, and how late renewals ran.
@@ -655,6 +657,22 @@ async def _main(args: argparse.Namespace) -> int:
             results["paced_etcd_floor"] = floors
             p99s = sorted(run["p99_ms"] for run in runs)
             print(f"paced lookup p99 over {len(runs)} runs: median {p99s[len(p99s) // 2]:.2f} ms, all {p99s}")
+            # The same lookups as a turn makes them: the router's retention index, fed by WatchAllRetentions.
+            async with registry_scale.router_index(workload) as (lookups, _):
+                index_runs = []
+                for _ in range(args.paced_repeats):
+                    index_runs.append(
+                        await registry_scale.paced_index_lookups(
+                            lookups, workload.tenant, conversations, args.paced_rate, args.paced_seconds
+                        )
+                    )
+                    print(registry_scale.paced_index_line(index_runs[-1]), flush=True)
+            results["paced_index"] = index_runs
+            index_p99s = sorted(round(run["p99_ms"], 4) for run in index_runs)
+            print(
+                f"paced lookup p99 through the router index over {len(index_runs)} runs: median "
+                f"{index_p99s[len(index_p99s) // 2]:.4f} ms, all {index_p99s}"
+            )
 
         if "hold" in phases:
             held = await hold(workload, args, cpu, deployment)

@@ -19,7 +19,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +221,7 @@ async def scale(
 
     await asyncio.gather(*(looker(client) for client in range(16)))
     ordered_lookups, ordered_lateness = sorted(latencies), sorted(lateness)
-    index = await _index_figures(workload, names)
+    index = await _index_figures(workload, names, args.paced_rate, args.scale_lookups)
 
     rate = renewed / renew_seconds
     wal_per_second = (renew_after.get("wal_bytes", 0) - renew_before.get("wal_bytes", 0)) / renew_seconds
@@ -263,6 +263,7 @@ async def scale(
         "lookup_p50_ms": percentile(ordered_lookups, 0.5) * 1e3,
         "lookup_p99_ms": percentile(ordered_lookups, 0.99) * 1e3,
         "router_index": index,
+        "router_index_rate": args.paced_rate,
         "projection": {
             "retentions": PROJECTED_RETENTIONS,
             "renewals_per_second": needed_rate,
@@ -279,43 +280,83 @@ def _rss_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-async def _index_figures(workload: Any, names: list[str]) -> dict[str, Any]:
-    """A router's retention index fed by WatchAllRetentions: time to sync, memory per retention
-    (resident-set growth of this process), and in-process lookup latency."""
+@contextlib.asynccontextmanager
+async def router_index(workload: Any) -> AsyncIterator[tuple[Any, float]]:
+    """A router's retention index fed by WatchAllRetentions from the bench's registry, synced, and the
+    turn's lookup over it (``RetentionLookups``); yields the lookups and the seconds the sync took."""
     from kvferry.router.registry_client import GrpcRegistry
-    from kvferry.router.retention_index import RetentionIndex
+    from kvferry.router.retention_index import RetentionIndex, RetentionLookups
 
     client = GrpcRegistry(workload.channel(0), timeout_seconds=60)
-    gc.collect()
-    before = _rss_bytes()
     index = RetentionIndex(client.watch_all_retentions)
     started = time.monotonic()
     task = asyncio.create_task(index.run())
     try:
         await asyncio.wait_for(index.ready.wait(), 600)
-        sync_seconds = time.monotonic() - started
-        gc.collect()
-        grown = _rss_bytes() - before
-        chooser = random.Random(9)
-        samples: list[float] = []
-        now = time.time()
-        for _ in range(100_000):
-            name = chooser.choice(names)
-            sent = time.perf_counter_ns()
-            index.get(workload.tenant, name, now)
-            samples.append((time.perf_counter_ns() - sent) / 1e6)
-        samples.sort()
-        return {
-            "entries": len(index),
-            "sync_seconds": sync_seconds,
-            "bytes_per_retention": grown / max(1, len(index)),
-            "lookup_p50_ms": samples[len(samples) // 2],
-            "lookup_p99_ms": samples[int(len(samples) * 0.99)],
-        }
+        yield RetentionLookups(client, index), time.monotonic() - started
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def paced_index_lookups(
+    lookups: Any, tenant: str, names: list[str], rate: float, seconds: float
+) -> dict[str, Any]:
+    """Lookups at ``rate`` per second for ``seconds``, each as a turn makes it (``RetentionLookups.lookup``:
+    the index, the registry when it cannot answer); the time of each call, and where it was answered."""
+    loop = asyncio.get_running_loop()
+    chooser = random.Random(9)
+    samples: list[float] = []
+    paths: collections.Counter[str] = collections.Counter()
+    start = loop.time() + 0.05
+    for number in range(int(rate * seconds)):
+        if (delay := start + number / rate - loop.time()) > 0:
+            await asyncio.sleep(delay)
+        name = chooser.choice(names)
+        sent = time.perf_counter_ns()
+        found = await lookups.lookup(tenant, name)
+        samples.append((time.perf_counter_ns() - sent) / 1e6)
+        paths[found.path if found.retention is not None else f"{found.path}/none"] += 1
+    elapsed = loop.time() - start
+    samples.sort()
+    return {
+        "target_rate": rate,
+        "achieved_rate": len(samples) / elapsed,
+        "lookups": len(samples),
+        "paths": dict(paths),
+        "p50_ms": samples[len(samples) // 2],
+        "p99_ms": samples[int(len(samples) * 0.99)],
+        "max_ms": samples[-1],
+    }
+
+
+def paced_index_line(result: dict[str, Any]) -> str:
+    return (
+        f"paced lookups as a turn makes them (router index): target={result['target_rate']:.0f}/s "
+        f"achieved={result['achieved_rate']:.0f}/s p50={result['p50_ms'] * 1e3:.1f}us "
+        f"p99={result['p99_ms'] * 1e3:.1f}us max={result['max_ms'] * 1e3:.1f}us answered by {result['paths']}"
+    )
+
+
+async def _index_figures(workload: Any, names: list[str], rate: float, seconds: float) -> dict[str, Any]:
+    """A router's retention index fed by WatchAllRetentions: time to sync, memory per retention
+    (resident-set growth of this process), and the turn's lookup latency over it at ``rate``/s."""
+    gc.collect()
+    before = _rss_bytes()
+    async with router_index(workload) as (lookups, sync_seconds):
+        gc.collect()
+        grown = _rss_bytes() - before
+        entries = len(lookups.index)
+        paced = await paced_index_lookups(lookups, workload.tenant, names, rate, seconds)
+    return {
+        "entries": entries,
+        "sync_seconds": sync_seconds,
+        "bytes_per_retention": grown / max(1, entries),
+        "lookup_p50_ms": paced["p50_ms"],
+        "lookup_p99_ms": paced["p99_ms"],
+        "lookup_paths": paced["paths"],
+    }
 
 
 def scale_line(result: dict[str, Any]) -> str:
@@ -335,8 +376,9 @@ def scale_line(result: dict[str, Any]) -> str:
         f"({result['lookup_misses']} missed); "
         f"cpu {result['renew_cpu']}\n"
         f"router index: {index['entries']} synced in {index['sync_seconds']:.1f}s, "
-        f"{index['bytes_per_retention'] / 1e3:.1f} KB per retention, lookup p50 "
-        f"{index['lookup_p50_ms'] * 1e3:.1f} us p99 {index['lookup_p99_ms'] * 1e3:.1f} us\n"
+        f"{index['bytes_per_retention'] / 1e3:.1f} KB per retention, lookups as a turn makes them at "
+        f"{result['router_index_rate']:.0f}/s p50 {index['lookup_p50_ms'] * 1e3:.1f} us p99 "
+        f"{index['lookup_p99_ms'] * 1e3:.1f} us (answered by {index['lookup_paths']})\n"
         f"projection to {projection['retentions']:,} (renewals at TTL/3: "
         f"{projection['renewals_per_second']:.0f}/s): cpu cores {cores}; etcd WAL "
         f"{projection['etcd_wal_bytes_per_second'] / 1e6:.1f} MB/s; "

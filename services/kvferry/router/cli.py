@@ -177,6 +177,15 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         type=int,
         default=_DEFAULTS.max_http_connections,
     )
+    flags.add(
+        "--retention-index",
+        "KVFERRY_ROUTER_RETENTION_INDEX",
+        "on: keep a local index of every live retention (one registry watch), look turns' retentions up "
+        "there first (the registry when it misses) and report ready once it is synced; off: every lookup "
+        "asks the registry",
+        default="on" if _DEFAULTS.retention_index else "off",
+        choices=("on", "off"),
+    )
     add_log_level_flag(flags)
     flags.add(
         "--event-loop",
@@ -216,6 +225,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_turns_per_tenant=args.max_turns_per_tenant,
         max_concurrent_streams=args.max_concurrent_streams,
         max_http_connections=args.max_http_connections,
+        retention_index=args.retention_index == "on",
         # The service starts even with the registry away and syncs when it comes.
         startup_sync_seconds=3.0,
         metrics_address=args.metrics_address or None,

@@ -193,6 +193,7 @@ class HttpApi:
         responses: ResponseStore,
         registry_connected: Callable[[], bool],
         max_body_bytes: int,
+        index_synced: Callable[[], bool] = lambda: True,
         metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         self._metrics_registry = metrics_registry
@@ -202,6 +203,7 @@ class HttpApi:
         self._conversations = conversations
         self._responses = responses
         self._registry_connected = registry_connected
+        self._index_synced = index_synced
         self._max_body_bytes = max_body_bytes
 
     def app(self) -> Starlette:
@@ -228,11 +230,13 @@ class HttpApi:
     async def health(self, request: Request) -> Response:
         prefill = sum(1 for e in self._engines.all() if e.can_prefill)
         decode = sum(1 for e in self._engines.all() if e.can_decode)
-        ready = prefill > 0 and decode > 0
+        synced = self._index_synced()
+        ready = prefill > 0 and decode > 0 and synced
         return JSONResponse(
             {
-                "status": "ok" if ready else "no_engines",
+                "status": "ok" if ready else "no_engines" if synced else "retention_index_not_synced",
                 "registry_connected": self._registry_connected(),
+                "retention_index_synced": synced,
                 "engines": {"prefill": prefill, "decode": decode},
             },
             status_code=200 if ready else 503,

@@ -54,6 +54,14 @@ class RouterMetrics:
             "Lookups that found a usable retention (hit rate = hits / lookups).",
             registry=r,
         )
+        self.retention_lookups = Counter(
+            "kvferry_retention_lookups",
+            "Turns' retention lookups by where they were answered: index (the router's retention index), "
+            "else the registry because the index missed, was not synced, is off, or a recheck was needed "
+            "(registry).",
+            ["path"],
+            registry=r,
+        )
         self.tokens_pulled = Counter(
             "kvferry_tokens_pulled", "Prompt tokens whose KV was pulled from a retention.", registry=r
         )
@@ -66,6 +74,8 @@ class RouterMetrics:
         for decision in router_service_pb2.ReuseDecision.values():
             if decision != router_service_pb2.REUSE_DECISION_UNSPECIFIED:
                 self.turns.labels(reuse=reuse_label(decision))
+        for path in ("index", "miss", "not_synced", "off", "registry"):
+            self.retention_lookups.labels(path=path)
 
     def record_turn(self, summary: router_service_pb2.TurnSummary) -> None:
         """Counts one finished turn from the router's ``TurnSummary``."""

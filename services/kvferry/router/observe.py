@@ -61,6 +61,11 @@ class TurnTelemetry:
         span.record_exception(error)
         span.set_status(Status(StatusCode.ERROR, str(error)[:200]))
 
+    def retention_lookup(self, path: str) -> None:
+        """One retention lookup of a turn, by where it was answered (``retention_index.LookupPath``)."""
+        if self.metrics is not None:
+            self.metrics.retention_lookups.labels(path=path).inc()
+
     def registry_error(self, op: str) -> None:
         if self.metrics is not None:
             self.metrics.registry_errors.labels(op=op).inc()

@@ -5,7 +5,12 @@ publish, renewal and end. The index answers a lookup in process (a dict read); i
 the authority: the registry stays authoritative and the pull-time generation fence catches a stale
 record (a stale miss costs a recompute). Each router replica keeps its own; ``ready`` is set once the
 first snapshot is complete (report ready only then), and a broken stream is opened again, its
-snapshot replacing the index when complete.
+snapshot replacing the index when complete. While the stream is broken (until the new snapshot is
+complete) the index is not ``serving``: lookups go to the registry.
+
+:class:`RetentionLookups` is a turn's lookup: the index when it is serving and holds the conversation,
+else the registry's ``GetRetention`` (a miss too: the record may be newer than the index). How a turn
+confirms what the index said: docs/router.md, "The registry: renewals and the local retention index".
 
 Events are judged by revision: each entry remembers the revision it reflects, and an event at or
 below it is old news (the snapshot is read after the watch starts, so some events repeat it).
@@ -14,10 +19,14 @@ below it is old news (the snapshot is read after the watch starts, so some event
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
+from kvferry.router.registry_client import RetentionRecord
 from kvferry.runtime.backoff import Backoff, BackoffPolicy
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
@@ -29,12 +38,13 @@ RESYNC_BACKOFF = BackoffPolicy(initial_seconds=0.2, max_seconds=5.0)
 
 @dataclass(slots=True)
 class IndexEntry:
-    # The whole record as the registry sent it (protobuf keeps block ids and digests compactly).
-    retention: resources_pb2.Retention
-    # Lease end, Unix nanoseconds (moved by renewals).
-    expire_ns: int
+    # The whole record, converted when it arrives (off the turn's path: converting a 128k-token record's
+    # block ids and digests takes around a millisecond), its lease end moved by renewals.
+    record: RetentionRecord
     # The registry revision this entry reflects.
     revision: int
+    # The revision of the event that published it (renewals leave it).
+    published: int
 
 
 def _key(retention: resources_pb2.Retention) -> tuple[str, str]:
@@ -51,12 +61,14 @@ def apply_event(
     if entry is not None and revision <= entry.revision:
         return  # what the entry already reflects
     if event.type == registry_pb2.RETENTION_EVENT_TYPE_PUBLISHED:
-        entries[key] = IndexEntry(retention, retention.expire_time.ToNanoseconds(), revision)
+        entries[key] = IndexEntry(RetentionRecord.from_proto(retention), revision, revision)
         return
-    if entry is None or entry.retention.engine_request_id != retention.engine_request_id:
+    if entry is None or entry.record.engine_request_id != retention.engine_request_id:
         return  # not the turn the index holds (an older one, or one it never saw)
     if event.type == registry_pb2.RETENTION_EVENT_TYPE_RENEWED:
-        entry.expire_ns = max(entry.expire_ns, retention.expire_time.ToNanoseconds())
+        expire_time = retention.expire_time.seconds + retention.expire_time.nanos / 1e9
+        if expire_time > entry.record.expire_time:
+            entry.record = dataclasses.replace(entry.record, expire_time=expire_time)
         entry.revision = revision
     elif event.type == registry_pb2.RETENTION_EVENT_TYPE_ENDED:
         del entries[key]
@@ -68,48 +80,141 @@ class RetentionIndex:
     def __init__(self, watch: Callable[[], AsyncIterator[registry_pb2.WatchAllRetentionsResponse]]) -> None:
         self._watch = watch
         self._entries: dict[tuple[str, str], IndexEntry] = {}
+        # Set once the first snapshot is complete (and stays set): report ready only then.
         self.ready = asyncio.Event()
+        # Synced and following: the stream is up and its snapshot was complete.
+        self.serving = False
         self.revision = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, tenant: str, conversation_id: str, now: float) -> resources_pb2.Retention | None:
-        """The live retention the index knows for the conversation (unexpired at ``now``), or None."""
+    def find(self, tenant: str, conversation_id: str, now: float) -> RetentionRecord | None:
+        """The live retention the index knows for the conversation (unexpired at ``now``, Unix seconds),
+        with the latest lease end it has seen; None when it knows none."""
         entry = self._entries.get((tenant, conversation_id))
-        if entry is None or entry.expire_ns <= now * 1e9:
+        if entry is None or entry.record.expire_time <= now:
             return None
-        return entry.retention
+        return entry.record
+
+    def turn_since(self, tenant: str, conversation_id: str, after_revision: int, now: float) -> int:
+        """The conversation's live turn if it was published after registry revision ``after_revision``
+        (as the index saw it), else 0."""
+        entry = self._entries.get((tenant, conversation_id))
+        if entry is None or entry.published <= after_revision or entry.record.expire_time <= now:
+            return 0
+        return entry.record.turn
 
     async def run(self) -> None:
         """Follows the registry until cancelled, opening the stream again when it breaks."""
         backoff = Backoff(RESYNC_BACKOFF)
-        while True:
-            try:
-                await self._follow_once(backoff)
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
+        try:
+            while True:
+                try:
+                    await self._follow_once(backoff)
+                    error = "the registry ended the stream"
+                except asyncio.CancelledError:
+                    raise
+                except Exception as failure:
+                    error = str(failure)
+                self.serving = False
+                delay = backoff.next_delay()
                 log.warning(
-                    "retention index stream broke; resyncing",
-                    extra={"error": str(error), "entries": len(self._entries), "revision": self.revision},
+                    "retention index stream broke; lookups go to the registry until it is synced again",
+                    extra={
+                        "error": error,
+                        "entries": len(self._entries),
+                        "revision": self.revision,
+                        "retry_in_s": round(delay, 3),
+                    },
                 )
-            await backoff.wait()
+                await asyncio.sleep(delay)
+        finally:
+            self.serving = False
 
     async def _follow_once(self, backoff: Backoff) -> None:
         building: dict[tuple[str, str], IndexEntry] = {}
         synced = False
+        started = time.monotonic()
         async for event in self._watch():
             if not synced:
                 if event.type == registry_pb2.RETENTION_EVENT_TYPE_SYNCED:
                     # The new snapshot replaces the index at once; the old one served until now.
                     self._entries, building, synced = building, {}, True
                     self.revision = event.header.revision
+                    self.serving = True
                     self.ready.set()
                     backoff.reset()
-                    log.info("retention index synced", extra={"entries": len(self._entries)})
+                    log.info(
+                        "retention index synced",
+                        extra={
+                            "entries": len(self._entries),
+                            "revision": self.revision,
+                            "seconds": round(time.monotonic() - started, 3),
+                        },
+                    )
                 else:
                     apply_event(building, event)
                 continue
             apply_event(self._entries, event)
             self.revision = max(self.revision, event.header.revision)
+
+
+class RetentionSource(Protocol):
+    """The registry's lookup (:class:`~kvferry.router.registry_client.GrpcRegistry`; fakes in tests)."""
+
+    async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None: ...
+
+
+# Where a lookup was answered: "index" (in process), else the registry and why (the index missed, was not
+# serving, is turned off, or the caller asked the registry).
+LookupPath = Literal["index", "miss", "not_synced", "off", "registry"]
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    retention: RetentionRecord | None
+    path: LookupPath
+
+
+class RetentionLookups:
+    """A turn's retention lookup: read from ``index`` while it is serving, else ``GetRetention``.
+
+    A hit is a hint the turn confirms (the turn's mark reads the retained turn in the registry); a miss
+    asks the registry, which may hold a record newer than the index. ``index`` None: always the registry.
+    """
+
+    def __init__(
+        self,
+        registry: RetentionSource,
+        index: RetentionIndex | None,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._registry = registry
+        self.index = index
+        self._wall_clock = wall_clock
+
+    async def lookup(self, tenant: str, conversation_id: str, *, from_registry: bool = False) -> Lookup:
+        """The conversation's retention; ``from_registry``: skip the index. Raises what the registry
+        raises (``RegistryUnavailable``) when it is asked."""
+        path: LookupPath
+        if from_registry:
+            path = "registry"
+        elif self.index is None:
+            path = "off"
+        elif not self.index.serving:
+            path = "not_synced"
+        else:
+            found = self.index.find(tenant, conversation_id, self._wall_clock())
+            if found is not None:
+                return Lookup(found, "index")
+            path = "miss"
+        return Lookup(await self._registry.get_retention(tenant, conversation_id), path)
+
+    def indexed_turn(self, tenant: str, conversation_id: str, after_revision: int) -> int | None:
+        """The conversation's live turn in the index if its entry is newer than ``after_revision`` (else
+        0); None when the index is off or not serving."""
+        if self.index is None or not self.index.serving:
+            return None
+        return self.index.turn_since(tenant, conversation_id, after_revision, self._wall_clock())

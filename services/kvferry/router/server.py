@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 import uvicorn
+from grpc_health.v1 import health, health_pb2
 from kvferry.pd.engine_client import HttpTimeouts
 from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, max_read_window, read_window_fits
 from kvferry.router.calibration import CPU_DEFAULT, GPU_PROFILES, CostProfile
@@ -31,6 +32,7 @@ from kvferry.router.metrics import RouterMetrics
 from kvferry.router.observe import TurnTelemetry
 from kvferry.router.openai_responses import ResponseStore
 from kvferry.router.registry_client import EngineWatcher, GrpcRegistry
+from kvferry.router.retention_index import RetentionIndex
 from kvferry.router.tenants import ApiKeys, load_tenants, parse_key_pairs
 from kvferry.router.turns import TurnRunner, TurnSettings
 from kvferry.runtime.host import ServiceHost
@@ -98,6 +100,10 @@ class RouterConfig:
     engine_resync_seconds: float = 30.0
     # start_router waits this long for the first engine table (0: don't wait).
     startup_sync_seconds: float = 10.0
+    # Keep a local index of every live retention (one WatchAllRetentions stream) and look turns'
+    # retentions up there first; the router reports ready only once it is synced. False: every lookup
+    # asks the registry (GetRetention), and readiness does not wait for an index.
+    retention_index: bool = True
     # Prometheus /metrics on its own address (also always at the HTTP API's /metrics); None: off.
     metrics_address: str | None = None
     # OTLP/gRPC collector for traces; None: tracing off (trace context still passes through).
@@ -199,6 +205,7 @@ class RunningRouter:
         metrics: RouterMetrics,
         tenant_limits: TenantLimits,
         http_app: Starlette,
+        index: RetentionIndex | None = None,
         https: bool = False,
     ) -> None:
         self.host = host
@@ -212,6 +219,8 @@ class RunningRouter:
         self.watcher = watcher
         self.metrics = metrics
         self.tenant_limits = tenant_limits
+        # The retention index (None: turned off).
+        self.index = index
 
     @property
     def grpc_host(self) -> str:
@@ -272,7 +281,9 @@ async def start_router(
             on_left=clients.forget,
             read_window_seconds=config.read_window_seconds,
         )
+        index = RetentionIndex(registry.watch_all_retentions) if config.retention_index else None
         runner = TurnRunner(
+            index=index,
             engines=engines,
             load=load,
             clients=clients,
@@ -314,7 +325,10 @@ async def start_router(
             credentials=(
                 server_credentials(config.tls, client_certificates=False) if config.tls is not None else None
             ),
+            serving=index is None,
         )
+        if index is not None:
+            host.spawn(_follow_retentions(index, grpc_endpoint.health), "retention-index")
         if config.metrics_address:
             await host.serve_metrics(metrics.registry, config.metrics_address)
         app = HttpApi(
@@ -326,6 +340,7 @@ async def start_router(
                 capacity=config.responses_max_stored, ttl_seconds=config.responses_ttl_seconds
             ),
             registry_connected=lambda: watcher.connected,
+            index_synced=(lambda: index.ready.is_set()) if index is not None else (lambda: True),
             max_body_bytes=config.max_body_bytes,
             metrics_registry=metrics.registry,
         ).app()
@@ -341,6 +356,7 @@ async def start_router(
             "http": router_http_url,
             "registry": config.registry_address,
             "engines": len(engines),
+            "retention_index": "on" if index is not None else "off",
         },
     )
     return RunningRouter(
@@ -353,8 +369,25 @@ async def start_router(
         metrics=metrics,
         tenant_limits=runner.tenant_limits,
         http_app=app,
+        index=index,
         https=config.tls is not None,
     )
+
+
+async def _follow_retentions(index: RetentionIndex, health_servicer: health.aio.HealthServicer) -> None:
+    """Keeps the retention index until stop. The router's gRPC health is NOT_SERVING until the index has
+    its first snapshot (a restarted router rebuilds it before it takes traffic), then SERVING."""
+
+    async def serving_once_synced() -> None:
+        await index.ready.wait()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    readiness = asyncio.ensure_future(serving_once_synced())
+    try:
+        await index.run()
+    finally:
+        readiness.cancel()
 
 
 async def _serve_http(

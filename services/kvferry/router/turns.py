@@ -4,15 +4,17 @@
   1. resolve the model; 2. turn the prompt into token ids (the engines' own tokenizer / chat
   template) while, for a conversation, taking its turn mark in the registry (one turn in flight per
   conversation, across router replicas: a second one is refused, ABORTED / HTTP 409, naming the running
-  one) and looking its retention up (the lookup opens the retention's read window:
+  one) and looking its retention up - in the router's retention index when it can answer, else in the
+  registry; the mark's answer confirms it (the lookup opens the retention's read window:
   :class:`~kvferry.pd.reuse.ReadWindow`); 3. check the length against the model's limit.
 ``execute`` (an async stream of :class:`TextOut`, then one :class:`TurnResult`):
   4-6. plan the attempt (:func:`kvferry.router.plan.plan_turn`: the proven prefix, pull or recompute,
   the engines); 7. run :func:`kvferry.pd.sequence.prefill_then_decode`: prefill with ``max_tokens=1``
   (pulling the prefix if chosen), then stream the decode, marked so its connector retains the
-  conversation for the next turn; 8. wait (bounded) until the registry shows the new retention, so the
-  next turn - on any router replica - finds it; 9. clear the turn's mark (renewed meanwhile), before the
-  client has the result, so its next turn is never refused.
+  conversation for the next turn; 8. wait (bounded) until the registry shows the new retention (seen in
+  the router's retention index, else asked), so the next turn - on any router replica - finds it;
+  9. clear the turn's mark (renewed meanwhile), before the client has the result, so its next turn is
+  never refused.
 An engine failing before the first token reaches the client is retried once on other engines by
 recompute; after the first token the client gets a clear error. The retention is renewed every turn.
 The engines and the registry come in through ports (:class:`EnginePort`, :class:`RetentionPort`).
@@ -48,6 +50,7 @@ from kvferry.router.limits import TenantLimits, TenantLimitSettings, TurnSlot
 from kvferry.router.observe import TurnTelemetry
 from kvferry.router.plan import PlanSettings, TurnPlan, plan_turn
 from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
+from kvferry.router.retention_index import RetentionIndex, RetentionLookups
 from kvferry.router.summary import summary_proto
 from kvferry.router.tenants import Tenant
 from kvferry.runtime.errors import Aborted, InvalidArgument, NotFound, ServiceError, Unavailable
@@ -56,6 +59,10 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
+
+# How long a turn waits for its publication to show in the router's retention index before it asks the
+# registry as well (a lagging index then costs registry polls, never a turn reported unpublished).
+INDEX_PUBLICATION_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -181,6 +188,8 @@ class PreparedTurn:
     span: Span = trace.INVALID_SPAN
     # The tenant's slot for this turn (kvferry.router.limits), given back when the turn's stream ends.
     slot: TurnSlot | None = None
+    # The router's retention index's revision before the turn ran (0: no index).
+    index_revision: int = 0
 
 
 @dataclass(frozen=True)
@@ -258,7 +267,10 @@ class TurnRunner:
         telemetry: TurnTelemetry | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        index: RetentionIndex | None = None,
     ) -> None:
+        """``index``: the router's retention index, read first by lookups (None: every lookup asks the
+        registry)."""
         self.telemetry = telemetry or TurnTelemetry()
         self._engines = engines
         self._load = load
@@ -270,6 +282,7 @@ class TurnRunner:
         # clock) is compared with the wall clock, and only to shorten a window.
         self._clock = clock
         self._wall_clock = wall_clock
+        self._lookups = RetentionLookups(registry, index, wall_clock=wall_clock)
         self._background: set[asyncio.Task[None]] = set()
         self.tenant_limits = TenantLimits(settings.tenant_limits)
 
@@ -319,13 +332,21 @@ class TurnRunner:
         request_id = f"kvf-{uuid.uuid4().hex[:20]}"
         tenant, conversation_id = request.tenant.name, request.conversation_id
         # The mark, the lookup and the tokenization run together: an uncontended turn waits for none of the
-        # registry calls unless they are slower than tokenizing.
+        # registry calls unless they are slower than tokenizing. The read window opens before the mark is
+        # asked: a lookup the mark confirms was current when the registry read the mark's transaction.
+        looked_up_at = self._clock()
+        # What the router's index held before this turn ran: its publication comes after.
+        index_revision = self._lookups.index.revision if self._lookups.index is not None else 0
         marking = (
             asyncio.ensure_future(self._begin_turn(tenant, conversation_id, request_id))
             if conversation_id
             else None
         )
-        lookup = asyncio.ensure_future(self._lookup(tenant, conversation_id)) if conversation_id else None
+        lookup = (
+            asyncio.ensure_future(self._lookup(tenant, conversation_id, looked_up_at))
+            if conversation_id
+            else None
+        )
         tokenizing = asyncio.ensure_future(self._tokenize(model, request.prompt))
         try:
             if marking is not None:
@@ -339,9 +360,12 @@ class TurnRunner:
             if conversation_id and mark is not None and registry_ok:
                 found = retention.turn if retention is not None else 0
                 if mark.begun.retained_turn != found:
-                    # Looked up before the mark was taken, and a turn was published in between: the lookup
-                    # made now is current (the mark holds the conversation still).
-                    retention, window, registry_ok = await self._lookup(tenant, conversation_id)
+                    # The lookup is not what the registry held when the mark was taken (a turn was published
+                    # or ended in between, or the index lags): the registry's answer now is current (the
+                    # mark holds the conversation still).
+                    retention, window, registry_ok = await self._lookup(
+                        tenant, conversation_id, self._clock(), from_registry=True
+                    )
         except BaseException as error:
             for task in (lookup, tokenizing):
                 if task is not None:
@@ -383,6 +407,7 @@ class TurnRunner:
             started=started,
             read_window=window,
             mark=held_mark,
+            index_revision=index_revision,
         )
 
     def _model_engines(self, model: str) -> list[EngineInfo]:
@@ -440,15 +465,16 @@ class TurnRunner:
         raise Unavailable(f"no engine of model {model!r} could tokenize the prompt: {last_error}")
 
     async def _lookup(
-        self, tenant: str, conversation_id: str | None
+        self, tenant: str, conversation_id: str | None, looked_up_at: float, *, from_registry: bool = False
     ) -> tuple[RetentionRecord | None, ReadWindow | None, bool]:
-        """The conversation's retention and its read window, which opens *before* the registry is asked:
-        the registry may end the retention right after it answered, and D's grace then runs from there."""
+        """The conversation's retention and its read window, opened at ``looked_up_at``: *before* the
+        registry is asked (the registry may end the retention right after it answered, and D's grace then
+        runs from there), or before the mark that confirms an index hit is asked. ``from_registry``: not
+        from the index."""
         if conversation_id is None:
             return None, None, True
-        looked_up_at = self._clock()
         try:
-            retention = await self._registry.get_retention(tenant, conversation_id)
+            found = await self._lookups.lookup(tenant, conversation_id, from_registry=from_registry)
         except RegistryUnavailable as error:
             self.telemetry.registry_error("get_retention")
             log.warning(
@@ -456,6 +482,8 @@ class TurnRunner:
                 extra={"conversation_id": conversation_id, "error": str(error)},
             )
             return None, None, False
+        self.telemetry.retention_lookup(found.path)
+        retention = found.retention
         if retention is None:
             return None, None, True
         window = ReadWindow.opened(
@@ -730,7 +758,9 @@ class TurnRunner:
         finished = time.perf_counter()
         polls = 0
         if mark is not None and decoded.finish_reason in NORMAL_FINISH_REASONS:
-            retained_turn, polls = await self._await_publication(mark, plan.decode.engine_id)
+            retained_turn, polls = await self._await_publication(
+                mark, plan.decode.engine_id, turn.index_revision
+            )
         prompt_len = len(turn.token_ids)
         pulled = prefilled.pulled_tokens
         result = TurnResult(
@@ -795,22 +825,35 @@ class TurnRunner:
             tenant=request.tenant.name, conversation_id=request.conversation_id, turn=retained_turn + 1
         )
 
-    async def _await_publication(self, mark: ConversationMark, engine_id: str) -> tuple[int, int]:
+    async def _await_publication(
+        self, mark: ConversationMark, engine_id: str, index_revision: int
+    ) -> tuple[int, int]:
         """The turn the registry holds once this turn's retention is published (0: not in time), and
-        how many lookups that took."""
+        how many registry lookups that took. The router's retention index shows a publication as soon as
+        etcd committed it (its watch is fed from etcd): while it is serving it is read first, and the
+        registry asked only when it has not shown the turn within ``INDEX_PUBLICATION_SECONDS`` (and once
+        before giving up). Only an index entry newer than ``index_revision`` (the index's revision before
+        the turn ran) counts: an older record of the same turn number is not this turn's."""
         started = time.monotonic()
         deadline = started + self._settings.publish_wait_seconds
         polls = 0
         while True:
-            polls += 1
-            try:
-                record = await self._registry.get_retention(mark.tenant, mark.conversation_id)
-            except (RegistryUnavailable, ServiceError):
-                record = None
-            if record is not None and record.turn >= mark.turn:
-                return record.turn, polls
-            delay = 0.003 if time.monotonic() - started < 0.05 else 0.02
-            if time.monotonic() + delay > deadline:
+            indexed = self._lookups.indexed_turn(mark.tenant, mark.conversation_id, index_revision)
+            if indexed is not None and indexed >= mark.turn:
+                return indexed, polls
+            elapsed = time.monotonic() - started
+            delay = 0.003 if elapsed < 0.05 else 0.02
+            last = time.monotonic() + delay > deadline
+            if indexed is None or elapsed >= INDEX_PUBLICATION_SECONDS or last:
+                polls += 1
+                try:
+                    record = await self._registry.get_retention(mark.tenant, mark.conversation_id)
+                except (RegistryUnavailable, ServiceError):
+                    record = None
+                if record is not None and record.turn >= mark.turn:
+                    return record.turn, polls
+                last = time.monotonic() + delay > deadline
+            if last:
                 log.warning(
                     "the new retention did not appear in the registry in time; the next turn may recompute",
                     extra={

@@ -22,12 +22,13 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     options: Sequence[tuple[str, Any]] = (),
     credentials: grpc.ServerCredentials | None = None,
+    serving: bool = True,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Starts a grpc.aio server on ``address`` (``host:0`` picks a free port); TLS with ``credentials``
     (:func:`kvferry.runtime.tls.server_credentials`), plaintext without.
 
-    Returns the server, the bound port and its health servicer (every service starts SERVING;
-    callers flip statuses as their dependencies come and go).
+    Returns the server, the bound port and its health servicer (every service starts SERVING, or
+    NOT_SERVING with ``serving`` False; callers flip statuses as their dependencies come and go).
     """
     server = grpc.aio.server(
         interceptors=[UndecodableRequestInterceptor(), *interceptors], options=list(options)
@@ -52,9 +53,10 @@ async def start_server(
         await server.stop(None)  # a half-built server would keep the process from exiting
         raise OSError(f"could not bind gRPC server to {address}")
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    await health_servicer.set("", status)
     for _, _, name in services:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, status)
     return server, port, health_servicer
 
 

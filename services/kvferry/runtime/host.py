@@ -93,11 +93,18 @@ class ServiceHost:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         options: Sequence[tuple[str, Any]] = (),
         credentials: grpc.ServerCredentials | None = None,
+        serving: bool = True,
     ) -> GrpcEndpoint:
         """Starts a gRPC server (with health checking and reflection; TLS with ``credentials``); on stop
-        its health turns NOT_SERVING and in-flight calls get the grace period to finish."""
+        its health turns NOT_SERVING and in-flight calls get the grace period to finish. ``serving``
+        False: its health starts NOT_SERVING (the caller sets SERVING when ready)."""
         server, port, health_servicer = await start_server(
-            address, services, interceptors=interceptors, options=options, credentials=credentials
+            address,
+            services,
+            interceptors=interceptors,
+            options=options,
+            credentials=credentials,
+            serving=serving,
         )
 
         async def graceful_stop() -> None:

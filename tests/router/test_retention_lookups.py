@@ -1,0 +1,278 @@
+"""A turn's retention lookup through the router's retention index (RetentionLookups, TurnRunner with an
+index): served in process when the index holds the conversation, from the registry on a miss, while the
+index is not synced or its stream is broken, and after the index saw the retention end; a stale hit is
+caught by the turn's mark; a turn's publication seen in the index; the setting that turns the index
+off. No servers: the index is fed by an in-memory stream; the same paths against the real registry and
+router are in test_router_index.py."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from kvferry.pd.engine_api import DecodeRequest
+from kvferry.pd.kvferry_params import ConversationMark
+from kvferry.router.cli import config_from_args, configure
+from kvferry.router.cost import Reuse
+from kvferry.router.registry_client import RetentionRecord
+from kvferry.router.retention_index import RetentionIndex, RetentionLookups
+from kvferry.router.server import RouterConfig
+from kvferry.runtime.timestamps import to_timestamp
+from kvferry.v1 import registry_service_pb2 as api
+from kvferry.v1 import resources_pb2 as resources
+
+from tests.pd.fake_engine import FakeEngine
+from tests.router.test_turns import NOW, PROMPT, TENANT, Cluster, FakeRegistry
+from tests.sidecar.helpers import eventually
+
+pytestmark = pytest.mark.timeout(20)
+
+PUBLISHED, ENDED, SYNCED = (
+    api.RETENTION_EVENT_TYPE_PUBLISHED,
+    api.RETENTION_EVENT_TYPE_ENDED,
+    api.RETENTION_EVENT_TYPE_SYNCED,
+)
+
+
+class Watch:
+    """AN IN-MEMORY STAND-IN for WatchAllRetentions: the test sends the events; an exception sent
+    breaks the stream (the next call opens a new one)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[api.WatchAllRetentionsResponse | Exception] = asyncio.Queue()
+        self.opened = 0
+        self.revision = 0
+
+    async def __call__(self) -> AsyncIterator[api.WatchAllRetentionsResponse]:
+        self.opened += 1
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def send(self, kind: api.RetentionEventType.ValueType, record: RetentionRecord | None = None) -> None:
+        self.revision += 1
+        self.queue.put_nowait(
+            api.WatchAllRetentionsResponse(
+                header=resources.ResponseHeader(revision=self.revision),
+                type=kind,
+                retention=as_proto(record) if record is not None else None,
+            )
+        )
+
+
+def as_proto(record: RetentionRecord) -> resources.Retention:
+    proto = resources.Retention(
+        tenant=record.tenant,
+        conversation_id=record.conversation_id,
+        engine_id=record.engine_id,
+        engine_request_id=record.engine_request_id,
+        block_ids=record.block_ids,
+        num_tokens=record.num_tokens,
+        block_digests=record.block_digests,
+        turn=record.turn,
+        block_generations=record.block_generations,
+    )
+    proto.expire_time.CopyFrom(to_timestamp(record.expire_time))
+    return proto
+
+
+def record(conversation_id: str = "c1", *, turn: int = 1, expire_time: float = NOW + 120) -> RetentionRecord:
+    return RetentionRecord(
+        tenant=TENANT.name,
+        conversation_id=conversation_id,
+        engine_id="d1",
+        engine_request_id=f"r-{conversation_id}-{turn}",
+        block_ids=(7, 8, 9),
+        num_tokens=12,
+        block_digests=(b"a" * 32, b"b" * 32, b"c" * 32),
+        turn=turn,
+        expire_time=expire_time,
+        block_generations=(1, 1, 2),
+    )
+
+
+@contextlib.asynccontextmanager
+async def following(index: RetentionIndex) -> AsyncIterator[RetentionIndex]:
+    task = asyncio.create_task(index.run())
+    try:
+        yield index
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def synced(watch: Watch, index: RetentionIndex, *records: RetentionRecord) -> None:
+    for held in records:
+        watch.send(PUBLISHED, held)
+    watch.send(SYNCED)
+    await eventually(lambda: index.serving)
+
+
+async def test_a_hit_is_served_from_the_index_without_asking_the_registry() -> None:
+    registry, watch = FakeRegistry(), Watch()
+    index = RetentionIndex(watch)
+    lookups = RetentionLookups(registry, index, wall_clock=lambda: NOW)
+    async with following(index):
+        await synced(watch, index, record())
+        found = await lookups.lookup(TENANT.name, "c1")
+    assert found.path == "index" and found.retention == record()
+    assert registry.lookups == 0
+
+
+async def test_a_miss_asks_the_registry() -> None:
+    registry, watch = FakeRegistry(), Watch()
+    # Published a moment ago: the registry has it, the index not yet.
+    registry.retentions[TENANT.name, "c1"] = record()
+    index = RetentionIndex(watch)
+    lookups = RetentionLookups(registry, index, wall_clock=lambda: NOW)
+    async with following(index):
+        await synced(watch, index)
+        found = await lookups.lookup(TENANT.name, "c1")
+    assert found.path == "miss" and found.retention == record()
+    assert registry.lookups == 1
+
+
+async def test_before_the_snapshot_and_while_the_stream_is_broken_lookups_ask_the_registry() -> None:
+    registry, watch = FakeRegistry(), Watch()
+    registry.retentions[TENANT.name, "c1"] = record(turn=2)
+    index = RetentionIndex(watch)
+    lookups = RetentionLookups(registry, index, wall_clock=lambda: NOW)
+    async with following(index):
+        watch.send(PUBLISHED, record(turn=1))  # the snapshot, not complete yet
+        await asyncio.sleep(0.01)
+        found = await lookups.lookup(TENANT.name, "c1")
+        assert (found.path, found.retention) == ("not_synced", record(turn=2))
+        assert not index.ready.is_set()
+
+        watch.send(SYNCED)
+        await eventually(lambda: index.serving)
+        assert (await lookups.lookup(TENANT.name, "c1")).path == "index"
+
+        watch.queue.put_nowait(ConnectionError("stream cut"))
+        await eventually(lambda: not index.serving)
+        found = await lookups.lookup(TENANT.name, "c1")
+        assert (found.path, found.retention) == ("not_synced", record(turn=2))
+        assert index.ready.is_set()  # once synced, the router stays ready
+
+        # The new stream's snapshot replaces the index.
+        await eventually(lambda: watch.opened == 2)
+        await synced(watch, index, record(turn=2))
+        found = await lookups.lookup(TENANT.name, "c1")
+        assert (found.path, found.retention) == ("index", record(turn=2))
+    assert registry.lookups == 2
+
+
+async def test_an_ended_or_expired_retention_is_a_miss() -> None:
+    registry, watch = FakeRegistry(), Watch()
+    now = NOW
+    index = RetentionIndex(watch)
+    lookups = RetentionLookups(registry, index, wall_clock=lambda: now)
+    async with following(index):
+        await synced(watch, index, record("c1"), record("c2", expire_time=NOW + 5))
+        assert (await lookups.lookup(TENANT.name, "c1")).path == "index"
+        watch.send(ENDED, record("c1"))
+        await eventually(lambda: index.find(TENANT.name, "c1", now) is None)
+        found = await lookups.lookup(TENANT.name, "c1")
+        assert (found.path, found.retention) == ("miss", None)
+        now = NOW + 5  # c2's lease ran out; the index has not seen its end yet
+        found = await lookups.lookup(TENANT.name, "c2")
+        assert (found.path, found.retention) == ("miss", None)
+    assert registry.lookups == 2
+
+
+async def test_without_an_index_and_when_asked_every_lookup_goes_to_the_registry() -> None:
+    registry = FakeRegistry()
+    registry.retentions[TENANT.name, "c1"] = record()
+    assert (await RetentionLookups(registry, None).lookup(TENANT.name, "c1")).path == "off"
+    watch = Watch()
+    index = RetentionIndex(watch)
+    async with following(index):
+        await synced(watch, index, record())
+        lookups = RetentionLookups(registry, index, wall_clock=lambda: NOW)
+        assert (await lookups.lookup(TENANT.name, "c1", from_registry=True)).path == "registry"
+    assert registry.lookups == 2
+
+
+# -- the turn ----------------------------------------------------------------------------------
+
+
+async def test_a_turn_s_lookup_is_read_from_the_index_and_confirmed_by_its_mark() -> None:
+    watch = Watch()
+    cluster = Cluster(index=RetentionIndex(watch))
+    assert cluster.index is not None
+    async with following(cluster.index):
+        await synced(watch, cluster.index)
+        _, first = await cluster.turn(PROMPT)
+        watch.send(PUBLISHED, cluster.registry.retentions[TENANT.name, "c1"])
+        await eventually(lambda: cluster.index is not None and len(cluster.index) == 1)
+        before = cluster.registry.lookups
+        _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    assert (first.turn, second.turn, second.reuse) == (1, 2, Reuse.PULL)
+    assert second.pulled_tokens == len(PROMPT)
+    # Only the publication wait asked the registry (the index never heard of turn 2 here): the lookup was
+    # the index's.
+    assert cluster.registry.lookups == before + 1
+    await cluster.background()
+
+
+async def test_a_turn_s_publication_is_seen_in_the_index_without_polling_the_registry() -> None:
+    watch = Watch()
+    cluster = Cluster(index=RetentionIndex(watch))
+    assert cluster.index is not None
+
+    def publish(engine: FakeEngine, request: DecodeRequest) -> None:
+        # What etcd's watch does after the sidecar's publish: the index hears of it.
+        cluster.registry.publish(engine, request)
+        mark = request.mark
+        if isinstance(mark, ConversationMark):
+            watch.send(PUBLISHED, cluster.registry.retentions[mark.tenant, mark.conversation_id])
+
+    for fake in cluster.fakes.values():
+        fake.on_finished = publish
+    async with following(cluster.index):
+        await synced(watch, cluster.index)
+        _, first = await cluster.turn(PROMPT)
+        _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    assert (first.turn, second.turn, second.reuse) == (1, 2, Reuse.PULL)
+    # Turn 1's lookup missed (nothing retained yet); nothing else asked the registry.
+    assert cluster.registry.lookups == 1
+    await cluster.background()
+
+
+async def test_a_stale_hit_is_caught_by_the_mark_and_looked_up_in_the_registry() -> None:
+    watch = Watch()
+    cluster = Cluster(index=RetentionIndex(watch))
+    assert cluster.index is not None
+    async with following(cluster.index):
+        await synced(watch, cluster.index)
+        await cluster.turn(PROMPT)
+        watch.send(PUBLISHED, cluster.registry.retentions[TENANT.name, "c1"])
+        await eventually(lambda: cluster.index is not None and len(cluster.index) == 1)
+        # The registry ended the retention; the index has not heard yet.
+        del cluster.registry.retentions[TENANT.name, "c1"]
+        before = cluster.registry.lookups
+        _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    # The mark read no retained turn, unlike the index: the registry was asked, and it holds none.
+    assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.NONE, 0, 1)
+    assert cluster.registry.lookups == before + 1 + 1  # the recheck, the publication poll
+    await cluster.background()
+
+
+def _router_config(argv: list[str], environ: dict[str, str]) -> RouterConfig:
+    parser = argparse.ArgumentParser()
+    configure(parser, environ)
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_the_index_is_on_by_default_and_turned_off_by_flag_or_environment() -> None:
+    assert _router_config([], {}).retention_index
+    assert not _router_config(["--retention-index", "off"], {}).retention_index
+    assert not _router_config([], {"KVFERRY_ROUTER_RETENTION_INDEX": "off"}).retention_index
+    flag_wins = _router_config(["--retention-index", "on"], {"KVFERRY_ROUTER_RETENTION_INDEX": "off"})
+    assert flag_wins.retention_index
