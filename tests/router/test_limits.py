@@ -15,6 +15,7 @@ import httpx
 import pytest
 from kvferry.router.limits import TenantLimits, TenantLimitSettings
 from kvferry.router.server import RunningRouter
+from kvferry.router.tenants import ApiKeys, Tenant, TenantConfigError, key_digest, parse_tenants
 from kvferry.runtime.errors import ResourceExhausted
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
@@ -26,19 +27,20 @@ pytestmark = pytest.mark.timeout(120)
 ACME, GLOBEX = "key-acme", "key-globex"
 MIB = 1024 * 1024
 CAP = 4
+ACME_TENANT, GLOBEX_TENANT = Tenant("acme"), Tenant("globex")
 
 
 def test_a_tenant_past_its_cap_is_refused_and_others_are_not() -> None:
     limits = TenantLimits(TenantLimitSettings(max_concurrent_turns=2, retry_after_seconds=3))
-    first, second = limits.admit("acme"), limits.admit("acme")
+    first, second = limits.admit(ACME_TENANT), limits.admit(ACME_TENANT)
     with pytest.raises(ResourceExhausted, match="2 turns in flight") as refused:
-        limits.admit("acme")
+        limits.admit(ACME_TENANT)
     assert refused.value.retry_after_seconds == 3
-    other = limits.admit("globex")
+    other = limits.admit(GLOBEX_TENANT)
     first.release()
     first.release()  # idempotent: a slot is given back once
     assert limits.in_flight("acme") == 1
-    third = limits.admit("acme")
+    third = limits.admit(ACME_TENANT)
     for slot in (second, third, other):
         slot.release()
     assert limits.in_flight("acme") == limits.in_flight("globex") == 0
@@ -46,12 +48,96 @@ def test_a_tenant_past_its_cap_is_refused_and_others_are_not() -> None:
 
 def test_no_cap_admits_everything() -> None:
     limits = TenantLimits(TenantLimitSettings())
-    slots = [limits.admit("acme") for _ in range(1000)]
+    slots = [limits.admit(ACME_TENANT) for _ in range(1000)]
     assert limits.in_flight("acme") == 0
     for slot in slots:
         slot.release()
     with pytest.raises(ValueError, match="negative"):
         TenantLimitSettings(max_concurrent_turns=-1)
+    for bad in ({"tokens_per_second": -1.0}, {"tokens_per_second": float("nan")}, {"token_burst_seconds": 0}):
+        with pytest.raises(ValueError):
+            TenantLimitSettings(**bad)  # type: ignore[arg-type]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# Each step: (seconds since the start, tokens charged by an admitted turn, or None to only try admitting;
+# the expected outcome: "admit" or the Retry-After of the refusal). 10 tokens/s, a bucket of 2 s (20).
+TOKEN_BUCKET_STEPS: list[tuple[float, int | None, str | int]] = [
+    (0.0, 15, "admit"),  # 20 -> 5
+    (0.0, 30, "admit"),  # not empty: admitted, and 5 - 30 = -25 (a turn's size is known only after)
+    (0.0, None, 3),  # empty: 25 tokens of debt at 10/s -> retry after 2.5 s, rounded up
+    (2.0, None, 1),  # -5: the refill pays the rest in 0.5 s; Retry-After is at least 1 s
+    (2.5, None, 1),  # exactly empty is empty
+    (3.0, 1, "admit"),  # 5 -> admitted, takes 1 -> 4
+    (60.0, 20, "admit"),  # refilled to the bucket's 20, never more: 20 -> 0
+    (60.0, None, 1),
+]
+
+
+def test_the_token_bucket_admits_while_not_empty_and_says_when_to_retry() -> None:
+    clock = FakeClock()
+    limits = TenantLimits(TenantLimitSettings(tokens_per_second=10, token_burst_seconds=2), clock=clock)
+    for at, tokens, expected in TOKEN_BUCKET_STEPS:
+        clock.now = at
+        step = (at, tokens, expected)
+        if expected == "admit":
+            slot = limits.admit(ACME_TENANT)
+            slot.charge(tokens or 0)
+            slot.release()
+        else:
+            with pytest.raises(ResourceExhausted, match="10 tokens per second") as refused:
+                limits.admit(ACME_TENANT)
+            assert refused.value.retry_after_seconds == expected, step
+        # Another tenant has a bucket of its own.
+        limits.admit(GLOBEX_TENANT).release()
+    assert limits.tokens_left(ACME_TENANT) == 0
+    assert limits.tokens_left(Tenant("acme", tokens_per_second=0)) is None
+
+
+@pytest.mark.parametrize(
+    ("default", "own", "admitted"),
+    [
+        (0.0, None, 100),  # no cap anywhere
+        (5.0, None, 2),  # the default: a 10-token bucket, each turn 5 tokens, refused once empty
+        (5.0, 0.0, 100),  # the tenant's own 0: no cap for it
+        (0.0, 10.0, 4),  # the tenant's own rate without a default: 20 tokens
+        (1000.0, 2.5, 1),  # the tenant's own rate wins over the default: 5 tokens
+    ],
+)
+def test_a_tenants_own_rate_overrides_the_default(default: float, own: float | None, admitted: int) -> None:
+    clock = FakeClock()
+    limits = TenantLimits(TenantLimitSettings(tokens_per_second=default, token_burst_seconds=2), clock=clock)
+    tenant = Tenant("acme", tokens_per_second=own)
+    count = 0
+    for _ in range(100):
+        try:
+            slot = limits.admit(tenant)
+        except ResourceExhausted:
+            break
+        slot.charge(5)
+        slot.release()
+        count += 1
+    assert count == admitted
+
+
+@pytest.mark.parametrize(
+    ("value", "accepted"),
+    [(2000, 2000.0), (0.5, 0.5), (0, 0.0), (-1, None), ("fast", None), (True, None), (float("inf"), None)],
+)
+def test_the_tenants_file_names_a_rate_per_tenant(value: object, accepted: float | None) -> None:
+    document = {"tenants": [{"name": "acme", "api_keys": ["k"], "tokens_per_second": value}]}
+    if accepted is None:
+        with pytest.raises(TenantConfigError, match="tokens_per_second"):
+            parse_tenants(document, "tenants.json")
+        return
+    assert parse_tenants(document, "tenants.json").authenticate("Bearer k").tokens_per_second == accepted
 
 
 async def _chunked_upload(router: RunningRouter, total: int, chunk: int) -> tuple[bytes, int]:
@@ -206,3 +292,63 @@ async def test_a_tenants_burst_is_capped_while_another_tenant_is_served(
     assert errors and all(error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for error in errors)
     assert ("retry-after", "1") in tuple(errors[0].trailing_metadata() or ())
     assert len(outcomes) - len(errors) >= CAP
+
+
+# acme may spend 50 tokens per second (a 10 s bucket: 500 tokens); globex has no token cap.
+TOKEN_RATE = 50.0
+
+
+@pytest.fixture
+async def rate_capped(
+    router_factory: RouterFactory, standin_factory: StandInFactory
+) -> AsyncIterator[tuple[RunningRouter, str]]:
+    model = f"standin-{uuid.uuid4().hex[:6]}"
+    prefill = await standin_factory("prefill", model=model, engine_ttl_seconds=60)
+    decode = await standin_factory("decode", model=model, engine_ttl_seconds=60)
+    keys = ApiKeys(
+        {
+            key_digest(ACME): Tenant("acme", tokens_per_second=TOKEN_RATE),
+            key_digest(GLOBEX): Tenant("globex", tokens_per_second=0.0),
+        }
+    )
+    # The router's default would cap globex too: its own 0 overrides it.
+    router = await router_factory(tokens_per_second_per_tenant=1.0, api_keys=keys)
+    await wait_for_engines(router, {prefill.engine_id, decode.engine_id})
+    yield router, model
+
+
+async def test_a_tenant_past_its_tokens_per_second_is_refused_before_any_engine(
+    rate_capped: tuple[RunningRouter, str],
+) -> None:
+    router, model = rate_capped
+    # A long prompt: each turn takes hundreds of tokens, so the bucket (500) empties within a few turns.
+    body = {"model": model, "messages": [{"role": "user", "content": "tokens " * 300}], "max_tokens": 8}
+    acme, globex = {"Authorization": f"Bearer {ACME}"}, {"Authorization": f"Bearer {GLOBEX}"}
+    async with httpx.AsyncClient(base_url=router.http_url, timeout=60) as http:
+        codes: list[int] = []
+        refused: httpx.Response | None = None
+        for _ in range(20):
+            answer = await http.post("/v1/chat/completions", json=body, headers=acme)
+            codes.append(answer.status_code)
+            if answer.status_code == 429:
+                refused = answer
+                break
+        assert refused is not None and set(codes[:-1]) == {200}, codes
+        assert int(refused.headers["retry-after"]) >= 1
+        assert "tokens per second" in refused.json()["error"]["message"]
+        tokens_left = router.tenant_limits.tokens_left(Tenant("acme", tokens_per_second=TOKEN_RATE))
+        assert tokens_left is not None and tokens_left <= 0
+        # The other tenant is served meanwhile: its bucket is its own (here: none).
+        for _ in range(len(codes) + 2):
+            assert (await http.post("/v1/chat/completions", json=body, headers=globex)).status_code == 200
+
+    # gRPC: the same bucket, RESOURCE_EXHAUSTED with a retry-after trailer.
+    async with grpc.aio.insecure_channel(router.grpc_address) as channel:
+        stub = router_grpc.RouterServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await generate(stub, chat_request("c-rate", model, [("user", "hi")]), ACME)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "tokens per second" in (error.value.details() or "")
+        trailers = dict(error.value.trailing_metadata() or ())
+        assert int(trailers["retry-after"]) >= 1
+        await generate(stub, chat_request("c-rate-globex", model, [("user", "hi")]), GLOBEX)

@@ -1,9 +1,11 @@
-"""Mutual TLS of the service kit (kvferry.runtime.tls) with real certificates: the flags, and a server
-that takes rotated certificate files on its next handshake, without a restart."""
+"""Mutual TLS of the service kit (kvferry.runtime.tls) with real certificates: the flags, a server that
+takes rotated certificate files on its next handshake, and a client channel that takes its rotated files on
+its next call, both without a restart."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -12,7 +14,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvferry.runtime.flags import EnvFlags
 from kvferry.runtime.grpc_server import start_server
-from kvferry.runtime.tls import TlsFiles, add_tls_flags, open_channel, server_credentials, tls_from_args
+from kvferry.runtime.tls import (
+    ReloadingChannel,
+    TlsFiles,
+    add_tls_flags,
+    open_channel,
+    server_credentials,
+    tls_from_args,
+)
 
 from tests.fixtures.certificates import TestPki
 
@@ -74,4 +83,64 @@ async def test_a_server_takes_rotated_certificates_without_a_restart(tmp_path: P
         assert await _check(address, old_client) == grpc.StatusCode.UNAVAILABLE
         assert await _check(address, None) == grpc.StatusCode.UNAVAILABLE
     finally:
+        await server.stop(None)
+
+
+class _PeerNames(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Notes the CN of each caller's certificate (what the server's auth context says)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = await continuation(handler_call_details)
+        unary = handler.unary_unary
+
+        async def noting(request, context):  # type: ignore[no-untyped-def]
+            self.names.extend(name.decode() for name in context.auth_context().get("x509_common_name", ()))
+            return await unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            noting, handler.request_deserializer, handler.response_serializer
+        )
+
+
+async def test_a_client_channel_takes_rotated_certificates_without_a_restart(tmp_path: Path) -> None:
+    old, new = TestPki(tmp_path / "old", name="old-ca"), TestPki(tmp_path / "new", name="new-ca")
+    # Server and client each read their files from one place; a CA rotation replaces both sets.
+    server_live = TlsFiles(tmp_path / "server.crt", tmp_path / "server.key", tmp_path / "server-ca.crt")
+    client_live = TlsFiles(tmp_path / "client.crt", tmp_path / "client.key", tmp_path / "client-ca.crt")
+    _install(old.issue("registry", common_name="registry"), server_live)
+    _install(old.issue("client", common_name="router"), client_live)
+    peers = _PeerNames()
+    server, port, _ = await start_server(
+        "127.0.0.1:0", [], interceptors=[peers], credentials=server_credentials(server_live)
+    )
+    address = f"127.0.0.1:{port}"
+    channel = open_channel(address, client_live)
+    assert isinstance(channel, ReloadingChannel)
+    channel_checks = ReloadingChannel(address, client_live, check_seconds=0.0)
+    # Stubs keep what the channel handed them when they were made: these live across the rotation.
+    stub, stub_checking = health_pb2_grpc.HealthStub(channel), health_pb2_grpc.HealthStub(channel_checks)
+    check = health_pb2.HealthCheckRequest()
+    try:
+        await stub.Check(check, timeout=5)
+        await stub_checking.Check(check, timeout=5)
+        assert peers.names == ["router", "router"]
+
+        # Both sides rotate to the new CA; the client's certificate now names another identity.
+        _install(new.issue("registry", common_name="registry"), server_live)
+        _install(new.issue("client", common_name="admin"), client_live)
+        await stub_checking.Check(check, timeout=5)
+        assert peers.names[-1] == "admin" and channel_checks.reloads == 1
+        await stub_checking.Check(check, timeout=5)  # no change since: no rebuild
+        assert channel_checks.reloads == 1
+        # A channel that kept the old files would offer a certificate the server no longer trusts (and
+        # distrust the server's): the default channel checks its files at most once a second.
+        await asyncio.sleep(1.1)
+        await stub.Check(check, timeout=5)
+        assert peers.names[-1] == "admin"
+    finally:
+        await channel.close()
+        await channel_checks.close()
         await server.stop(None)

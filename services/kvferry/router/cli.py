@@ -164,6 +164,15 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         default=_DEFAULTS.max_turns_per_tenant,
     )
     flags.add(
+        "--tokens-per-second-per-tenant",
+        "KVFERRY_ROUTER_TOKENS_PER_SECOND_PER_TENANT",
+        "tokens (prompt plus generated) one tenant may spend per second on this router, unless its entry "
+        "in the tenants file sets tokens_per_second; past it RESOURCE_EXHAUSTED / 429 with Retry-After "
+        "(0: no cap)",
+        type=float,
+        default=_DEFAULTS.tokens_per_second_per_tenant,
+    )
+    flags.add(
         "--max-concurrent-streams",
         "KVFERRY_MAX_CONCURRENT_STREAMS",
         "gRPC calls one client connection may have open at once; more wait for one to end",
@@ -223,6 +232,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         responses_max_stored=args.responses_max_stored,
         responses_ttl_seconds=args.responses_ttl,
         max_turns_per_tenant=args.max_turns_per_tenant,
+        tokens_per_second_per_tenant=args.tokens_per_second_per_tenant,
         max_concurrent_streams=args.max_concurrent_streams,
         max_http_connections=args.max_http_connections,
         retention_index=args.retention_index == "on",

@@ -94,6 +94,9 @@ class RouterConfig:
     # Turns one tenant may have in flight on this router (gRPC and HTTP together); past it
     # RESOURCE_EXHAUSTED / 429 with Retry-After. 0: no cap.
     max_turns_per_tenant: int = 0
+    # Tokens (prompt plus generated) one tenant may spend per second on this router, for tenants whose
+    # entry in the tenants file names no tokens_per_second; past it RESOURCE_EXHAUSTED / 429. 0: no cap.
+    tokens_per_second_per_tenant: float = 0.0
     # Calls one gRPC connection may have open at once; HTTP connections served at once (past it: 503).
     max_concurrent_streams: int = 1000
     max_http_connections: int = 4096
@@ -301,7 +304,10 @@ async def start_router(
                 read_window_seconds=config.read_window_seconds,
                 turn_mark_seconds=config.turn_mark_seconds,
                 holder=router_holder(),
-                tenant_limits=TenantLimitSettings(max_concurrent_turns=config.max_turns_per_tenant),
+                tenant_limits=TenantLimitSettings(
+                    max_concurrent_turns=config.max_turns_per_tenant,
+                    tokens_per_second=config.tokens_per_second_per_tenant,
+                ),
             ),
             telemetry=TurnTelemetry(provider, metrics),
         )

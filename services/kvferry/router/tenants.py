@@ -7,6 +7,8 @@ TOML::
     api_keys = ["sk-acme-1"]                 # plain keys, or
     api_key_sha256 = ["9f86d081884c7d65..."]  # hex SHA-256 of keys, so the file holds no secret
     models = ["qwen3-tiny"]                  # optional: models the tenant may use (default: all)
+    tokens_per_second = 2000                 # optional: prompt plus generated tokens per second on each
+                                             # router (default: --tokens-per-second-per-tenant; 0: no cap)
 
 JSON: the same structure, ``{"tenants": [{"name": ..., "api_keys": [...], ...}]}``.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -34,6 +37,8 @@ class Tenant:
     name: str
     # Models this tenant may use; None means every served model.
     models: frozenset[str] | None = None
+    # Tokens (prompt plus generated) per second on each router; None: the router's default, 0: no cap.
+    tokens_per_second: float | None = None
 
     def check_model(self, model: str) -> None:
         if self.models is not None and model not in self.models:
@@ -92,7 +97,7 @@ def parse_tenants(document: Mapping[str, Any], source: str) -> ApiKeys:
         where = f"{source}: tenants[{index}]"
         if not isinstance(entry, Mapping):
             raise TenantConfigError(f"{where} must be a table/object")
-        unknown = set(entry) - {"name", "api_keys", "api_key_sha256", "models"}
+        unknown = set(entry) - {"name", "api_keys", "api_key_sha256", "models", "tokens_per_second"}
         if unknown:
             raise TenantConfigError(f"{where} has unknown fields {sorted(unknown)}")
         name = entry.get("name")
@@ -105,7 +110,16 @@ def parse_tenants(document: Mapping[str, Any], source: str) -> ApiKeys:
             not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)
         ):
             raise TenantConfigError(f"{where}: models must be a list of model names")
-        tenant = Tenant(name=name, models=frozenset(models) if models is not None else None)
+        rate = entry.get("tokens_per_second")
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate < 0
+        ):
+            raise TenantConfigError(f"{where}: tokens_per_second must be a number >= 0 (0: no cap)")
+        tenant = Tenant(
+            name=name,
+            models=frozenset(models) if models is not None else None,
+            tokens_per_second=float(rate) if rate is not None else None,
+        )
         digests = [key_digest(k) for k in _strings(entry.get("api_keys", []), f"{where}.api_keys")]
         for digest in _strings(entry.get("api_key_sha256", []), f"{where}.api_key_sha256"):
             if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):

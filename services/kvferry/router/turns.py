@@ -209,7 +209,7 @@ class TurnSettings:
     turn_mark_seconds: int = 5
     # Names this router in the mark (what a refused turn is told).
     holder: str = ""
-    # Per-tenant caps (turns in flight).
+    # Per-tenant caps (turns in flight, tokens per second).
     tenant_limits: TenantLimitSettings = field(default_factory=TenantLimitSettings)
 
 
@@ -284,7 +284,7 @@ class TurnRunner:
         self._wall_clock = wall_clock
         self._lookups = RetentionLookups(registry, index, wall_clock=wall_clock)
         self._background: set[asyncio.Task[None]] = set()
-        self.tenant_limits = TenantLimits(settings.tenant_limits)
+        self.tenant_limits = TenantLimits(settings.tenant_limits, clock=clock)
 
     # -- prepare ------------------------------------------------------------------------------
 
@@ -314,11 +314,12 @@ class TurnRunner:
         span = self.telemetry.start_turn(request.conversation_id)
         slot: TurnSlot | None = None
         try:
-            slot = self.tenant_limits.admit(request.tenant.name)
+            slot = self.tenant_limits.admit(request.tenant)
             with trace.use_span(
                 span, end_on_exit=False, record_exception=False, set_status_on_exception=False
             ):
                 prepared = await self._prepare(request, started)
+            slot.charge(len(prepared.token_ids))
         except BaseException as error:
             if slot is not None:
                 slot.release()
@@ -617,6 +618,8 @@ class TurnRunner:
                         otel_context.detach(token)
                     if isinstance(event, TurnResult):
                         published = event.turn > 0
+                        if turn.slot is not None:
+                            turn.slot.charge(event.completion_tokens)
                         self.telemetry.turn_done(
                             turn.span,
                             summary_proto(event),

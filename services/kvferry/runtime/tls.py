@@ -6,18 +6,22 @@ key, CA) and the same flags on the registry (server), the sidecar and the router
   compares the files' modification times and sizes (one ``stat`` each) and hands grpc the new pair and CA
   when they moved. cert-manager and kubelet rotate Secrets by swapping the files under a mount; running
   connections keep the certificate they started with, new ones get the new one, no restart.
-- A client (:func:`open_channel`) presents its certificate and trusts only the CA. It reads the files when
-  the channel opens: a rotated client certificate is taken up by the next process start or channel
-  (grpc's channel credentials are fixed once built).
+- A client (:func:`open_channel`) presents its certificate and trusts only the CA, and takes rotated files
+  up without a restart too: grpc's channel credentials are fixed once built, so :class:`ReloadingChannel`
+  compares the files' fingerprint before a call (at most once a second) and, when they moved, sends the
+  calls from then on over a new channel built from the new files. Calls running on the old channel (a
+  watch stream) keep it until the next rotation or until they end, and reconnect over the new one.
 - Without TLS settings (the local stack, tests) everything stays plaintext, as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,9 +150,134 @@ def open_channel(
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     options: Sequence[tuple[str, Any]] = (),
 ) -> grpc.aio.Channel:
-    """A channel to ``address``: mutual TLS with ``tls``, plaintext without."""
+    """A channel to ``address``: mutual TLS with ``tls`` (rotated files taken up, :class:`ReloadingChannel`),
+    plaintext without."""
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=list(interceptors))
-    return grpc.aio.secure_channel(
-        address, channel_credentials(tls), options=list(options), interceptors=list(interceptors)
-    )
+    return ReloadingChannel(address, tls, interceptors=interceptors, options=options)
+
+
+class ReloadingChannel(grpc.aio.Channel):  # type: ignore[misc]
+    """A mutual-TLS channel that reads its files again when they change.
+
+    Stubs keep the multi-callables a channel hands them, so each one here looks up the current channel
+    when it is called. Before a call, at most once every ``check_seconds``, the files' fingerprint (one
+    ``stat`` each) is compared with the one the current channel was built from; when it moved, a new channel
+    takes the calls from then on. The channel it replaces is kept for the calls still running on it (a
+    long watch) and closed at the next rotation or :meth:`close`. A file caught half-written makes a channel
+    whose handshakes fail; the rest of the write changes the fingerprint again and the next check rebuilds.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        files: TlsFiles,
+        *,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        options: Sequence[tuple[str, Any]] = (),
+        check_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._address = address
+        self._files = files
+        self._interceptors = list(interceptors)
+        self._options = list(options)
+        self._check_seconds = check_seconds
+        self._clock = clock
+        self._seen = files.fingerprint()
+        self._checked = clock()
+        self._channel = self._open()
+        self._retired: grpc.aio.Channel | None = None
+        self._closing: set[asyncio.Future[None]] = set()
+        self.reloads = 0
+
+    def _open(self) -> grpc.aio.Channel:
+        return grpc.aio.secure_channel(
+            self._address,
+            channel_credentials(self._files),
+            options=self._options,
+            interceptors=self._interceptors,
+        )
+
+    def current(self) -> grpc.aio.Channel:
+        """The channel built from the files as they are now (rebuilt when they changed)."""
+        now = self._clock()
+        if now - self._checked < self._check_seconds:
+            return self._channel
+        self._checked = now
+        try:
+            fingerprint = self._files.fingerprint()
+            if fingerprint == self._seen:
+                return self._channel
+            fresh = self._open()
+        except OSError as error:
+            log.warning(
+                "client TLS files not reloaded; keeping the current ones", extra={"error": str(error)}
+            )
+            return self._channel
+        if self._retired is not None:
+            # Calls still on the channel two rotations back have lived a whole rotation: they reconnect.
+            closing = asyncio.ensure_future(self._retired.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+        self._retired, self._channel, self._seen = self._channel, fresh, fingerprint
+        self.reloads += 1
+        log.info(
+            "client TLS certificate reloaded",
+            extra={"certificate": str(self._files.cert), "peer": self._address},
+        )
+        return self._channel
+
+    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Reloading(self, "unary_unary", method, args, kwargs)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Reloading(self, "unary_stream", method, args, kwargs)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Reloading(self, "stream_unary", method, args, kwargs)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Reloading(self, "stream_stream", method, args, kwargs)
+
+    async def __aenter__(self) -> ReloadingChannel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self, grace: float | None = None) -> None:
+        if self._retired is not None:
+            await self._retired.close(grace)
+        await self._channel.close(grace)
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self.current().get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self._channel.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self.current().channel_ready()
+
+
+class _Reloading:
+    """A multi-callable of :class:`ReloadingChannel`: each call goes to the channel current then."""
+
+    def __init__(
+        self, owner: ReloadingChannel, kind: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        self._owner = owner
+        self._kind = kind
+        self._method = method
+        self._args = args
+        self._kwargs = kwargs
+        self._made_on: grpc.aio.Channel | None = None
+        self._callable: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        channel = self._owner.current()
+        if channel is not self._made_on:
+            self._callable = getattr(channel, self._kind)(self._method, *self._args, **self._kwargs)
+            self._made_on = channel
+        return self._callable(*args, **kwargs)
