@@ -21,7 +21,7 @@ import os
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -35,6 +35,9 @@ SYSTEM_PROMPT = (
     "You are a research agent. Look things up with the search tool, then answer the user briefly. "
     "Keep answers short and cite what the tool returned."
 )
+# The tool's one parameter is an enum: the demo model has dummy weights, and under guided decoding a free
+# string would run on until max_tokens; an enum makes the model end the call's arguments.
+SearchTopic = Literal["flights", "hotels", "weather"]
 TASKS = (
     "Which rivers cross Basel, and how wide is the widest one there?",
     "How long does a cargo barge take from Basel to Rotterdam?",
@@ -82,7 +85,7 @@ async def run_agent(args: argparse.Namespace) -> int:
             args.model = (await listing.models.list()).data[0].id
 
     @tool
-    async def search(query: str) -> str:
+    async def search(query: SearchTopic) -> str:
         """Searches the web for ``query``; slow (longer than the conversation's lease)."""
         seconds = args.tool_seconds
         if seconds is None:

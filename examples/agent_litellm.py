@@ -44,7 +44,13 @@ SEARCH_TOOL = {
     "function": {
         "name": "search",
         "description": "Searches the web; slow (longer than the conversation's lease).",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        # An enum: the demo model has dummy weights, and under guided decoding a free string would run on
+        # until max_tokens; an enum makes the model end the call's arguments.
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string", "enum": ["flights", "hotels", "weather"]}},
+            "required": ["query"],
+        },
     },
 }
 KVFERRY_HEADERS = ("x-kvferry-turn", "x-kvferry-reuse", "x-kvferry-pulled-tokens")

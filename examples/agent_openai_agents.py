@@ -25,7 +25,7 @@ import os
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -41,6 +41,9 @@ from agents import (
 from kvferry.sdk import Client, KvferryError, NotFoundError
 from kvferry.sdk.adapters.openai_agents import KvferryRunHooks
 
+# The tool's one parameter is an enum: the demo model has dummy weights, and under guided decoding a free
+# string would run on until max_tokens; an enum makes the model end the call's arguments.
+SearchTopic = Literal["flights", "hotels", "weather"]
 INSTRUCTIONS = (
     "You are a research agent. Look things up with the search tool, then answer the user briefly. "
     "Keep answers short and cite what the tool returned."
@@ -91,7 +94,7 @@ async def run_agent(args: argparse.Namespace) -> int:
     tool_seconds: list[float] = []
 
     @function_tool
-    async def search(query: str) -> str:
+    async def search(query: SearchTopic) -> str:
         """Searches the web for ``query``; slow (longer than the conversation's lease)."""
         seconds = args.tool_seconds
         if seconds is None:

@@ -225,6 +225,31 @@ def test_examples_run_as_printed_with_the_env_file(stack: RunningStack, example:
     assert len(pulls) >= 3 and max(pulls) > 0, f"{example} never reused the history:\n{run.stdout}"
 
 
+@pytest.mark.parametrize("example", ["agent_openai_agents.py", "agent_langchain.py", "agent_litellm.py"])
+def test_framework_examples_reuse_against_real_engines(stack: RunningStack, example: str) -> None:
+    """The framework examples against real engines under `kvferry up` (tests/sdk/test_examples.py runs them
+    with stand-in engines and a lease shorter than the tool, for the adapters' renewals): each finishes its
+    three tool round trips and a later model call pulls the retained history (kvferry's header and the
+    usage's cached tokens). Short tools keep the run short."""
+    printed = next(line for line in stack.lines if line.startswith("next: "))
+    command = re.search(r"`(\. \S+/env) && python examples/agent_sdk\.py`", printed)
+    assert command is not None, printed
+    env = {k: v for k, v in stack.env().items() if not k.startswith("KVFERRY_")}
+    run = subprocess.run(
+        ["bash", "-c", f"{command[1]} && {sys.executable} examples/{example} --tool-seconds 1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    assert run.returncode == 0, f"{example} failed:\n{run.stdout}\n{run.stderr}"
+    assert run.stdout.count("tool search(") == 3, run.stdout
+    assert run.stdout.count("reuse pull") >= 2, f"{example} never reused the history:\n{run.stdout}"
+    cached = [int(n) for n in re.findall(r"cached (\d+)", run.stdout)]
+    assert len(cached) >= 3 and max(cached[1:]) > 0, run.stdout
+
+
 def test_a_killed_sidecar_is_restarted_and_its_engine_stays_in_service(stack: RunningStack) -> None:
     sidecar = stack.recorded("sidecar-decode-0")
     os.kill(sidecar.pid, signal.SIGKILL)

@@ -80,7 +80,8 @@ def standin_render_chat(
 def standin_tool_call(body: Mapping[str, Any], output: Sequence[int]) -> dict[str, str] | None:
     """The call the stand-in makes: when ``tool_choice`` is "required" or names a function (guided decoding
     on a real engine), that function or the first tool; as guided decoding follows the function's schema,
-    each required parameter gets the generated text (a function requiring none gets ``text``)."""
+    each required parameter gets the generated text, or an enum's first value (a function requiring
+    none gets ``text``)."""
     choice = body.get("tool_choice")
     tools = body.get("tools") or []
     if isinstance(choice, dict):
@@ -92,9 +93,13 @@ def standin_tool_call(body: Mapping[str, Any], output: Sequence[int]) -> dict[st
     function: Mapping[str, Any] = next(
         (t["function"] for t in tools if t.get("function", {}).get("name") == name), {}
     )
-    required = (function.get("parameters") or {}).get("required") or ["text"]
+    parameters: Mapping[str, Any] = function.get("parameters") or {}
+    properties: Mapping[str, Any] = parameters.get("properties") or {}
     text = standin_detokenize(output)
-    return {"name": name, "arguments": json.dumps(dict.fromkeys(required, text))}
+    # An enum parameter gets its first value (guided decoding can write nothing else).
+    required = parameters.get("required") or ["text"]
+    arguments = {key: (properties.get(key, {}).get("enum") or [text])[0] for key in required}
+    return {"name": name, "arguments": json.dumps(arguments)}
 
 
 def standin_generate(prompt_token_ids: Sequence[int], count: int) -> list[int]:
