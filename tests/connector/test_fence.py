@@ -9,7 +9,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from kvferry.connector.fence import PULL_FENCE_LOG, PulledBlocks, PullFence
+from kvferry.connector.fence import (
+    PULL_FENCE_LOG,
+    PulledBlocks,
+    PullFence,
+    block_generation_runs,
+    expand_block_runs,
+)
 from kvferry.connector.generations import CHECKED_PULLS, FENCED_PULLS, GenerationFile
 
 nixl_api = pytest.importorskip("nixl._api")
@@ -57,6 +63,16 @@ def pair() -> Iterator[Pair]:
     yield Pair(holder, reader, fence, name)
 
 
+def test_block_runs_join_consecutive_blocks_of_one_generation() -> None:
+    runs = block_generation_runs([5, 6, 7, 8, 20, 21, 3], [9, 9, 9, 10, 10, 10, 10])
+    assert runs == [[5, 3, 9], [8, 1, 10], [20, 2, 10], [3, 1, 10]]
+    assert expand_block_runs(runs) == ([5, 6, 7, 8, 20, 21, 3], [9, 9, 9, 10, 10, 10, 10])
+    assert block_generation_runs(list(range(1000)), [2**51] * 1000) == [[0, 1000, 2**51]]
+    assert block_generation_runs([], []) == []
+    with pytest.raises(ValueError):
+        block_generation_runs([1], [])
+
+
 def test_unchanged_generations_let_the_pull_stand(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
     remote = [10, 11, 12, 30, 31]
     pair.fence.expect("ok", [100 + b for b in remote])
@@ -68,8 +84,10 @@ def test_unchanged_generations_let_the_pull_stand(pair: Pair, caplog: pytest.Log
     assert verdict.fenced is False and verdict.read is None
     assert pair.reader.counters[CHECKED_PULLS] == checked + 1
     line = next(r for r in caplog.records if r.getMessage() == PULL_FENCE_LOG)
-    assert line.block_ids == remote and line.fenced is False  # type: ignore[attr-defined]
-    assert line.remote_engine_id == "holder" and line.generations == [100 + b for b in remote]  # type: ignore[attr-defined]
+    assert line.fenced is False and line.remote_engine_id == "holder"  # type: ignore[attr-defined]
+    # Blocks and generations as runs: 10-12 share no generation (each block's is its own here).
+    assert line.blocks == len(remote)  # type: ignore[attr-defined]
+    assert expand_block_runs(line.block_runs) == (remote, [100 + b for b in remote])  # type: ignore[attr-defined]
 
 
 def test_a_bumped_block_fences_the_pull(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:

@@ -3,7 +3,7 @@
 # `python -m kvferry.bench.fence_nixl` (two processes, NIXL over UCX, Qwen3-8B's KV layout in GPU memory,
 # the generations in host memory as in an engine). Needs torch (CUDA), numpy and nixl (+ nixl-cu13), and
 # python-json-logger for the connector's log lines. Writes OUT/env.txt, summary.txt, ucx-info.txt, fence-*.txt
-# and fence-cuda.json (at most 8 files come back).
+# (four) and fence-cuda.json: eight files, as many as the device machine sends back.
 # On the device machine: bash .gpu-carry/device.sh run tools/gpu/fence_nixl.sh $OUT (tools/gpu/device_carry.sh).
 set -uo pipefail
 out=${1:?usage: fence_nixl.sh OUT [RUNS]}
@@ -31,5 +31,8 @@ bench cuda --device cuda --json "$out/fence-cuda.json"
 UCX_LOG_LEVEL=info timeout 120 python3 -m kvferry.bench.fence_nixl --runs 2 --device cuda \
   >"$out/ucx-info.txt" 2>&1
 grep -E 'intra-node|self cfg' "$out/ucx-info.txt" | sort | uniq -c | head -n 20 | tee -a "$out/summary.txt"
-bench cuda-holder-busy-poll --device cuda --holder-progress-delay-us 0
+# The log line's worst case (every block its own generation) and the check prepared only once the data is
+# done (what PullFence.prepare saves).
+bench cuda-gen1 --device cuda --generation-run-blocks 1
+bench cuda-at-done --device cuda --prepare-at-done
 bench cpu --device cpu

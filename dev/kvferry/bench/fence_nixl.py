@@ -69,6 +69,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=None, help="layers (K and V: two regions each)")
     parser.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV bytes a token, all layers")
     parser.add_argument(
+        "--generation-run-blocks",
+        type=int,
+        default=256,
+        help="the holder's generations change every N blocks (1: each its own, the log line's worst case)",
+    )
+    parser.add_argument(
+        "--prepare-at-done",
+        action="store_true",
+        help="prepare each check once its data is done (no PullFence.prepare): what preparing early saves",
+    )
+    parser.add_argument(
         "--holder-progress-delay-us", type=int, default=None, help="default: kvferry's nixl_progress_delay_us"
     )
 
@@ -105,17 +116,29 @@ def run(args: argparse.Namespace) -> int:
         f"NIXL-only fence bench: {args.device}, {layers} layers, {token_bytes} KV bytes a token, "
         f"{blocks} blocks ({blocks * BLOCK_TOKENS} tokens, "
         f"{blocks * region_block_bytes * 2 * layers / 2**20:.1f} MiB) a pull, "
-        f"holder progress delay {delay_us} us, fence_wait_us {wait_us}; "
+        f"holder progress delay {delay_us} us, fence_wait_us {wait_us}, generations change every "
+        f"{args.generation_run_blocks} blocks; "
         f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}",
         flush=True,
     )
     context = multiprocessing.get_context("spawn")
     here, there = context.Pipe()
-    holder = context.Process(target=_holder, args=(there, shape, delay_us), daemon=True)
+    holder = context.Process(
+        target=_holder, args=(there, shape, delay_us, max(1, args.generation_run_blocks)), daemon=True
+    )
     holder.start()
     there.close()
     try:
-        runs = _reader(here, shape, blocks, args.runs, delay_us, wait_us / 1e6)
+        runs = _reader(
+            here,
+            shape,
+            blocks,
+            args.runs,
+            delay_us,
+            wait_us / 1e6,
+            max(1, args.generation_run_blocks),
+            args.prepare_at_done,
+        )
     finally:
         here.close()
         holder.join(timeout=30)
@@ -185,14 +208,19 @@ class _Side:
         return out
 
 
-def _holder(conn: Connection, shape: Shape, delay_us: int) -> None:
+def _holder(conn: Connection, shape: Shape, delay_us: int, run_blocks: int) -> None:
     side = _Side("fence-bench-holder", shape, delay_us)
-    side.file.generations[:] = np.arange(shape.num_blocks, dtype=np.uint64) + 2**40
+    side.file.generations[:] = _generations(np.arange(shape.num_blocks), run_blocks)
     conn.send((side.agent.get_agent_metadata(), side.file.describe(), side.addresses))
     try:
         conn.recv()  # until the reader is done
     except EOFError:
         pass
+
+
+def _generations(block_ids: np.ndarray, run_blocks: int) -> np.ndarray:
+    """The holder's generations: one engine's random base, a bump more every ``run_blocks`` blocks."""
+    return (np.asarray(block_ids, dtype=np.uint64) // np.uint64(run_blocks)) + np.uint64(2**40)
 
 
 class _TimedAgent:
@@ -246,7 +274,14 @@ def _json_log_to_nowhere() -> None:
 
 
 def _reader(
-    conn: Connection, shape: Shape, blocks: int, runs: int, delay_us: int, wait_seconds: float
+    conn: Connection,
+    shape: Shape,
+    blocks: int,
+    runs: int,
+    delay_us: int,
+    wait_seconds: float,
+    run_blocks: int,
+    prepare_at_done: bool,
 ) -> list[NixlFenceRun]:
     from kvferry.connector.fence import PulledBlocks, PullFence
 
@@ -266,7 +301,9 @@ def _reader(
         remote = list(range(remote_first, remote_first + blocks))
         request_id = f"fence-bench-{index}"
         # As the worker: the expectation arrives with the step, the data READ is posted, the check prepared.
-        fence.expect(request_id, [int(g) for g in np.arange(remote_first, remote_first + blocks) + 2**40])
+        fence.expect(
+            request_id, _generations(np.arange(remote_first, remote_first + blocks), run_blocks).tolist()
+        )
         started = time.perf_counter()
         handle = side.agent.initialize_xfer(
             "READ",
@@ -275,7 +312,9 @@ def _reader(
             holder,
         )
         state = side.agent.transfer(handle)
-        fence.prepare(request_id, PulledBlocks("holder", "r", local, remote, [holder]))
+        pulled = PulledBlocks("holder", "r", local, remote, [holder])
+        if not prepare_at_done:
+            fence.prepare(request_id, pulled)
         while state == "PROC":
             state = side.agent.check_xfer_state(handle)
         data_done = time.perf_counter()
@@ -285,9 +324,10 @@ def _reader(
         agent.reset()
         settle_started = time.perf_counter()
         done: set[str] = {request_id}
-        answered, failed = fence.settle(done, set(), lambda _: None)
+        lookup = {request_id: pulled}.get
+        answered, failed = fence.settle(done, set(), lookup)
         while request_id not in answered:  # a read slower than fence_wait_us: the next poll
-            answered, failed = fence.settle(set(), set(), lambda _: None)
+            answered, failed = fence.settle(set(), set(), lookup)
         settled = time.perf_counter()
         verdict = fence.verdicts[-1]
         if index < 2:
