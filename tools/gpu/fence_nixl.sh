@@ -30,7 +30,8 @@ bench cuda --device cuda --json "$out/fence-cuda.json"
 # Which UCX transports carry the data and the generations (UCX's own report, one short run).
 UCX_LOG_LEVEL=info timeout 120 python3 -m kvferry.bench.fence_nixl --runs 2 --device cuda \
   >"$out/ucx-info.txt" 2>&1
-grep -E 'intra-node|self cfg' "$out/ucx-info.txt" | sort | uniq -c | head -n 20 | tee -a "$out/summary.txt"
+grep -E 'intra-node|self cfg' "$out/ucx-info.txt" | sed -E 's/^\[[^]]*\] +\[[^]]*\] +//' | sort | uniq -c |
+  tee -a "$out/summary.txt"
 # The log line's worst case (every block its own generation) and the check prepared only once the data is
 # done (what PullFence.prepare saves).
 bench cuda-gen1 --device cuda --generation-run-blocks 1
