@@ -22,7 +22,7 @@ import grpc
 import httpx
 import pytest
 from kvferry.connector.connector import BUMPED_LOG, FREED_LOG
-from kvferry.connector.fence import PULL_FENCE_LOG
+from kvferry.connector.fence import PULL_FENCE_LOG, expand_block_runs
 from kvferry.pd.chat import ChatMessage, ChatRequest
 from kvferry.pd.engine_api import DecodeRequest, Sampling, prefill_transfer_params
 from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
@@ -160,8 +160,11 @@ async def test_a_reuse_whose_blocks_d_still_holds_passes_the_fence(engine_pair: 
     line = _fence_line(engine_pair.prefill, f"{conversation}-t2")
     assert line["fenced"] is False
     assert line["remote_engine_id"] == engine_pair.decode.engine_id
-    assert line["block_ids"] == list(pull.blocks.block_ids[0])
-    assert pull.generations is not None and line["generations"] == list(pull.generations.values)
+    assert pull.generations is not None
+    assert expand_block_runs(line["block_runs"]) == (
+        list(pull.blocks.block_ids[0]),
+        list(pull.generations.values),
+    )
     _assert_same_kv(pulled, recomputed)
 
 
@@ -240,7 +243,7 @@ async def test_a_pull_of_blocks_d_freed_is_fenced_and_recomputed(
 
     line = _fence_line(engine_pair.prefill, f"{conversation}-t2")
     assert line["fenced"] is True
-    assert line["generations_read"] != line["generations"]
+    assert line["generations_read"] != expand_block_runs(line["block_runs"])[1]
     assert cached == 0, "P must recompute the whole prompt after a fenced pull"
     _assert_same_kv(pulled, recomputed)
 

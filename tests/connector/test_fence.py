@@ -9,7 +9,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from kvferry.connector.fence import PULL_FENCE_LOG, PulledBlocks, PullFence, fence_runs
+from kvferry.connector.fence import (
+    PULL_FENCE_LOG,
+    PulledBlocks,
+    PullFence,
+    block_generation_runs,
+    expand_block_runs,
+)
 from kvferry.connector.generations import CHECKED_PULLS, FENCED_PULLS, GenerationFile
 
 nixl_api = pytest.importorskip("nixl._api")
@@ -57,13 +63,14 @@ def pair() -> Iterator[Pair]:
     yield Pair(holder, reader, fence, name)
 
 
-def test_runs_join_blocks_consecutive_on_both_sides() -> None:
-    assert fence_runs([5, 6, 7, 9, 10], [20, 21, 22, 23, 24]).tolist() == [[5, 20, 3], [9, 23, 2]]
-    assert fence_runs([3, 2, 1], [1, 2, 3]).tolist() == [[3, 1, 1], [2, 2, 1], [1, 3, 1]]
-    assert fence_runs([4], [9]).tolist() == [[4, 9, 1]]
-    assert fence_runs([], []).shape == (0, 3)
+def test_block_runs_join_consecutive_blocks_of_one_generation() -> None:
+    runs = block_generation_runs([5, 6, 7, 8, 20, 21, 3], [9, 9, 9, 10, 10, 10, 10])
+    assert runs == [[5, 3, 9], [8, 1, 10], [20, 2, 10], [3, 1, 10]]
+    assert expand_block_runs(runs) == ([5, 6, 7, 8, 20, 21, 3], [9, 9, 9, 10, 10, 10, 10])
+    assert block_generation_runs(list(range(1000)), [2**51] * 1000) == [[0, 1000, 2**51]]
+    assert block_generation_runs([], []) == []
     with pytest.raises(ValueError):
-        fence_runs([1], [])
+        block_generation_runs([1], [])
 
 
 def test_unchanged_generations_let_the_pull_stand(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
@@ -77,8 +84,10 @@ def test_unchanged_generations_let_the_pull_stand(pair: Pair, caplog: pytest.Log
     assert verdict.fenced is False and verdict.read is None
     assert pair.reader.counters[CHECKED_PULLS] == checked + 1
     line = next(r for r in caplog.records if r.getMessage() == PULL_FENCE_LOG)
-    assert line.block_ids == remote and line.fenced is False  # type: ignore[attr-defined]
-    assert line.remote_engine_id == "holder" and line.generations == [100 + b for b in remote]  # type: ignore[attr-defined]
+    assert line.fenced is False and line.remote_engine_id == "holder"  # type: ignore[attr-defined]
+    # Blocks and generations as runs: 10-12 share no generation (each block's is its own here).
+    assert line.blocks == len(remote)  # type: ignore[attr-defined]
+    assert expand_block_runs(line.block_runs) == (remote, [100 + b for b in remote])  # type: ignore[attr-defined]
 
 
 def test_a_bumped_block_fences_the_pull(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
@@ -94,6 +103,46 @@ def test_a_bumped_block_fences_the_pull(pair: Pair, caplog: pytest.LogCaptureFix
     assert pair.reader.counters[FENCED_PULLS] == fenced + 1
     line = next(r for r in caplog.records if r.getMessage() == PULL_FENCE_LOG)
     assert line.levelname == "WARNING" and line.generations_read == [140, 142, 142]  # type: ignore[attr-defined]
+
+
+def test_a_check_prepared_while_the_data_is_in_flight_reads_only_once_the_data_is_done(pair: Pair) -> None:
+    # Runs of consecutive ids on both sides and a scattered one, as the worker prepares them right
+    # after vLLM posted the data READ.
+    local, remote = [1, 2, 3, 9, 12, 13], [20, 21, 22, 5, 60, 61]
+    pair.fence.expect("early", [100 + b for b in remote])
+    pair.fence.prepare("early", pair.pulled(local, remote))
+    pair.holder.generations[21] += 1  # freed after the READ was prepared, before the data was done
+    try:
+        done, failed = pair.settle("early", pair.pulled([], []))  # the prepared check is the one used
+    finally:
+        pair.holder.generations[21] -= 1
+    assert (done, failed) == ({"early"}, {"early"})
+    verdict = pair.fence.verdicts[-1]
+    assert verdict.read == [120, 122, 122, 105, 160, 161]
+    assert verdict.prepare_seconds > 0 and verdict.fence_seconds > 0
+    pair.fence.expect("again", [100 + b for b in remote])
+    pair.fence.prepare("again", pair.pulled(local, remote))
+    assert pair.settle("again", pair.pulled(local, remote)) == ({"again"}, set())
+
+
+def test_a_failed_pull_drops_its_prepared_check(pair: Pair) -> None:
+    pair.fence.expect("lost", [110])
+    pair.fence.prepare("lost", pair.pulled([1], [10]))
+    assert pair.fence.settle({"lost"}, {"lost"}, lambda _: None) == ({"lost"}, {"lost"})
+    assert not pair.fence.expects("lost")
+    # Nothing of it is left to post: a later completion of the same id is not checked.
+    assert pair.settle("lost", pair.pulled([1], [10])) == ({"lost"}, set())
+
+
+def test_a_holder_whose_descriptors_nixl_refuses_fences(pair: Pair) -> None:
+    from kvferry.connector.generations import GenerationArray
+
+    # An agent NIXL has no metadata of: it refuses to prepare the list.
+    pair.fence.add_peer("bogus", GenerationArray(address=8, num_blocks=4, pid=1, fd=1))
+    pair.fence.expect("bogus", [110])
+    _, failed = pair.settle("bogus", pair.pulled([1], [1], agents=["bogus"]))
+    assert failed == {"bogus"}
+    assert "not prepared" in (pair.fence.verdicts[-1].reason or "")
 
 
 def test_only_the_pulled_tail_is_checked(pair: Pair) -> None:

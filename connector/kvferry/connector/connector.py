@@ -722,6 +722,10 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             super()._read_blocks_for_req(req_id, meta)
         finally:
             self.pulls.set_context(None)
+        if self.fence is not None and self._recving_transfers.get(req_id):
+            # The data READ is in flight: ready its fence check now, so that seeing it done costs
+            # only posting the generation read and comparing (kvferry.connector.fence).
+            self.fence.prepare(req_id, self._pulled_blocks(req_id))
 
     def _pulled(self, record: PullRecord) -> None:
         self._pull_options.pop(record.request_id, None)

@@ -8,14 +8,19 @@ time: the pull is *fenced*: the connector reports it failed through vLLM's own l
 the scheduler recomputes the prompt (``kv_load_failure_policy: "recompute"``). A timing bug anywhere
 upstream then costs a recompute, never a wrong answer.
 
-The generation READ goes to the same NIXL agent(s) the data came from, as few descriptors as the block
-ids allow (one per run consecutive on both sides, as the data is coalesced), into this worker's landing
-array at the pulled blocks' local ids. It is posted as soon as vLLM sees the data done and waited for
-briefly (``wait_seconds``, spinning on NIXL's status, which also drives its progress); a READ that takes
-longer is checked again at the next poll.
+The generation READ goes to the same NIXL agent(s) the data came from, into this worker's landing
+array at the pulled blocks' local ids. Everything but the read itself is made ready while the data is
+still in flight (:meth:`PullFence.prepare`, right after vLLM posted the data READ): the block id arrays,
+the expected generations and NIXL's transfer request, built by index from descriptor lists prepared once
+(one 8-byte descriptor per block: the landing array at start, each holder's generation array at its
+handshake; NIXL merges runs of ids consecutive on both sides into one descriptor). When vLLM sees the
+data done, what is left is posting that request, waiting for it briefly (``wait_seconds``, spinning on
+NIXL's status, which also drives its progress; a READ that takes longer is checked again at the next
+poll) and comparing. The read is posted only then: it must start after the data READ completed.
 
-Each checked pull is logged as one ``kv pull fence`` line (:data:`PULL_FENCE_LOG`): the faults
-harness's oracle reads it beside the holder's ``generations bumped`` lines.
+Each checked pull is logged as one ``kv pull fence`` line (:data:`PULL_FENCE_LOG`), its blocks and
+expected generations as runs (:func:`block_generation_runs`), for an oracle to read beside the holder's
+``generations bumped`` lines.
 """
 
 from __future__ import annotations
@@ -39,26 +44,11 @@ from kvferry.connector.generations import (
 logger = logging.getLogger("kvferry.connector.fence")
 
 PULL_FENCE_LOG = "kv pull fence"
-# Expectations kept at most for pulls that never complete (a request aborted before its pull).
+# Expectations and prepared checks kept at most for pulls that never complete (a request aborted
+# before or during its pull); the oldest go first.
 _MAX_EXPECTATIONS = 4096
-
-
-BlockIds = Sequence[int] | npt.NDArray[np.int64]
-
-
-def fence_runs(local_ids: BlockIds, remote_ids: BlockIds) -> npt.NDArray[np.int64]:
-    """Rows (local start, remote start, length) of each maximal run of block pairs consecutive on both
-    sides, in order."""
-    local = np.asarray(local_ids, dtype=np.int64)
-    remote = np.asarray(remote_ids, dtype=np.int64)
-    if local.shape != remote.shape or local.ndim != 1:
-        raise ValueError(f"{local.size} local block ids for {remote.size} remote ones")
-    if local.size == 0:
-        return np.zeros((0, 3), dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(remote) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [local.size])))
-    return np.stack([local[starts], remote[starts], lengths], axis=1)
+# How vLLM's and NIXL's Python API name the local side of a prepared descriptor list.
+_LOCAL_SIDE = "NIXL_INIT_AGENT"
 
 
 @dataclass(frozen=True)
@@ -81,35 +71,57 @@ class _Read:
 
 
 @dataclass
+class _Peer:
+    """A holder agent's generation array and, once prepared, its descriptor list (one per block)."""
+
+    array: GenerationArray | None
+    descriptors: Any = None
+    problem: str | None = None
+
+
+@dataclass
 class FenceCheck:
-    """One pull being checked; becomes a verdict (``fenced`` set) when its reads are in."""
+    """One pull being checked: prepared while its data is in flight, posted when the data is done,
+    a verdict (``fenced`` set) when its reads are in."""
 
     request_id: str
     pulled: PulledBlocks
     expected: npt.NDArray[np.uint64]
-    started: float
-    # The pulled blocks' ids, as arrays (converted once: a pull lists hundreds of blocks).
+    prepared: float
+    # The pulled blocks' local ids (converted once: a pull lists hundreds of blocks).
     local_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    runs: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
     reads: list[_Read] = field(default_factory=list)
+    # When the data was seen done and the reads posted (the fence's cost counts from here).
+    started: float | None = None
     read: list[int] | None = None
     fenced: bool | None = None
     reason: str | None = None
     finished: float | None = None
+    prepare_seconds: float = 0.0
+    # The pulled blocks and their expected generations as the log line carries them (made at prepare).
+    block_runs: list[list[int]] = field(default_factory=list)
 
     def fail(self, reason: str) -> None:
         if self.fenced is None:
             self.fenced, self.reason = True, reason
+
+    @property
+    def fence_seconds(self) -> float:
+        """From the data seen done to the verdict: what the fence adds to the pull."""
+        if self.started is None or self.finished is None:
+            return 0.0
+        return self.finished - self.started
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "request_id": self.request_id,
             "remote_engine_id": self.pulled.remote_engine_id,
             "remote_request_id": self.pulled.remote_request_id,
-            "block_ids": list(self.pulled.remote_block_ids),
-            "generations": self.expected.tolist(),
+            "block_runs": self.block_runs,
+            "blocks": len(self.pulled.remote_block_ids),
             "fenced": self.fenced,
-            "fence_ms": round(((self.finished or self.started) - self.started) * 1e3, 3),
+            "fence_ms": round(self.fence_seconds * 1e3, 3),
+            "prepare_ms": round(self.prepare_seconds * 1e3, 3),
             "unix_time": time.time(),
         }
         if self.fenced:
@@ -118,12 +130,49 @@ class FenceCheck:
         return out
 
 
+def block_generation_runs(
+    block_ids: Sequence[int] | npt.NDArray[np.int64], generations: Sequence[int] | npt.NDArray[np.uint64]
+) -> list[list[int]]:
+    """``[[first block id, count, generation], ...]``: the maximal runs of consecutive block ids that
+    share one generation, in order. The fence's log line carries a pull's blocks and expected
+    generations in this form: lossless, and a few numbers for a pull of consecutive blocks where one
+    number per block would cost more to write than the whole check (JSON of ~2,000 numbers: ~0.25 ms).
+    """
+    ids = np.asarray(block_ids, dtype=np.int64)
+    values = np.asarray(generations, dtype=np.uint64)
+    if ids.shape != values.shape or ids.ndim != 1:
+        raise ValueError(f"{values.size} generations for {ids.size} block ids")
+    if ids.size == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(ids) != 1) | (values[1:] != values[:-1])) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [ids.size])))
+    return [
+        [first, count, generation]
+        for first, count, generation in zip(
+            ids[starts].tolist(), counts.tolist(), values[starts].tolist(), strict=True
+        )
+    ]
+
+
+def expand_block_runs(runs: Iterable[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(block ids, generations) of :func:`block_generation_runs`' runs (what a log reader wants)."""
+    block_ids: list[int] = []
+    generations: list[int] = []
+    for first, count, generation in runs:
+        block_ids.extend(range(first, first + count))
+        generations.extend([generation] * count)
+    return block_ids, generations
+
+
 class PullFence:
-    """The reader's fence (one per worker): peers' generation arrays, pending checks, verdicts.
+    """The reader's fence (one per worker): peers' generation arrays, prepared and pending checks,
+    verdicts.
 
     ``agent`` is the worker's own NIXL agent (not vLLM's wrapped one: these READs are not KV and
     must not be coalesced or counted as pulls); ``file`` is this worker's generation file, whose
     ``landing`` array receives the holders' generations and whose counters the scheduler reports.
+    The file must be registered with ``agent`` before the first peer is added.
     """
 
     def __init__(
@@ -137,12 +186,13 @@ class PullFence:
     ) -> None:
         self._agent = agent
         self._file = file
-        self._landing_address = int(file.landing.ctypes.data)
         self.wait_seconds = wait_seconds
         self.timeout_seconds = timeout_seconds
         self._clock = clock
-        self._peers: dict[str | bytes, GenerationArray | None] = {}
+        self._landing: Any = None  # the landing array's descriptor list, prepared with the first peer
+        self._peers: dict[str | bytes, _Peer] = {}
         self._expected: dict[str, npt.NDArray[np.uint64]] = {}
+        self._prepared: dict[str, FenceCheck] = {}
         self._pending: dict[str, FenceCheck] = {}
         self.verdicts: list[FenceCheck] = []  # the latest few, for tests and benchmarks
         self._max_verdicts = 64
@@ -150,8 +200,32 @@ class PullFence:
     # -- what the worker tells it -----------------------------------------------------------------
 
     def add_peer(self, agent_name: str | bytes, array: GenerationArray | None) -> None:
-        """A holder's agent after the handshake, with the generation array it advertised (None: none)."""
-        self._peers[agent_name] = array
+        """A holder's agent after the handshake, with the generation array it advertised (None: none).
+
+        Prepares the descriptor lists the checks index into: one 8-byte descriptor per block of the
+        holder's generations and (once) of this worker's landing array. A list NIXL refuses leaves the
+        peer unreadable: its pulls are fenced, with the reason.
+        """
+        peer = _Peer(array)
+        self._peers[agent_name] = peer
+        if array is None:
+            return
+        try:
+            if self._landing is None:
+                self._landing = self._agent.prep_xfer_dlist(
+                    _LOCAL_SIDE,
+                    _block_rows(int(self._file.landing.ctypes.data), self._file.num_blocks, 0),
+                    "DRAM",
+                )
+            peer.descriptors = self._agent.prep_xfer_dlist(
+                agent_name, _block_rows(array.address, array.num_blocks, array.device_id), "DRAM"
+            )
+        except Exception as error:
+            peer.problem = f"generation descriptors not prepared: {type(error).__name__}: {error}"
+            logger.warning(
+                "could not prepare a holder's generation descriptors; pulls from it will be fenced",
+                extra={"agent": str(agent_name), "error": peer.problem},
+            )
 
     def expect(self, request_id: str, generations: Sequence[int]) -> None:
         """The generations a pull's retention published, aligned with its ``remote_block_ids``."""
@@ -161,6 +235,17 @@ class PullFence:
 
     def expects(self, request_id: str) -> bool:
         return request_id in self._expected
+
+    def prepare(self, request_id: str, pulled: PulledBlocks | None) -> None:
+        """Right after a pull's data READ was posted: readies its check (arrays, NIXL request), so
+        that little is left to do once the data is done. Posts nothing."""
+        expected = self._expected.get(request_id)
+        if expected is None or pulled is None or not pulled.local_block_ids:
+            return
+        self._drop_prepared(request_id)
+        self._prepared[request_id] = self._build(request_id, pulled, expected)
+        while len(self._prepared) > _MAX_EXPECTATIONS:
+            self._drop_prepared(next(iter(self._prepared)))
 
     # -- after vLLM polled its transfers ----------------------------------------------------------
 
@@ -174,14 +259,20 @@ class PullFence:
         """
         for request_id in failed:
             self._expected.pop(request_id, None)
+            self._drop_prepared(request_id)
         for request_id in done - failed:
+            seen = self._clock()
             expected = self._expected.pop(request_id, None)
+            check = self._prepared.pop(request_id, None)
             if expected is None:
                 continue
-            blocks = pulled(request_id)
-            if blocks is None or not blocks.local_block_ids:
-                continue  # nothing was read (a full local prefix hit): nothing to fence
-            self._pending[request_id] = self._start(request_id, blocks, expected)
+            if check is None:  # not prepared while the data was in flight: prepared now
+                blocks = pulled(request_id)
+                if blocks is None or not blocks.local_block_ids:
+                    continue  # nothing was read (a full local prefix hit): nothing to fence
+                check = self._build(request_id, blocks, expected)
+            self._start(check, seen)
+            self._pending[request_id] = check
         if not self._pending:
             return done, failed
         self._wait()
@@ -199,64 +290,75 @@ class PullFence:
 
     # -- the generation READs ---------------------------------------------------------------------
 
-    def _start(self, request_id: str, pulled: PulledBlocks, expected: npt.NDArray[np.uint64]) -> FenceCheck:
-        started = self._clock()
+    def _build(self, request_id: str, pulled: PulledBlocks, expected: npt.NDArray[np.uint64]) -> FenceCheck:
+        """A check with its NIXL requests made but not posted (or already failed, with the reason)."""
+        prepared = self._clock()
         remote_ids = np.asarray(pulled.remote_block_ids, dtype=np.int64)
         local_ids = np.asarray(pulled.local_block_ids, dtype=np.int64)
         # vLLM pulls the tail of the retention's block list when P already holds part of it.
         expected = expected[-len(remote_ids) :] if len(expected) >= len(remote_ids) else expected
-        check = FenceCheck(request_id, pulled, expected, started=started, local_ids=local_ids)
-        if len(expected) != len(remote_ids) or len(local_ids) != len(remote_ids):
-            check.fail(
-                f"{len(expected)} generations for {len(remote_ids)} remote and {len(local_ids)} local blocks"
-            )
-            return check
-        check.runs = fence_runs(local_ids, remote_ids)
-        if not pulled.remote_agents:
-            check.fail("no holder agent to read generations from")
-            return check
-        for agent_name in pulled.remote_agents:
-            read = _Read(agent_name)
-            check.reads.append(read)
-            array = self._peers.get(agent_name)
-            if array is None:
-                check.fail("the holder advertised no generation array (fencing off, or not kvferry's)")
-                return check
-            if remote_ids.max() >= array.num_blocks or remote_ids.min() < 0:
-                check.fail(f"remote block ids outside the holder's {array.num_blocks} blocks")
-                return check
-            try:
-                read.handle = self._post(agent_name, array, check.runs)
-            except Exception as error:  # NIXL refused the descriptors: unreadable means fenced
-                check.fail(f"generation read not posted: {type(error).__name__}: {error}")
-                return check
+        check = FenceCheck(request_id, pulled, expected, prepared=prepared, local_ids=local_ids)
+        try:
+            if len(expected) == len(remote_ids):
+                check.block_runs = block_generation_runs(remote_ids, expected)
+            self._make_reads(check, remote_ids)
+        finally:
+            check.prepare_seconds = self._clock() - prepared
+        if check.fenced is not None:
+            self._release_all(check)
         return check
 
-    def _post(self, agent_name: str | bytes, array: GenerationArray, runs: npt.NDArray[np.int64]) -> Any:
-        # One descriptor per run: (landing slot | holder's generation, bytes, device).
-        local_rows = np.empty((len(runs), 3), dtype=np.uint64)
-        remote_rows = np.empty((len(runs), 3), dtype=np.uint64)
-        local_rows[:, 0] = self._landing_address + runs[:, 0] * GENERATION_BYTES
-        remote_rows[:, 0] = array.address + runs[:, 1] * GENERATION_BYTES
-        local_rows[:, 1] = remote_rows[:, 1] = runs[:, 2] * GENERATION_BYTES
-        local_rows[:, 2] = 0
-        remote_rows[:, 2] = array.device_id
-        agent = self._agent
-        handle = agent.initialize_xfer(
-            "READ",
-            agent.get_xfer_descs(local_rows, "DRAM"),
-            agent.get_xfer_descs(remote_rows, "DRAM"),
-            agent_name,
-        )
-        try:
-            state = agent.transfer(handle)
-        except Exception:
-            self._release(handle)
-            raise
-        if state not in ("PROC", "DONE"):
-            self._release(handle)
-            raise RuntimeError(f"NIXL answered {state!r} to posting the read")
-        return handle
+    def _make_reads(self, check: FenceCheck, remote_ids: npt.NDArray[np.int64]) -> None:
+        local_ids = check.local_ids
+        if len(check.expected) != len(remote_ids) or len(local_ids) != len(remote_ids):
+            expected = len(check.expected)
+            check.fail(
+                f"{expected} generations for {len(remote_ids)} remote and {len(local_ids)} local blocks"
+            )
+            return
+        if not check.pulled.remote_agents:
+            check.fail("no holder agent to read generations from")
+            return
+        if local_ids.min() < 0 or local_ids.max() >= self._file.num_blocks:
+            check.fail(f"local block ids outside this worker's {self._file.num_blocks} blocks")
+            return
+        local_index = local_ids.astype(np.int32)
+        remote_index = remote_ids.astype(np.int32)
+        for agent_name in check.pulled.remote_agents:
+            read = _Read(agent_name)
+            check.reads.append(read)
+            peer = self._peers.get(agent_name)
+            if peer is None or peer.array is None:
+                check.fail("the holder advertised no generation array (fencing off, or not kvferry's)")
+                return
+            if peer.descriptors is None:
+                check.fail(peer.problem or "the holder's generation descriptors are not prepared")
+                return
+            if remote_ids.max() >= peer.array.num_blocks or remote_ids.min() < 0:
+                check.fail(f"remote block ids outside the holder's {peer.array.num_blocks} blocks")
+                return
+            try:
+                read.handle = self._agent.make_prepped_xfer(
+                    "READ", self._landing, local_index, peer.descriptors, remote_index
+                )
+            except Exception as error:  # NIXL refused the request: unreadable means fenced
+                check.fail(f"generation read not prepared: {type(error).__name__}: {error}")
+                return
+
+    def _start(self, check: FenceCheck, seen: float) -> None:
+        """The data was ``seen`` done: posts the check's reads (only now: they must follow the data READ)."""
+        check.started = seen
+        if check.fenced is not None:
+            return
+        for read in check.reads:
+            try:
+                state = self._agent.transfer(read.handle)
+            except Exception as error:
+                state = f"{type(error).__name__}: {error}"
+            if state not in ("PROC", "DONE"):
+                check.fail(f"generation read not posted: NIXL answered {state!r}")
+                self._release_all(check)
+                return
 
     def _wait(self) -> None:
         """Polls the pending reads: at most ``wait_seconds`` now, then again at the next call."""
@@ -277,7 +379,7 @@ class PullFence:
             except Exception as error:
                 state = f"{type(error).__name__}: {error}"
             if state == "PROC":
-                if self._clock() - check.started > self.timeout_seconds:
+                if self._clock() - (check.started or check.prepared) > self.timeout_seconds:
                     check.fail(f"generation read not done within {self.timeout_seconds:.0f} s")
                     self._release_all(check)
                 return
@@ -295,6 +397,11 @@ class PullFence:
         else:
             check.read = landed.tolist()
             check.fail("generations changed: the holder freed blocks since the retention was published")
+
+    def _drop_prepared(self, request_id: str) -> None:
+        check = self._prepared.pop(request_id, None)
+        if check is not None:
+            self._release_all(check)
 
     def _release_all(self, check: FenceCheck) -> None:
         for read in check.reads:
@@ -327,3 +434,12 @@ class PullFence:
 
     def pending(self) -> Iterable[str]:
         return list(self._pending)
+
+
+def _block_rows(address: int, num_blocks: int, device_id: int) -> npt.NDArray[np.uint64]:
+    """One descriptor row (address, bytes, device) per block of a generation-sized array."""
+    rows = np.empty((num_blocks, 3), dtype=np.uint64)
+    rows[:, 0] = address + np.arange(num_blocks, dtype=np.uint64) * GENERATION_BYTES
+    rows[:, 1] = GENERATION_BYTES
+    rows[:, 2] = device_id
+    return rows

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvferry.bench import fence_nixl
+
 if TYPE_CHECKING:
     from kvferry.stack.engine import EngineProcess
 
@@ -73,9 +75,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-lock", action="store_true", help="do not take the engine lock (caller holds it)"
     )
+    parser.add_argument(
+        "--nixl-only",
+        action="store_true",
+        help="no engines: the fence against a pull between two NIXL agents (kvferry.bench.fence_nixl)",
+    )
+    fence_nixl.configure(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nixl_only:
+        return fence_nixl.run(args)
     # A SIGTERM (e.g. from `timeout`) unwinds normally, so the engines are stopped.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="kvferry-bench-fence-"))).resolve()
