@@ -257,20 +257,19 @@ class _TimedAgent:
 
 
 def _json_log_to_nowhere() -> None:
-    """The connector's JSON log lines, formatted as in an engine, to an in-memory sink (the fence's
-    line is part of what a pull waits for)."""
+    """The connector's JSON log lines, formatted as in an engine (on its logging thread), to an
+    in-memory sink."""
     try:
-        from kvferry.connector.logs import KvferryJsonFormatter
+        from kvferry.connector.logs import log_json_lines_to
     except ImportError:  # python-json-logger missing (the GPU machine without vLLM): plain lines
-        formatter: logging.Formatter = logging.Formatter("%(message)s")
+        handler = logging.StreamHandler(io.StringIO())
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root = logging.getLogger("kvferry")
+        root.handlers[:] = [handler]
+        root.setLevel(logging.INFO)
+        root.propagate = False
     else:
-        formatter = KvferryJsonFormatter()
-    handler = logging.StreamHandler(io.StringIO())
-    handler.setFormatter(formatter)
-    root = logging.getLogger("kvferry")
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-    root.propagate = False
+        log_json_lines_to(io.StringIO())
 
 
 def _reader(
