@@ -4,7 +4,11 @@ way the worker's ``_pop_done_transfers`` does. The same path inside real engines
 
 from __future__ import annotations
 
+import io
 import itertools
+import json
+import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,6 +21,7 @@ from kvferry.connector.fence import (
     expand_block_runs,
 )
 from kvferry.connector.generations import CHECKED_PULLS, FENCED_PULLS, GenerationFile
+from kvferry.connector.logs import log_json_lines_to, stop_logging_thread
 
 nixl_api = pytest.importorskip("nixl._api")
 
@@ -103,6 +108,29 @@ def test_a_bumped_block_fences_the_pull(pair: Pair, caplog: pytest.LogCaptureFix
     assert pair.reader.counters[FENCED_PULLS] == fenced + 1
     line = next(r for r in caplog.records if r.getMessage() == PULL_FENCE_LOG)
     assert line.levelname == "WARNING" and line.generations_read == [140, 142, 142]  # type: ignore[attr-defined]
+
+
+def test_the_verdict_line_is_made_on_the_logging_thread_after_the_pull_is_reported(pair: Pair) -> None:
+    root = logging.getLogger("kvferry")
+    before = (root.handlers[:], root.level, root.propagate)
+    sink = io.StringIO()
+    remote = [50, 51, 52]
+    pair.fence.expect("logged", [100 + b for b in remote])
+    try:
+        log_json_lines_to(sink)
+        assert pair.settle("logged", pair.pulled([20, 21, 22], remote)) == ({"logged"}, set())
+        reported = time.time()
+        held = sink.getvalue()
+        pair.fence.settle(set(), set(), lambda _: None)  # vLLM's next poll hands the line over
+    finally:
+        stop_logging_thread()  # writes what was handed over
+        root.handlers[:], root.level, root.propagate = before
+    assert held == ""  # nothing of the line was made while the pull waited
+    (line,) = (json.loads(text) for text in sink.getvalue().splitlines())
+    assert line["msg"] == PULL_FENCE_LOG and line["request_id"] == "logged" and line["fenced"] is False
+    assert expand_block_runs(line["block_runs"]) == (remote, [100 + b for b in remote])
+    # The verdict's own time, not the time the line was made.
+    assert reported - 1.0 < line["unix_time"] <= reported
 
 
 def test_a_check_prepared_while_the_data_is_in_flight_reads_only_once_the_data_is_done(pair: Pair) -> None:

@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from kvferry.connector.generations import (
     GenerationArray,
     GenerationFile,
 )
+from kvferry.connector.logs import hand_over_held, log_off_path
 
 logger = logging.getLogger("kvferry.connector.fence")
 
@@ -47,6 +49,8 @@ PULL_FENCE_LOG = "kv pull fence"
 # Expectations and prepared checks kept at most for pulls that never complete (a request aborted
 # before or during its pull); the oldest go first.
 _MAX_EXPECTATIONS = 4096
+# Generation reads done but not yet released: released at a call that checks nothing, or once this many.
+_MAX_SPENT = 16
 # How vLLM's and NIXL's Python API name the local side of a prepared descriptor list.
 _LOCAL_SIDE = "NIXL_INIT_AGENT"
 
@@ -90,6 +94,10 @@ class FenceCheck:
     prepared: float
     # The pulled blocks' local ids (converted once: a pull lists hundreds of blocks).
     local_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # Where their generations land in the landing array (a slice when the ids are one run, no copy)
+    # and the expected generations' bytes: set at prepare, so that the verdict is one byte comparison.
+    landed_at: slice | npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    expected_bytes: bytes = b""
     reads: list[_Read] = field(default_factory=list)
     # When the data was seen done and the reads posted (the fence's cost counts from here).
     started: float | None = None
@@ -112,7 +120,7 @@ class FenceCheck:
             return 0.0
         return self.finished - self.started
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self, unix_time: float) -> dict[str, Any]:
         out: dict[str, Any] = {
             "request_id": self.request_id,
             "remote_engine_id": self.pulled.remote_engine_id,
@@ -122,7 +130,7 @@ class FenceCheck:
             "fenced": self.fenced,
             "fence_ms": round(self.fence_seconds * 1e3, 3),
             "prepare_ms": round(self.prepare_seconds * 1e3, 3),
-            "unix_time": time.time(),
+            "unix_time": unix_time,
         }
         if self.fenced:
             out["generations_read"] = self.read
@@ -194,6 +202,7 @@ class PullFence:
         self._expected: dict[str, npt.NDArray[np.uint64]] = {}
         self._prepared: dict[str, FenceCheck] = {}
         self._pending: dict[str, FenceCheck] = {}
+        self._spent: list[Any] = []  # generation reads done, their handles not yet released
         self.verdicts: list[FenceCheck] = []  # the latest few, for tests and benchmarks
         self._max_verdicts = 64
 
@@ -252,41 +261,63 @@ class PullFence:
     def settle(
         self, done: set[str], failed: set[str], pulled: Callable[[str], PulledBlocks | None]
     ) -> tuple[set[str], set[str]]:
-        """Checks the pulls vLLM just found done; returns (done, failed) as vLLM should see them.
+        """Checks the pulls vLLM just found done; returns (done, failed) as vLLM should see them (the
+        sets given when nothing changes).
 
         A fenced pull is reported done *and* failed (vLLM's load-failure path); a pull whose check is
         still running is held back and reported at a later call.
         """
+        # Earlier verdicts' reads are released and their lines handed to the logging thread at a call
+        # that checks no pull (most of vLLM's polls; one follows every finished pull, whose request
+        # then runs a step), not while a pull waits.
+        if not done:
+            if self._spent:
+                self._release_spent()
+            hand_over_held()
+        elif len(self._spent) >= _MAX_SPENT:
+            self._release_spent()
         for request_id in failed:
             self._expected.pop(request_id, None)
             self._drop_prepared(request_id)
-        for request_id in done - failed:
-            seen = self._clock()
-            expected = self._expected.pop(request_id, None)
-            check = self._prepared.pop(request_id, None)
-            if expected is None:
+        now = self._clock() if done else 0.0
+        for request_id in done:
+            if request_id in failed:
                 continue
+            expected = self._expected.pop(request_id, None)
+            if expected is None:
+                self._drop_prepared(request_id)
+                continue
+            check = self._prepared.pop(request_id, None)
             if check is None:  # not prepared while the data was in flight: prepared now
                 blocks = pulled(request_id)
                 if blocks is None or not blocks.local_block_ids:
                     continue  # nothing was read (a full local prefix hit): nothing to fence
                 check = self._build(request_id, blocks, expected)
-            self._start(check, seen)
+            self._start(check, now)
             self._pending[request_id] = check
         if not self._pending:
             return done, failed
-        self._wait()
-        done, failed = set(done), set(failed)
-        for request_id, check in list(self._pending.items()):
+        self._wait(now if done else self._clock())
+        # Copied only when vLLM must see something else than it gave (a check still running or fenced).
+        out_done, out_failed = done, failed
+        settled: list[str] = []
+        for request_id, check in self._pending.items():
             if check.fenced is None:
-                done.discard(request_id)  # reported once its reads are in
+                if request_id in out_done:
+                    out_done = set(out_done) if out_done is done else out_done
+                    out_done.discard(request_id)  # reported once its reads are in
                 continue
-            del self._pending[request_id]
-            done.add(request_id)
-            if check.fenced:
-                failed.add(request_id)
+            settled.append(request_id)
+            if request_id not in out_done:
+                out_done = set(out_done) if out_done is done else out_done
+                out_done.add(request_id)
+            if check.fenced and request_id not in out_failed:
+                out_failed = set(out_failed) if out_failed is failed else out_failed
+                out_failed.add(request_id)
             self._report(check)
-        return done, failed
+        for request_id in settled:
+            del self._pending[request_id]
+        return out_done, out_failed
 
     # -- the generation READs ---------------------------------------------------------------------
 
@@ -322,6 +353,12 @@ class PullFence:
         if local_ids.min() < 0 or local_ids.max() >= self._file.num_blocks:
             check.fail(f"local block ids outside this worker's {self._file.num_blocks} blocks")
             return
+        first, count = int(local_ids[0]), len(local_ids)
+        if count == 1 or (int(local_ids[-1]) - first == count - 1 and bool((np.diff(local_ids) == 1).all())):
+            check.landed_at = slice(first, first + count)
+        else:
+            check.landed_at = local_ids
+        check.expected_bytes = check.expected.astype(self._file.landing.dtype).tobytes()
         local_index = local_ids.astype(np.int32)
         remote_index = remote_ids.astype(np.int32)
         for agent_name in check.pulled.remote_agents:
@@ -360,14 +397,16 @@ class PullFence:
                 self._release_all(check)
                 return
 
-    def _wait(self) -> None:
-        """Polls the pending reads: at most ``wait_seconds`` now, then again at the next call."""
-        give_up = self._clock() + self.wait_seconds
+    def _wait(self, now: float) -> None:
+        """Polls the pending reads: at most ``wait_seconds`` from ``now``, then again at the next call."""
+        give_up = now + self.wait_seconds
         while True:
-            running = [check for check in self._pending.values() if check.fenced is None]
-            for check in running:
-                self._poll(check)
-            if all(check.fenced is not None for check in running) or self._clock() >= give_up:
+            running = False
+            for check in self._pending.values():
+                if check.fenced is None:
+                    self._poll(check)
+                    running = running or check.fenced is None
+            if not running or self._clock() >= give_up:
                 return
 
     def _poll(self, check: FenceCheck) -> None:
@@ -384,19 +423,24 @@ class PullFence:
                     self._release_all(check)
                 return
             read.done = True
-            self._release(read.handle)
+            self._spent.append(read.handle)  # released later, off any pull's path
             read.handle = None
             if state != "DONE":
                 check.fail(f"generation read failed: {state}")
                 self._release_all(check)
                 return
         # Every holder agent answered: compare what landed with what the retention published.
-        landed = self._file.landing[check.local_ids]
-        if np.array_equal(landed, check.expected):
+        landed = self._file.landing[check.landed_at]
+        if landed.tobytes() == check.expected_bytes:
             check.fenced = False
         else:
             check.read = landed.tolist()
             check.fail("generations changed: the holder freed blocks since the retention was published")
+
+    def _release_spent(self) -> None:
+        spent, self._spent = self._spent, []
+        for handle in spent:
+            self._release(handle)
 
     def _drop_prepared(self, request_id: str) -> None:
         check = self._prepared.pop(request_id, None)
@@ -426,11 +470,16 @@ class PullFence:
         if check.fenced:
             counters[FENCED_PULLS] += np.uint64(1)
         self.verdicts.append(check)
-        del self.verdicts[: -self._max_verdicts]
-        if check.fenced:
-            logger.warning(PULL_FENCE_LOG, extra=check.fields())
-        else:
-            logger.info(PULL_FENCE_LOG, extra=check.fields())
+        if len(self.verdicts) > self._max_verdicts:
+            del self.verdicts[0]
+        # The line is made on the logging thread later: the pull is reported done without waiting for it.
+        level = logging.WARNING if check.fenced else logging.INFO
+        log_off_path(logger, level, PULL_FENCE_LOG, partial(self._line, check))
+
+    def _line(self, check: FenceCheck) -> tuple[float, dict[str, Any]]:
+        """The verdict's Unix time and its log line's fields (called when the line is made)."""
+        unix_time = time.time() - (self._clock() - (check.finished or 0.0))
+        return unix_time, check.fields(unix_time)
 
     def pending(self) -> Iterable[str]:
         return list(self._pending)

@@ -328,6 +328,7 @@ def _reader(
         while request_id not in answered:  # a read slower than fence_wait_us: the next poll
             answered, failed = fence.settle(set(), set(), lookup)
         settled = time.perf_counter()
+        fence.settle(set(), set(), lookup)  # vLLM's next poll, with no pull done: releases the read
         verdict = fence.verdicts[-1]
         if index < 2:
             continue
