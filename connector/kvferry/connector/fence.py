@@ -268,8 +268,7 @@ class PullFence:
         still running is held back and reported at a later call.
         """
         # Earlier verdicts' reads are released and their lines handed to the logging thread at a call
-        # that checks no pull (most of vLLM's polls; one follows every finished pull, whose request
-        # then runs a step), not while a pull waits.
+        # that checks no pull (most of vLLM's polls, once a step), not while a pull waits for its verdict.
         if not done:
             if self._spent:
                 self._release_spent()
