@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from kvferry.pd.chat import ChatRequest
-from kvferry.router.validation import MAX_TOKENS, TokenId
+from kvferry.router.validation import MAX_TOKENS, Int64, TokenId
 from kvferry.runtime.errors import InvalidArgument
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_STRINGS = 16
-_INT64 = 2**63
 
 
 class Support(enum.Enum):
@@ -294,7 +293,7 @@ class ChatBody(_Strict):
     prompt_cache_key: str | None = Field(None, min_length=1)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     response_format: _ResponseFormat | None = None
-    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    seed: Int64 | None = None
     service_tier: str | None = None
     stop: str | list[str] | None = None
     store: bool | None = None
@@ -334,7 +333,7 @@ class ChatBody(_Strict):
     media_io_kwargs: dict[str, dict[str, Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
-    priority: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    priority: Int64 | None = None
     session_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None

@@ -14,8 +14,6 @@ from kvferry.router.turns import Prompt, SamplingOptions, TextPrompt, TokenPromp
 from kvferry.runtime.errors import InvalidArgument
 from pydantic import BaseModel, ConfigDict, Field
 
-_INT64 = 2**63
-
 
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -30,7 +28,7 @@ class CompletionBody(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    seed: validation.Int64 | None = None
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool | None = None

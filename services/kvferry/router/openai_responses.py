@@ -24,11 +24,9 @@ from typing import Any, Literal
 
 from kvferry.pd.chat import ChatDelta
 from kvferry.router.openai_chat import validate
-from kvferry.router.validation import MAX_TOKENS
+from kvferry.router.validation import MAX_TOKENS, Int64
 from kvferry.runtime.errors import InvalidArgument, NotFound
 from pydantic import BaseModel, ConfigDict, Field
-
-_INT64 = 2**63
 
 
 class _Strict(BaseModel):
@@ -103,7 +101,7 @@ class ResponsesBody(_Strict):
     retain: bool | None = None
     # vLLM's chat fields that Responses clients send through extra_body
     chat_template_kwargs: dict[str, Any] | None = None
-    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    seed: Int64 | None = None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 # validation dump instead of a message the caller can act on.
 MAX_TOKENS = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**63 - 1)
+# A signed 64-bit field of the OpenAI bodies (seed, priority): what vLLM's own types take.
+Int64 = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
 
 
 def conversation_id(value: str, *, param: str = "conversation_id") -> str:
