@@ -86,3 +86,40 @@ class ToolLease:
         await keep_alive.stop()
         self.renewals += keep_alive.renewals
         self.error = keep_alive.error
+
+
+class LeaseAdapter:
+    """The surface both framework adapters offer over their ``ToolLease`` (a mixin: each adapter also
+    derives from its framework's callback class and sets ``self.lease`` in its ``__init__``)."""
+
+    lease: ToolLease
+    close_on_end: bool
+
+    def _start_lease(
+        self,
+        client: ConversationLeases,
+        conversation_id: str,
+        *,
+        close_on_end: bool,
+        interval: float | None,
+    ) -> None:
+        self.lease = ToolLease(client, conversation_id, interval=interval)
+        self.close_on_end = close_on_end
+
+    @property
+    def conversation_id(self) -> str:
+        return self.lease.conversation_id
+
+    @property
+    def renewals(self) -> int:
+        """Successful renewals so far."""
+        return self.lease.renewals
+
+    @property
+    def error(self) -> RpcError | None:
+        """Why the last renewal block stopped early (None when it did not)."""
+        return self.lease.error
+
+    async def aclose(self) -> None:
+        """Stops renewing and closes the conversation (idempotent)."""
+        await self.lease.close()

@@ -19,12 +19,11 @@ from __future__ import annotations
 from typing import Any
 from uuid import UUID
 
-from kvferry.sdk._errors import RpcError
-from kvferry.sdk._tool_lease import ConversationLeases, ToolLease
+from kvferry.sdk._tool_lease import ConversationLeases, LeaseAdapter
 from langchain_core.callbacks import AsyncCallbackHandler
 
 
-class KvferryCallbackHandler(AsyncCallbackHandler):
+class KvferryCallbackHandler(LeaseAdapter, AsyncCallbackHandler):
     """Renews ``conversation_id`` while tools run; closes it when the outermost run ends."""
 
     # Awaited in order, before the tool starts (not gathered with other handlers).
@@ -38,27 +37,8 @@ class KvferryCallbackHandler(AsyncCallbackHandler):
         close_on_end: bool = True,
         interval: float | None = None,
     ) -> None:
-        self.lease = ToolLease(client, conversation_id, interval=interval)
-        self.close_on_end = close_on_end
+        self._start_lease(client, conversation_id, close_on_end=close_on_end, interval=interval)
         self._root_runs: set[UUID] = set()
-
-    @property
-    def conversation_id(self) -> str:
-        return self.lease.conversation_id
-
-    @property
-    def renewals(self) -> int:
-        """Successful renewals so far."""
-        return self.lease.renewals
-
-    @property
-    def error(self) -> RpcError | None:
-        """Why the last renewal block stopped early (None when it did not)."""
-        return self.lease.error
-
-    async def aclose(self) -> None:
-        """Stops renewing and closes the conversation (idempotent)."""
-        await self.lease.close()
 
     async def on_chain_start(
         self,

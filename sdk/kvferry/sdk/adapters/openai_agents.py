@@ -19,11 +19,10 @@ from typing import Any
 from agents import RunHooks
 from agents.run_context import RunContextWrapper
 from agents.tool import Tool
-from kvferry.sdk._errors import RpcError
-from kvferry.sdk._tool_lease import ConversationLeases, ToolLease
+from kvferry.sdk._tool_lease import ConversationLeases, LeaseAdapter
 
 
-class KvferryRunHooks(RunHooks[Any]):
+class KvferryRunHooks(LeaseAdapter, RunHooks[Any]):
     """Renews ``conversation_id`` while tools run; closes it when the run's final output is produced."""
 
     def __init__(
@@ -34,26 +33,7 @@ class KvferryRunHooks(RunHooks[Any]):
         close_on_end: bool = True,
         interval: float | None = None,
     ) -> None:
-        self.lease = ToolLease(client, conversation_id, interval=interval)
-        self.close_on_end = close_on_end
-
-    @property
-    def conversation_id(self) -> str:
-        return self.lease.conversation_id
-
-    @property
-    def renewals(self) -> int:
-        """Successful renewals so far."""
-        return self.lease.renewals
-
-    @property
-    def error(self) -> RpcError | None:
-        """Why the last renewal block stopped early (None when it did not)."""
-        return self.lease.error
-
-    async def aclose(self) -> None:
-        """Stops renewing and closes the conversation (idempotent)."""
-        await self.lease.close()
+        self._start_lease(client, conversation_id, close_on_end=close_on_end, interval=interval)
 
     async def on_tool_start(self, context: RunContextWrapper[Any], agent: Any, tool: Tool) -> None:
         await self.lease.tool_started(_tool_key(context, tool))
