@@ -206,20 +206,26 @@ def test_status_from_another_directory_lists_processes_health_and_retained_block
     assert re.search(r"registry\s+\S+ serving", status.stdout), status.stdout
 
 
-@pytest.mark.parametrize("example", ["agent_sdk.py", "agent_openai.py"])
-def test_examples_run_as_printed_with_the_env_file(stack: RunningStack, example: str) -> None:
+def run_example_as_printed(stack: RunningStack, example: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``examples/<example>`` as `kvferry up`'s "next:" line says (sourcing its env file), with no
+    KVFERRY_ variable of the test's own environment."""
     printed = next(line for line in stack.lines if line.startswith("next: "))
     command = re.search(r"`(\. \S+/env) && python examples/agent_sdk\.py`", printed)
     assert command is not None, printed
     env = {k: v for k, v in stack.env().items() if not k.startswith("KVFERRY_")}
-    run = subprocess.run(
-        ["bash", "-c", f"{command[1]} && {sys.executable} examples/{example}"],
+    return subprocess.run(
+        ["bash", "-c", f"{command[1]} && {sys.executable} examples/{example} {' '.join(args)}"],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
         cwd=REPO_ROOT,
     )
+
+
+@pytest.mark.parametrize("example", ["agent_sdk.py", "agent_openai.py"])
+def test_examples_run_as_printed_with_the_env_file(stack: RunningStack, example: str) -> None:
+    run = run_example_as_printed(stack, example)
     assert run.returncode == 0, f"{example} failed:\n{run.stdout}\n{run.stderr}"
     pulls = [int(n) for n in re.findall(r"pulled (\d+) / recomputed", run.stdout)]
     assert len(pulls) >= 3 and max(pulls) > 0, f"{example} never reused the history:\n{run.stdout}"
@@ -231,18 +237,7 @@ def test_framework_examples_reuse_against_real_engines(stack: RunningStack, exam
     with stand-in engines and a lease shorter than the tool, for the adapters' renewals): each finishes its
     three tool round trips and a later model call pulls the retained history (kvferry's header and the
     usage's cached tokens). Short tools keep the run short."""
-    printed = next(line for line in stack.lines if line.startswith("next: "))
-    command = re.search(r"`(\. \S+/env) && python examples/agent_sdk\.py`", printed)
-    assert command is not None, printed
-    env = {k: v for k, v in stack.env().items() if not k.startswith("KVFERRY_")}
-    run = subprocess.run(
-        ["bash", "-c", f"{command[1]} && {sys.executable} examples/{example} --tool-seconds 1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO_ROOT,
-    )
+    run = run_example_as_printed(stack, example, "--tool-seconds", "1")
     assert run.returncode == 0, f"{example} failed:\n{run.stdout}\n{run.stderr}"
     assert run.stdout.count("tool search(") == 3, run.stdout
     assert run.stdout.count("reuse pull") >= 2, f"{example} never reused the history:\n{run.stdout}"
