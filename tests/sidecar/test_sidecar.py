@@ -228,8 +228,13 @@ async def test_survives_a_registry_restart(
     sidecar_factory: SidecarFactory,
     stand_in_engine_factory: StandInEngineFactory,
 ) -> None:
+    # A 6 s engine lease (not the 2 s default): the short outage below, with gRPC's reconnect backoff,
+    # can outlast 2 s on a loaded machine, and then the sidecar rightly re-registers.
     sidecar = await _started(
-        sidecar_factory, stand_in_engine_factory, registry_address=restartable_registry.address
+        sidecar_factory,
+        stand_in_engine_factory,
+        registry_address=restartable_registry.address,
+        registration=RegistrationSettings(ttl_seconds=6, backoff=TEST_BACKOFF),
     )
     stub = sidecar.stub()
     published = await report(stub, retention(unique("tenant"), unique("conv"), ttl_seconds=60))
