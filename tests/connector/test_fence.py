@@ -236,6 +236,10 @@ def test_a_read_not_done_in_time_is_reported_at_a_later_poll(pair: Pair) -> None
     assert answers[:2] == [(set(), set()), (set(), set())]
     assert answers[2] == ({"later"}, set())
     assert list(slow.pending()) == []
+    # The verdict's line says how often NIXL was asked: three unfinished answers, then DONE.
+    fields = slow.verdicts[-1].fields(0.0)
+    assert fields["polls"] == 4
+    assert 0.0 <= fields["post_ms"] <= fields["fence_ms"]
 
 
 def test_a_read_that_never_finishes_fences_at_the_timeout(pair: Pair) -> None:

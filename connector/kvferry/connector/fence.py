@@ -106,6 +106,9 @@ class FenceCheck:
     reason: str | None = None
     finished: float | None = None
     prepare_seconds: float = 0.0
+    # Where the fence's time goes: posting its reads, and how often NIXL was asked whether they are in.
+    posted: float | None = None
+    polls: int = 0
     # The pulled blocks and their expected generations as the log line carries them (made at prepare).
     block_runs: list[list[int]] = field(default_factory=list)
 
@@ -130,6 +133,10 @@ class FenceCheck:
             "fenced": self.fenced,
             "fence_ms": round(self.fence_seconds * 1e3, 3),
             "prepare_ms": round(self.prepare_seconds * 1e3, 3),
+            "post_ms": round((self.posted - self.started) * 1e3, 3)
+            if self.posted is not None and self.started is not None
+            else 0.0,
+            "polls": self.polls,
             "unix_time": unix_time,
         }
         if self.fenced:
@@ -395,6 +402,7 @@ class PullFence:
                 check.fail(f"generation read not posted: NIXL answered {state!r}")
                 self._release_all(check)
                 return
+        check.posted = self._clock()
 
     def _wait(self, now: float) -> None:
         """Polls the pending reads: at most ``wait_seconds`` from ``now``, then again at the next call."""
@@ -412,6 +420,7 @@ class PullFence:
         for read in check.reads:
             if read.done:
                 continue
+            check.polls += 1
             try:
                 state = self._agent.check_xfer_state(read.handle)
             except Exception as error:
