@@ -53,7 +53,7 @@ from kvferry.connector.generations import (
     GenerationFile,
 )
 from kvferry.connector.keeper import RetentionKeeper
-from kvferry.connector.logs import setup_logging
+from kvferry.connector.logs import hand_over_held, setup_logging
 from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullRecord
 from kvferry.connector.read_deadlines import pull_allowed, read_deadline, read_may_start
 from kvferry.connector.retention import Clock, RetainedEntry, RetentionTable, SystemClock
@@ -685,7 +685,11 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
         done, failed = super()._pop_done_transfers(transfers)
-        if self.fence is None or transfers is not self._recving_transfers:
+        if transfers is not self._recving_transfers:
+            return done, failed
+        if self.fence is None:
+            if not done:  # the pulls' held lines go to the logging thread at a poll that finishes none
+                hand_over_held()
             return done, failed
         # After the data: the pulls of retentions wait for their generations (kvferry.connector.fence).
         return self.fence.settle(done, failed, self._pulled_blocks)

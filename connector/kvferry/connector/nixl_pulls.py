@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ from kvferry.connector.coalesce import (
     plan_pull,
     segments_of,
 )
+from kvferry.connector.logs import log_off_path
 
 logger = logging.getLogger("kvferry.connector.pulls")
 
@@ -428,9 +430,14 @@ class PullCoalescer:
             c.nixl_descriptors += record.nixl_descriptors or 0
             c.bytes += record.total_bytes
             c.transfer_seconds += record.transfer_seconds
-        logger.info("kv pull", extra={"reader_role": self.reader_role, **record.fields()})
+        # Its line is made on the logging thread after vLLM's next poll that finishes no pull: made or
+        # formatted now, it would hold the GIL (there or here) while this pull's fence posts its read.
+        log_off_path(logger, logging.INFO, "kv pull", partial(self._line, record, time.time()))
         if self._on_pull is not None:
             self._on_pull(record)
+
+    def _line(self, record: PullRecord, unix_time: float) -> tuple[float, dict[str, Any]]:
+        return unix_time, {"reader_role": self.reader_role, **record.fields()}
 
     def _warn_once(self, key: str, message: str, error: BaseException) -> None:
         if key in self._warned:
