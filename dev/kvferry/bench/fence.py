@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvferry.bench import fence_nixl
+from kvferry.connector.fence import PULL_FENCE_LOG
 
 if TYPE_CHECKING:
     from kvferry.stack.engine import EngineProcess
@@ -47,6 +48,9 @@ class FenceRun:
     fence_ms: float
     fenced: bool
     prefill_ms: float
+    # Of the fence: posting its generation reads, and NIXL's status checks until they were in.
+    fence_post_ms: float = 0.0
+    fence_polls: int = 0
 
     @property
     def fraction(self) -> float:
@@ -76,6 +80,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--no-lock", action="store_true", help="do not take the engine lock (caller holds it)"
     )
     parser.add_argument(
+        "--from-log",
+        type=Path,
+        default=None,
+        metavar="LOG",
+        help="no engines: every fenced pull in this prefill engine's log (e.g. a GPU stack run's "
+        "logs/engine-prefill-0.log), its tokens as blocks x --block-size",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="with --from-log: the engines' block size")
+    parser.add_argument(
+        "--min-tokens", type=int, default=0, help="with --from-log: only pulls of at least this many tokens"
+    )
+    parser.add_argument(
         "--nixl-only",
         action="store_true",
         help="no engines: the fence against a pull between two NIXL agents (kvferry.bench.fence_nixl)",
@@ -86,6 +102,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.nixl_only:
         return fence_nixl.run(args)
+    if args.from_log is not None:
+        if not args.from_log.is_file():
+            raise SystemExit(f"--from-log {args.from_log}: no such file")
+        logged = runs_in_log(args.from_log, args.block_size)
+        logged = [r for r in logged if r.pulled_tokens >= args.min_tokens]
+        print_table(logged)
+        return 0 if logged else 1
     # A SIGTERM (e.g. from `timeout`) unwinds normally, so the engines are stopped.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="kvferry-bench-fence-"))).resolve()
@@ -231,10 +254,30 @@ def _from_log(
             continue
         if event.get("msg") == "kv pull" and event.get("reader_role") == "kv_producer":
             pull = event
-        elif event.get("msg") == "kv pull fence":
+        elif event.get("msg") == PULL_FENCE_LOG:
             fence = event
     if pull is None or fence is None:
         return None
+    return _joined(index, pull, fence, pulled_tokens, prefill_seconds)
+
+
+def runs_in_log(log: Path, block_size: int) -> list[FenceRun]:
+    """Every pull in a prefill engine's log with its fence verdict, in the log's order (a pull without
+    one, e.g. of a retention without generations, is left out)."""
+    events = _events(log)
+    fences = {str(e.get("request_id")): e for e in events if e.get("msg") == PULL_FENCE_LOG}
+    runs: list[FenceRun] = []
+    for event in events:
+        fence = fences.get(str(event.get("request_id")))
+        if event.get("msg") == "kv pull" and event.get("reader_role") == "kv_producer" and fence:
+            tokens = int(event.get("blocks") or 0) * block_size
+            runs.append(_joined(len(runs), event, fence, tokens, 0.0))
+    return runs
+
+
+def _joined(
+    index: int, pull: dict[str, Any], fence: dict[str, Any], pulled_tokens: int, prefill_seconds: float
+) -> FenceRun:
     return FenceRun(
         run=index,
         pulled_tokens=pulled_tokens,
@@ -246,15 +289,19 @@ def _from_log(
         fence_ms=float(fence.get("fence_ms") or 0.0),
         fenced=bool(fence.get("fenced")),
         prefill_ms=prefill_seconds * 1e3,
+        fence_post_ms=float(fence.get("post_ms") or 0.0),
+        fence_polls=int(fence.get("polls") or 0),
     )
 
 
 def _events(log: Path) -> list[dict[str, Any]]:
     events = []
     for line in log.read_text(errors="replace").splitlines():
-        if line.startswith('{"ts"'):
+        # vLLM prefixes its engine process's lines ("(EngineCore pid=...) ") when it runs as a server.
+        start = line.find('{"ts"')
+        if start >= 0:
             try:
-                events.append(json.loads(line))
+                events.append(json.loads(line[start:]))
             except ValueError:
                 continue
     return events
@@ -281,9 +328,14 @@ def print_table(runs: list[FenceRun]) -> None:
     transfer = statistics.median(r.transfer_ms for r in runs)
     fraction = statistics.median(r.fraction for r in runs)
     of_transfer = statistics.median(r.fraction_of_transfer for r in runs)
+    # Connectors before the verdict line had post_ms and polls logged neither.
+    split = [r for r in runs if r.fence_polls]
+    post = statistics.median(r.fence_post_ms for r in split) if split else None
+    polls = statistics.median(r.fence_polls for r in split) if split else None
     verdict = "within" if fraction <= TARGET_FRACTION else "ABOVE"
     print(
         f"\nmedian of {len(runs)}: pull {pull:.2f} ms (NIXL {transfer:.2f} ms), fence {fence:.3f} ms, "
         f"fence/pull {100 * fraction:.2f} % ({verdict} the {100 * TARGET_FRACTION:.0f} % target), "
         f"fence/NIXL transfer {100 * of_transfer:.2f} %"
+        + (f"; of the fence, posting its reads {post:.3f} ms, NIXL asked {polls:g} times" if split else "")
     )
