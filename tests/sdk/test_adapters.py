@@ -6,20 +6,26 @@ The same adapters against the real router: tests/sdk/test_examples.py."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 from agents import Agent, FunctionTool, ModelResponse, RunConfig, Runner, Usage, function_tool
 from agents.models.interface import Model
-from kvferry.sdk import ErrorCode, KeepAlive, KeepAliveSettings
+from kvferry.sdk import ChatMessage, ErrorCode, KeepAlive, KeepAliveSettings, SyncClient
 from kvferry.sdk._errors import make_error
 from kvferry.sdk._tool_lease import ToolLease
-from kvferry.sdk.adapters.langchain import KvferryCallbackHandler
+from kvferry.sdk.adapters.langchain import KvferryCallbackHandler, KvferrySyncCallbackHandler
 from kvferry.sdk.adapters.openai_agents import KvferryRunHooks
 from langchain_core.runnables import RunnableLambda
 from langchain_core.tools import tool
 from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
+
+from tests.sdk.conftest import API_KEY
+from tests.sdk.standin_router import StandInRouter
 
 TOOL_SECONDS = 0.3
 INTERVAL = 0.05
@@ -133,6 +139,51 @@ async def test_langchain_handler_stops_renewing_when_a_tool_fails() -> None:
 
     await RunnableLambda(agent_step).ainvoke("x", config={"callbacks": [handler]})
     assert handler.renewals >= 3 and leases.closed == ["conv-lc3"]
+
+
+@tool
+def blocking_search(query: str) -> str:
+    """Looks something up, slowly, blocking its thread."""
+    time.sleep(TOOL_SECONDS)
+    return f"results for {query}"
+
+
+def test_the_async_handler_in_a_synchronous_run_says_so_and_does_not_block_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # LangChain runs an async handler's callbacks of a synchronous run each on a loop of its own; a
+    # keep-alive started there would hold the run forever (it did, before the handler checked).
+    leases = CountingLeases()
+    handler = KvferryCallbackHandler(leases, "conv-sync", interval=INTERVAL)
+    chain = RunnableLambda(lambda query: blocking_search.invoke(query))
+    with caplog.at_level(logging.WARNING, logger="kvferry.sdk.adapters"):
+        assert chain.invoke("a", config={"callbacks": [handler]}) == "results for a"
+        assert chain.invoke("b", config={"callbacks": [handler]}) == "results for b"
+    said = [r.getMessage() for r in caplog.records if "KvferrySyncCallbackHandler" in r.getMessage()]
+    assert len(said) == 1  # once per handler
+    assert handler.renewals == 0 and leases.renewed_at == [] and leases.closed == []
+
+
+def test_the_sync_handler_renews_during_a_blocking_tool_and_closes_after_the_run(
+    standin_router: StandInRouter,
+) -> None:
+    standin_router.script.ttl_seconds = 1.0
+    with SyncClient.connect(standin_router.address, api_key=API_KEY, environ={}) as client:
+        conversation = client.conversation()
+        conversation.complete(ChatMessage.user("hi"))
+        handler = KvferrySyncCallbackHandler(client, conversation.id, interval=0.2)
+
+        @tool
+        def slow_lookup(query: str) -> str:
+            """Longer than the conversation's 1 s lease."""
+            time.sleep(1.5)
+            return f"found {query}"
+
+        chain = RunnableLambda(lambda query: slow_lookup.invoke(query))
+        assert chain.invoke("rivers", config={"callbacks": [handler]}) == "found rivers"
+        assert handler.renewals >= 3 and handler.error is None
+        assert [c for c, _ in standin_router.record.renewals] == [conversation.id] * handler.renewals
+        assert standin_router.record.closes == [conversation.id]  # the outermost run ended
 
 
 class ScriptedModel(Model):
