@@ -242,6 +242,10 @@ def test_api_key_failures_are_unauthenticated(header: str | None, fragment: str)
         ('{"tenants": [{"name": "a", "api_key_sha256": ["abc"]}]}', "not a hex SHA-256"),
         ('{"tenants": [{"name": "a", "api_keys": ["k"], "colour": 1}]}', "unknown fields"),
         ('{"tenants": [{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}]}', "also 'a'"),
+        (
+            '{"tenants": [{"name": "a", "api_keys": ["k1"]}, {"name": "a", "api_keys": ["k2"]}]}',
+            "tenants[1]: tenant 'a' is already defined by tenants[0]",
+        ),
         ("not json", "not valid JSON"),
     ],
 )
@@ -251,6 +255,36 @@ def test_bad_tenant_files_say_what_is_wrong(tmp_path: Path, document: str, fragm
     with pytest.raises(TenantConfigError) as bad:
         load_tenants(path)
     assert fragment in str(bad.value) and str(path) in str(bad.value)
+
+
+def test_a_tenant_named_by_two_entries_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    """Limits are kept per tenant name: two entries of one tenant would share its token bucket, each
+    resetting it to its own rate."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        '# tenants\n[[tenants]]\nname = "acme"\napi_keys = ["k1"]\ntokens_per_second = 100\n\n'
+        '[[tenants]]\nname = "globex"\napi_keys = ["k2"]\n\n'
+        '  [[tenants]]\nname = "acme"\napi_keys = ["k3"]\ntokens_per_second = 5000\n'
+    )
+    with pytest.raises(TenantConfigError) as bad:
+        load_tenants(path)
+    assert str(bad.value) == (
+        f"{path}: tenants[2] (line 11): tenant 'acme' is already defined by tenants[0] (line 2); give each "
+        "tenant one entry and list all its keys there"
+    )
+
+
+def test_the_tenants_file_and_the_key_flag_agree_on_each_tenant(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenants]]\nname = "acme"\napi_keys = ["k1"]\ntokens_per_second = 100\n')
+    from_file = load_tenants(path)
+    with pytest.raises(TenantConfigError, match="tenant 'acme' is given by both"):
+        from_file.merged(parse_key_pairs("k2=acme"))
+    another_tenants_key = r"an API key of tenant 'globex' \(--api-keys\) is tenant 'acme'"
+    with pytest.raises(TenantConfigError, match=another_tenants_key):
+        from_file.merged(parse_key_pairs("k1=globex"))
+    plain = ApiKeys.from_pairs([("k1", "globex")]).merged(parse_key_pairs("k2=globex"))
+    assert plain.authenticate("Bearer k2").name == "globex" and len(plain) == 2
 
 
 def test_key_pairs_flag_form() -> None:

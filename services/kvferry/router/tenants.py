@@ -20,8 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,21 @@ class ApiKeys:
         return cls({key_digest(key): Tenant(name=tenant) for key, tenant in pairs})
 
     def merged(self, other: ApiKeys) -> ApiKeys:
+        """Both tables (the tenants file's and --api-keys'); TenantConfigError when they give one tenant
+        other settings (its limits are kept by name) or one key to two tenants."""
+        settings = {tenant.name: tenant for tenant in self._by_digest.values()}
+        for digest, tenant in other._by_digest.items():
+            if settings.get(tenant.name, tenant) != tenant:
+                raise TenantConfigError(
+                    f"tenant {tenant.name!r} is given by both the tenants file and --api-keys, with other "
+                    "models or tokens_per_second; give its keys in one place"
+                )
+            mine = self._by_digest.get(digest)
+            if mine is not None and mine.name != tenant.name:
+                raise TenantConfigError(
+                    f"an API key of tenant {tenant.name!r} (--api-keys) is tenant {mine.name!r}'s in the "
+                    "tenants file"
+                )
         return ApiKeys({**self._by_digest, **other._by_digest})
 
     def authenticate(self, authorization: str | None) -> Tenant:
@@ -87,14 +103,18 @@ class ApiKeys:
         return tenant
 
 
-def parse_tenants(document: Mapping[str, Any], source: str) -> ApiKeys:
-    """Builds the key table from a parsed tenants document; ``source`` names it in errors."""
+def parse_tenants(document: Mapping[str, Any], source: str, entry_lines: Sequence[int] = ()) -> ApiKeys:
+    """Builds the key table from a parsed tenants document; ``source`` names it in errors, with the line of
+    each entry where ``entry_lines`` gives one per entry (a TOML file's ``[[tenants]]`` headers)."""
     entries = document.get("tenants")
     if not isinstance(entries, list) or not entries:
         raise TenantConfigError(f"{source}: expected a non-empty `tenants` list")
+    lines = list(entry_lines) if len(entry_lines) == len(entries) else []
     table: dict[str, Tenant] = {}
+    entry_of: dict[str, str] = {}
     for index, entry in enumerate(entries):
-        where = f"{source}: tenants[{index}]"
+        at = f"tenants[{index}]" + (f" (line {lines[index]})" if lines else "")
+        where = f"{source}: {at}"
         if not isinstance(entry, Mapping):
             raise TenantConfigError(f"{where} must be a table/object")
         unknown = set(entry) - {"name", "api_keys", "api_key_sha256", "models", "tokens_per_second"}
@@ -115,6 +135,14 @@ def parse_tenants(document: Mapping[str, Any], source: str) -> ApiKeys:
             isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate < 0
         ):
             raise TenantConfigError(f"{where}: tokens_per_second must be a number >= 0 (0: no cap)")
+        if name in entry_of:
+            # Limits are kept per tenant name: two entries would share one token bucket, each resetting it
+            # to its own rate, and split the tenant's settings by key.
+            raise TenantConfigError(
+                f"{where}: tenant {name!r} is already defined by {entry_of[name]}; give each tenant one "
+                "entry and list all its keys there"
+            )
+        entry_of[name] = at
         tenant = Tenant(
             name=name,
             models=frozenset(models) if models is not None else None,
@@ -147,7 +175,15 @@ def load_tenants(path: Path) -> ApiKeys:
         raise TenantConfigError(f"{path}: not valid {kind}: {error}") from None
     if not isinstance(document, Mapping):
         raise TenantConfigError(f"{path}: expected an object at the top level")
-    return parse_tenants(document, str(path))
+    return parse_tenants(document, str(path), _entry_lines(text) if path.suffix == ".toml" else ())
+
+
+_TOML_ENTRY = re.compile(r"^[ \t]*\[\[[ \t]*tenants[ \t]*\]\]", re.MULTILINE)
+
+
+def _entry_lines(text: str) -> list[int]:
+    """The line of each ``[[tenants]]`` header of a TOML file, counted from 1."""
+    return [text.count("\n", 0, match.start()) + 1 for match in _TOML_ENTRY.finditer(text)]
 
 
 def parse_key_pairs(spec: str) -> ApiKeys:
