@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import shutil
 import ssl
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +32,7 @@ from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
-from tests.fixtures.certificates import TestPki, engine_uri
+from tests.fixtures.certificates import TestPki, certificate_der, engine_uri, install, served_certificate
 from tests.fixtures.registry import TEST_TTLS, unique
 from tests.fixtures.router import router_api_keys
 from tests.registry.builders import engine, retention
@@ -454,5 +455,37 @@ async def test_the_router_serves_agents_over_tls_and_calls_the_registry_as_route
                 code=grpc.StatusCode.UNAVAILABLE,
                 says="",
             )
+    finally:
+        await router.stop(grace_seconds=0.2)
+
+
+async def test_the_routers_https_port_takes_a_rotated_certificate_without_a_restart(
+    tls: Tls, tmp_path: Path
+) -> None:
+    """uvicorn's TLS context follows the router's files as its gRPC port does: a new HTTPS connection gets
+    the rotated certificate, one opened before keeps serving, and a key that does not match is not taken."""
+    live = TlsFiles(tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "ca.crt")
+    first = tls.pki.issue("router-first", uris=[ROUTER_URI])
+    install(first, live)
+    router = await start_router(
+        RouterConfig(registry_address=tls.running.address, tls=live, startup_sync_seconds=5.0),
+        api_keys=router_api_keys(),
+    )
+    trust = ssl.create_default_context(cafile=str(tls.pki.ca))
+    acme = {"Authorization": "Bearer key-acme"}
+    try:
+        async with httpx.AsyncClient(verify=trust) as opened_before:
+            assert (await opened_before.get(router.http_url + "/v1/models", headers=acme)).status_code == 200
+            assert await served_certificate(router.http_port, tls.pki.ca) == certificate_der(first)
+
+            second = tls.pki.issue("router-second", uris=[ROUTER_URI])
+            install(second, live)
+            assert await served_certificate(router.http_port, tls.pki.ca) == certificate_der(second)
+            assert (await opened_before.get(router.http_url + "/v1/models", headers=acme)).status_code == 200
+        async with httpx.AsyncClient(verify=trust) as opened_after:
+            assert (await opened_after.get(router.http_url + "/v1/models", headers=acme)).status_code == 200
+
+        shutil.copy(tls.pki.issue("router-third", uris=[ROUTER_URI]).key, live.key)
+        assert await served_certificate(router.http_port, tls.pki.ca) == certificate_der(second)
     finally:
         await router.stop(grace_seconds=0.2)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import shutil
+import ssl
 from pathlib import Path
 
 import grpc
@@ -16,6 +18,7 @@ from kvferry.runtime.flags import EnvFlags
 from kvferry.runtime.grpc_server import start_server
 from kvferry.runtime.tls import (
     ReloadingChannel,
+    ReloadingServerContext,
     TlsFiles,
     add_tls_flags,
     open_channel,
@@ -23,7 +26,7 @@ from kvferry.runtime.tls import (
     tls_from_args,
 )
 
-from tests.fixtures.certificates import TestPki
+from tests.fixtures.certificates import TestPki, certificate_der, install, served_certificate
 
 
 def _parse(argv: list[str], environ: dict[str, str] | None = None) -> argparse.Namespace:
@@ -58,17 +61,12 @@ async def _check(address: str, files: TlsFiles | None) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def _install(source: TlsFiles, target: TlsFiles) -> None:
-    for path, where in ((source.cert, target.cert), (source.key, target.key), (source.ca, target.ca)):
-        shutil.copy(path, where)
-
-
 async def test_a_server_takes_rotated_certificates_without_a_restart(tmp_path: Path) -> None:
     old, new = TestPki(tmp_path / "old", name="old-ca"), TestPki(tmp_path / "new", name="new-ca")
     serving = old.issue("registry", common_name="registry")
     # The files the server reads live in one place; rotation replaces them (as a Secret's mount does).
     live = TlsFiles(tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "ca.crt")
-    _install(serving, live)
+    install(serving, live)
     server, port, _ = await start_server("127.0.0.1:0", [], credentials=server_credentials(live))
     address = f"127.0.0.1:{port}"
     old_client = old.issue("old-client", common_name="router")
@@ -78,12 +76,77 @@ async def test_a_server_takes_rotated_certificates_without_a_restart(tmp_path: P
         assert await _check(address, new_client) == grpc.StatusCode.UNAVAILABLE
 
         rotated = new.issue("registry", common_name="registry")
-        _install(rotated, live)
+        install(rotated, live)
         assert await _check(address, new_client) == grpc.StatusCode.OK
         assert await _check(address, old_client) == grpc.StatusCode.UNAVAILABLE
         assert await _check(address, None) == grpc.StatusCode.UNAVAILABLE
+
+        # A key that does not match the certificate is not taken: the server keeps the last good pair.
+        shutil.copy(new.issue("other", common_name="registry").key, live.key)
+        assert await _check(address, new_client) == grpc.StatusCode.OK
     finally:
         await server.stop(None)
+
+
+def _https_context(files: TlsFiles) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(files.cert, files.key)
+    return context
+
+
+async def _hang_up(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.close()
+
+
+def _refused(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "kvferry.runtime.tls" and "not reloaded" in r.getMessage()]
+
+
+async def test_an_https_server_takes_rotated_certificates_and_keeps_the_last_good_pair(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pki = TestPki(tmp_path / "pki")
+    live = TlsFiles(tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "ca.crt")
+    first = pki.issue("first")
+    install(first, live)
+    reloading = ReloadingServerContext(live, _https_context)
+    server = await asyncio.start_server(_hang_up, "127.0.0.1", 0, ssl=reloading.context)
+    port = int(server.sockets[0].getsockname()[1])
+    caplog.set_level(logging.INFO, logger="kvferry.runtime.tls")
+    try:
+        assert await served_certificate(port, pki.ca) == certificate_der(first)
+        second = pki.issue("second")
+        install(second, live)
+        assert await served_certificate(port, pki.ca) == certificate_der(second)
+        assert reloading.reloads == 1
+
+        # The new certificate lands before its key: not a pair, so the last good one is served, said once.
+        third = pki.issue("third")
+        shutil.copy(third.cert, live.cert)
+        for _ in range(2):
+            assert await served_certificate(port, pki.ca) == certificate_der(second)
+        [mismatch] = _refused(caplog)
+        assert mismatch.levelno == logging.ERROR
+        assert mismatch.key == str(live.key) and mismatch.certificate == str(live.cert)  # type: ignore[attr-defined]
+        assert "KEY_VALUES_MISMATCH" in mismatch.error  # type: ignore[attr-defined]
+        # Its key follows: the pair is served from the next handshake on, the old key no longer.
+        shutil.copy(third.key, live.key)
+        assert await served_certificate(port, pki.ca) == certificate_der(third)
+        assert reloading.reloads == 2
+
+        # A certificate file that is no certificate, then one that is gone: the last good pair again.
+        live.cert.write_text("not a certificate\n")
+        assert await served_certificate(port, pki.ca) == certificate_der(third)
+        assert "PEM" in _refused(caplog)[-1].error  # type: ignore[attr-defined]
+        live.cert.unlink()
+        assert await served_certificate(port, pki.ca) == certificate_der(third)
+        assert "No such file" in _refused(caplog)[-1].error  # type: ignore[attr-defined]
+        install(first, live)
+        assert await served_certificate(port, pki.ca) == certificate_der(first)
+        assert reloading.reloads == 3
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 class _PeerNames(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -110,8 +173,8 @@ async def test_a_client_channel_takes_rotated_certificates_without_a_restart(tmp
     # Server and client each read their files from one place; a CA rotation replaces both sets.
     server_live = TlsFiles(tmp_path / "server.crt", tmp_path / "server.key", tmp_path / "server-ca.crt")
     client_live = TlsFiles(tmp_path / "client.crt", tmp_path / "client.key", tmp_path / "client-ca.crt")
-    _install(old.issue("registry", common_name="registry"), server_live)
-    _install(old.issue("client", common_name="router"), client_live)
+    install(old.issue("registry", common_name="registry"), server_live)
+    install(old.issue("client", common_name="router"), client_live)
     peers = _PeerNames()
     server, port, _ = await start_server(
         "127.0.0.1:0", [], interceptors=[peers], credentials=server_credentials(server_live)
@@ -129,8 +192,8 @@ async def test_a_client_channel_takes_rotated_certificates_without_a_restart(tmp
         assert peers.names == ["router", "router"]
 
         # Both sides rotate to the new CA; the client's certificate now names another identity.
-        _install(new.issue("registry", common_name="registry"), server_live)
-        _install(new.issue("client", common_name="admin"), client_live)
+        install(new.issue("registry", common_name="registry"), server_live)
+        install(new.issue("client", common_name="admin"), client_live)
         await stub_checking.Check(check, timeout=5)
         assert peers.names[-1] == "admin" and channel_checks.reloads == 1
         await stub_checking.Check(check, timeout=5)  # no change since: no rebuild

@@ -11,7 +11,8 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Iterator
+import ssl
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -36,7 +37,7 @@ from kvferry.router.retention_index import RetentionIndex
 from kvferry.router.tenants import ApiKeys, load_tenants, parse_key_pairs
 from kvferry.router.turns import TurnRunner, TurnSettings
 from kvferry.runtime.host import ServiceHost
-from kvferry.runtime.tls import TlsFiles, open_channel, server_credentials
+from kvferry.runtime.tls import ReloadingServerContext, TlsFiles, open_channel, server_credentials
 from kvferry.runtime.tracing import TracingServerInterceptor, tracing_client_interceptors
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -396,6 +397,19 @@ async def _follow_retentions(index: RetentionIndex, health_servicer: health.aio.
         readiness.cancel()
 
 
+def _reloading_ssl_context(
+    tls: TlsFiles,
+) -> Callable[[uvicorn.Config, Callable[[], ssl.SSLContext]], ssl.SSLContext]:
+    """uvicorn's SSL context factory: uvicorn's own context (its ALPN, ciphers), built again from the files
+    whenever they change (kvferry.runtime.tls.ReloadingServerContext)."""
+
+    def factory(_config: uvicorn.Config, uvicorn_context: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+        # uvicorn's factory reads the config's ssl_certfile/ssl_keyfile: the same files as ``tls``.
+        return ReloadingServerContext(tls, lambda _files: uvicorn_context()).context
+
+    return factory
+
+
 async def _serve_http(
     host: ServiceHost, app: Starlette, address: str, port: int, max_connections: int, tls: TlsFiles | None
 ) -> int:
@@ -427,9 +441,10 @@ async def _serve_http(
             timeout_graceful_shutdown=_GRACE_SECONDS,
             # Past it uvicorn answers 503 at once instead of taking more memory and sockets.
             limit_concurrency=max_connections,
-            # HTTPS with the router's certificate (read at start; the gRPC port reloads it).
+            # HTTPS with the router's certificate, taken up again when its files change (as the gRPC port).
             ssl_certfile=str(tls.cert) if tls is not None else None,
             ssl_keyfile=str(tls.key) if tls is not None else None,
+            ssl_context_factory=_reloading_ssl_context(tls) if tls is not None else None,
         )
     )
     serving = host.spawn(server.serve(sockets=[sock]), "http")

@@ -1,11 +1,14 @@
-"""Mutual TLS for kvferry's gRPC traffic, one way for every service: the same three files (certificate,
+"""TLS for kvferry's gRPC and HTTPS traffic, one way for every service: the same three files (certificate,
 key, CA) and the same flags on the registry (server), the sidecar and the router (its clients).
 
-- A server (:func:`server_credentials`) requires a client certificate signed by the CA and reads its files
-  again when they change: grpc asks :class:`ReloadingCertificates` before each new TLS handshake, which
-  compares the files' modification times and sizes (one ``stat`` each) and hands grpc the new pair and CA
-  when they moved. cert-manager and kubelet rotate Secrets by swapping the files under a mount; running
-  connections keep the certificate they started with, new ones get the new one, no restart.
+- A server reads its files again when they change, before the next TLS handshake: one watcher,
+  :class:`WatchedTlsFiles`, compares the files' inode, modification time and size (one ``stat`` each) and
+  builds again when they moved. grpc asks it through :class:`ReloadingCertificates`
+  (:func:`server_credentials` requires a client certificate signed by the CA); an HTTPS server through
+  :class:`ReloadingServerContext` (an ``ssl.SSLContext`` whose SNI callback moves each new handshake onto
+  the current context). cert-manager and kubelet rotate Secrets by swapping the files under a mount;
+  running connections keep the certificate they started with, new ones get the new one, no restart. Files
+  that do not make a certificate and its matching key keep the current certificate, with an error logged.
 - A client (:func:`open_channel`) presents its certificate and trusts only the CA, and takes rotated files
   up without a restart too: grpc's channel credentials are fixed once built, so :class:`ReloadingChannel`
   compares the files' fingerprint before a call (at most once a second) and, when they moved, sends the
@@ -19,17 +22,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 from kvferry.runtime.flags import EnvFlags
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -94,39 +100,121 @@ def tls_from_args(args: Any, prefix: str = "tls") -> TlsFiles | None:
     return files
 
 
-class ReloadingCertificates:
-    """grpc's certificate configuration fetcher: the files as a new configuration when they changed since
-    the last one handed out, else None (grpc keeps the current one).
+class WatchedTlsFiles(Generic[T]):
+    """What a server builds from its TLS files (``build``), built again when the files change: the one
+    watcher behind the gRPC servers' credentials and the HTTPS port's ``ssl.SSLContext``.
 
-    grpc calls it from its own threads before each handshake; a ``stat`` per file keeps that cheap. A file
-    caught half-written (the key not matching yet) fails that one handshake, and the next call reads again.
+    :meth:`current` is asked before each new TLS handshake (from grpc's threads or the event loop); a
+    ``stat`` per file keeps that cheap. When the fingerprint moved, ``build`` runs; a build that fails (a
+    file unreadable, a key that does not match its certificate, a file caught half-written) keeps the last
+    good one and logs an error naming the files, once per change: the next change (the rest of the write,
+    the fixed file) is tried again.
     """
 
-    def __init__(self, files: TlsFiles) -> None:
+    def __init__(self, files: TlsFiles, build: Callable[[TlsFiles], T]) -> None:
         self._files = files
+        self._build = build
         self._lock = threading.Lock()
         self._seen = files.fingerprint()
-        self.initial = self._configuration()
+        self._unreadable = ""
+        # The first build raises: a server that cannot read its files at start does not start.
+        self._current = build(files)
         self.reloads = 0
 
-    def _configuration(self) -> grpc.ServerCertificateConfiguration:
-        cert, key, ca = self._files.read()
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
-
-    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+    def current(self) -> T:
+        """The build of the files as they are now, or the last good one when they no longer build."""
         with self._lock:
             try:
                 now = self._files.fingerprint()
-                if now == self._seen:
-                    return None
-                configuration = self._configuration()
             except OSError as error:
-                log.warning("TLS files not reloaded; keeping the current ones", extra={"error": str(error)})
-                return None
+                # A file missing for a moment (a Secret's files being swapped); said once, tried again.
+                if str(error) != self._unreadable:
+                    self._unreadable = str(error)
+                    log.warning(
+                        "TLS files not reloaded: one cannot be read now; keeping the current certificate",
+                        extra={"error": str(error)},
+                    )
+                return self._current
+            self._unreadable = ""
+            if now == self._seen:
+                return self._current
             self._seen = now
+            try:
+                fresh = self._build(self._files)
+            except (OSError, ssl.SSLError, ValueError) as error:
+                log.error(
+                    "TLS files not reloaded: they do not make a certificate and matching key; keeping the "
+                    "current certificate until they change again",
+                    extra={
+                        "certificate": str(self._files.cert),
+                        "key": str(self._files.key),
+                        "ca": str(self._files.ca),
+                        "error": str(error),
+                    },
+                )
+                return self._current
+            self._current = fresh
             self.reloads += 1
             log.info("TLS certificate reloaded", extra={"certificate": str(self._files.cert)})
-            return configuration
+            return fresh
+
+
+def check_key_pair(files: TlsFiles) -> None:
+    """ssl.SSLError when the key does not match the certificate, OSError when one cannot be read."""
+    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(files.cert, files.key)
+
+
+def _grpc_configuration(files: TlsFiles) -> grpc.ServerCertificateConfiguration:
+    # grpc takes the bytes as they are; a key that does not match would fail every handshake from then on.
+    check_key_pair(files)
+    cert, key, ca = files.read()
+    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+
+class ReloadingCertificates:
+    """grpc's certificate configuration fetcher: the files as a new configuration when they changed since
+    the last one handed out, else None (grpc keeps the current one)."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        self._watched = WatchedTlsFiles(files, _grpc_configuration)
+        self.initial = self._handed = self._watched.current()
+
+    @property
+    def reloads(self) -> int:
+        return self._watched.reloads
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        configuration = self._watched.current()
+        if configuration is self._handed:
+            return None
+        self._handed = configuration
+        return configuration
+
+
+class ReloadingServerContext:
+    """An ``ssl.SSLContext`` for an HTTPS server that takes rotated files up on the next handshake.
+
+    ``context`` is the one the server listens with; its SNI callback, which OpenSSL runs for every
+    ClientHello (with or without a server name), asks the watcher for the context built from the files as
+    they are now and moves the handshake onto it. Connections already open keep their certificate.
+    ``build`` makes a server context from the files (the server's own settings: ALPN, ciphers).
+    """
+
+    def __init__(self, files: TlsFiles, build: Callable[[TlsFiles], ssl.SSLContext]) -> None:
+        self._watched = WatchedTlsFiles(files, build)
+        self.context = self._watched.current()
+        self.context.sni_callback = self._on_client_hello
+
+    @property
+    def reloads(self) -> int:
+        return self._watched.reloads
+
+    def _on_client_hello(
+        self, connection: ssl.SSLObject | ssl.SSLSocket, _server_name: str | None, _context: object
+    ) -> None:
+        current = self._watched.current()
+        if current is not connection.context:
+            connection.context = current
 
 
 def server_credentials(files: TlsFiles, *, client_certificates: bool = True) -> grpc.ServerCredentials:
