@@ -81,8 +81,12 @@ async def test_a_server_takes_rotated_certificates_without_a_restart(tmp_path: P
         assert await _check(address, old_client) == grpc.StatusCode.UNAVAILABLE
         assert await _check(address, None) == grpc.StatusCode.UNAVAILABLE
 
-        # A key that does not match the certificate is not taken: the server keeps the last good pair.
+        # A key that does not match the certificate, or a CA file that is no certificate, is not taken: the
+        # server keeps the last good files.
         shutil.copy(new.issue("other", common_name="registry").key, live.key)
+        assert await _check(address, new_client) == grpc.StatusCode.OK
+        shutil.copy(rotated.key, live.key)
+        live.ca.write_text("not a CA\n")
         assert await _check(address, new_client) == grpc.StatusCode.OK
     finally:
         await server.stop(None)

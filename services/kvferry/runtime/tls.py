@@ -159,14 +159,12 @@ class WatchedTlsFiles(Generic[T]):
             return fresh
 
 
-def check_key_pair(files: TlsFiles) -> None:
-    """ssl.SSLError when the key does not match the certificate, OSError when one cannot be read."""
-    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(files.cert, files.key)
-
-
 def _grpc_configuration(files: TlsFiles) -> grpc.ServerCertificateConfiguration:
-    # grpc takes the bytes as they are; a key that does not match would fail every handshake from then on.
-    check_key_pair(files)
+    # grpc takes the bytes as they are, and a key that does not match (or a CA that is no certificate) would
+    # fail every handshake from then on: OpenSSL checks them first (ssl.SSLError names what is wrong).
+    check = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    check.load_cert_chain(files.cert, files.key)
+    check.load_verify_locations(files.ca)
     cert, key, ca = files.read()
     return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
