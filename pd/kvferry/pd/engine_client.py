@@ -91,6 +91,9 @@ class VllmEngineClient:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             transport=transport,
         )
+        # Request URLs by path, parsed once: httpx parses a relative path and merges it with the base URL
+        # on every request (about a third of building a turn's engine request).
+        self._urls: dict[str, httpx.URL] = {}
 
     async def __aenter__(self) -> VllmEngineClient:
         return self
@@ -100,6 +103,12 @@ class VllmEngineClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def _url(self, path: str) -> httpx.URL:
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = httpx.URL(self.base_url + path)
+        return url
 
     def _require_open(self) -> None:
         """A call on a closed client (its engine left while a turn still held it) is the engine's
@@ -112,7 +121,7 @@ class VllmEngineClient:
     async def health(self) -> bool:
         """True when the engine answers /health with 200."""
         try:
-            response = await self._http.get("/health", timeout=self.timeouts.for_control())
+            response = await self._http.get(self._url("/health"), timeout=self.timeouts.for_control())
         except httpx.HTTPError:
             return False
         return response.status_code == 200
@@ -152,7 +161,7 @@ class VllmEngineClient:
     async def metrics_text(self) -> str:
         """The engine's Prometheus exposition as is."""
         try:
-            response = await self._http.get("/metrics", timeout=self.timeouts.for_control())
+            response = await self._http.get(self._url("/metrics"), timeout=self.timeouts.for_control())
         except httpx.HTTPError as error:
             raise EngineUnavailableError(self.base_url, error) from error
         _raise_for_status(self.base_url, response)
@@ -203,7 +212,7 @@ class VllmEngineClient:
         headers = _request_headers(request.request_id)
         self._require_open()
         try:
-            async with self._http.stream("POST", path, json=body, headers=headers) as response:
+            async with self._http.stream("POST", self._url(path), json=body, headers=headers) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     _raise_for_status(self.base_url, response)
@@ -260,7 +269,7 @@ class VllmEngineClient:
     async def _get_json(self, path: str) -> dict[str, Any]:
         self._require_open()
         try:
-            response = await self._http.get(path, timeout=self.timeouts.for_control())
+            response = await self._http.get(self._url(path), timeout=self.timeouts.for_control())
         except httpx.HTTPError as error:
             raise EngineUnavailableError(self.base_url, error) from error
         _raise_for_status(self.base_url, response)
@@ -273,7 +282,7 @@ class VllmEngineClient:
         self._require_open()
         try:
             response = await self._http.post(
-                path, json=body, timeout=timeout, headers=_request_headers(request_id)
+                self._url(path), json=body, timeout=timeout, headers=_request_headers(request_id)
             )
         except httpx.HTTPError as error:
             raise EngineUnavailableError(self.base_url, error) from error
