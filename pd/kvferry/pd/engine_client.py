@@ -142,12 +142,12 @@ class VllmEngineClient:
             {"model": self.model, "prompt": text, "add_special_tokens": add_special_tokens},
             control=True,
         )
-        return [int(t) for t in body["tokens"]]
+        return list(map(int, body["tokens"]))
 
     async def render_chat(self, chat: ChatRequest) -> list[int]:
         """Token ids of the chat's prompt, rendered as the chat endpoint renders it."""
         body = await self._post_json("/tokenize", chat.tokenize_body(self.model), control=True)
-        return [int(t) for t in body["tokens"]]
+        return list(map(int, body["tokens"]))
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         body = await self._post_json(
