@@ -10,6 +10,11 @@ from ~2k to 16k tokens. Three modes alternate turn by turn on the same engines:
 - ``vllm``: vLLM's own bidirectional NixlConnector behaviour (fixed TTL, the client carries D's
   returned params to the next turn, no router state).
 
+``--workload agent`` sends the conversations as an agent does instead of token ids: OpenAI chat
+messages through the router's ``/v1/chat/completions``, the whole history every turn, a tool call after
+each answer and its result as a ``role: tool`` message (modes ``reuse`` and ``recompute``; see
+:mod:`kvferry.bench.multiturn_agent`).
+
 Then an inter-turn gap sweep: two-turn conversations with a pause from a fraction of the lease TTL to
 well past it, without heartbeats (a fixed TTL) and with the SDK's keep-alive.
 
@@ -34,12 +39,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvferry.bench.multiturn_agent import ToolTiming
 from kvferry.bench.multiturn_stats import MODES, RECOMPUTE, REUSE, VLLM, TurnRecord, build_report
 from kvferry.bench.multiturn_workload import WorkloadSpec, plan_conversations
 
 if TYPE_CHECKING:
     from kvferry.bench.multiturn_stack import BenchStack
 
+WORKLOADS = ("tokens", "agent")
+# The agent workload's modes (the vllm mode drives the engines by token ids, not chat messages).
+AGENT_MODES = (REUSE, RECOMPUTE)
 DEFAULT_TTL_SECONDS = 10
 # Gaps as multiples of the lease TTL (fixed-TTL hits should stop near 1.0).
 DEFAULT_GAP_FACTORS = (0.1, 0.5, 0.9, 1.5, 2.5)
@@ -73,6 +82,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a ~3 minute smoke run: 1 conversation, 5 turns to 8k tokens, 2 gaps",
     )
     work = parser.add_argument_group("workload (defaults: the preset's)")
+    work.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="tokens",
+        help="tokens: token-id prompts over the SDK's Generate (default); agent: chat messages with a tool "
+        "call and its result between turns, through the router's OpenAI chat API (reuse and recompute)",
+    )
+    work.add_argument(
+        "--tool-seconds",
+        default="0.2,1.0",
+        help="agent workload: each tool call takes MIN,MAX seconds (seeded, uniform; default 0.2,1.0)",
+    )
     work.add_argument("--conversations", type=int, help="conversations per mode (default 3)")
     work.add_argument("--turns", type=int, help="turns per conversation, the first included (default 16)")
     work.add_argument("--start-tokens", type=int, help="first prompt's length (default 2048)")
@@ -120,6 +141,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--engine-timeout", type=float, default=600.0, help="seconds to wait for engines")
     stack.add_argument("--router", default="", help="use this running router (gRPC host:port) instead")
     stack.add_argument("--api-key", default="", help="API key for --router")
+    stack.add_argument(
+        "--router-http",
+        default="",
+        help="with --router and --workload agent: its HTTP URL (http://host:port)",
+    )
     stack.add_argument("--prefill-url", default="", help="with --router: the prefill engine's HTTP URL")
     stack.add_argument("--decode-url", default="", help="with --router: the decode engine's HTTP URL")
     stack.add_argument("--model", default="", help="with --router: the served model name")
@@ -145,6 +171,15 @@ def _preset(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             chosen[key] = value
     return chosen
+
+
+def _tool_timing(value: str) -> ToolTiming:
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) != 2:
+        raise ValueError(f"expected MIN,MAX seconds, got {value!r}")
+    timing = ToolTiming(float(parts[0]), float(parts[1]))
+    timing.validate()
+    return timing
 
 
 def _terminate(_signum: int, _frame: object) -> None:
@@ -186,10 +221,24 @@ def run(args: argparse.Namespace) -> int:
         print(combined_markdown(combine_reports(reports)))
         return 0
     preset = _preset(args)
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    unknown = [m for m in modes if m not in MODES]
+    agent = args.workload == "agent"
+    allowed = AGENT_MODES if agent else MODES
+    modes_arg = ",".join(AGENT_MODES) if agent and args.modes == ",".join(MODES) else args.modes
+    modes = tuple(m.strip() for m in modes_arg.split(",") if m.strip())
+    unknown = [m for m in modes if m not in allowed]
     if unknown or not modes:
-        print(f"unknown modes {unknown}; choose among {', '.join(MODES)}", file=sys.stderr)
+        print(
+            f"unknown modes {unknown} for the {args.workload} workload; choose among {', '.join(allowed)}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        tool_timing = _tool_timing(args.tool_seconds)
+    except ValueError as bad:
+        print(f"--tool-seconds: {bad}", file=sys.stderr)
+        return 2
+    if agent and args.router and not args.router_http:
+        print("--workload agent with --router needs --router-http (the router's HTTP URL)", file=sys.stderr)
         return 2
     spec = WorkloadSpec(
         conversations=preset["conversations"],
@@ -237,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
             _say(f"starting the local stack under {args.workdir} (engines take a minute or two)")
             stack = start_stack(options, _say)
             _say(f"stack up in {time.monotonic() - started:.0f} s")
-        result = asyncio.run(_measure(args, spec, modes, gap_values, stack))
+        result = asyncio.run(_measure(args, spec, modes, gap_values, stack, tool_timing, model_dir))
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
@@ -251,6 +300,8 @@ def run(args: argparse.Namespace) -> int:
         config={
             "command": " ".join(sys.argv),
             "preset": "quick" if args.quick else "default",
+            "workload": args.workload,
+            "tool_seconds": [tool_timing.min_seconds, tool_timing.max_seconds] if agent else None,
             "parallel": args.parallel,
             "bucket_tokens": args.bucket_tokens,
             "stack": "external" if external else "local (started by the benchmark)",
@@ -295,8 +346,13 @@ async def _measure(
     modes: tuple[str, ...],
     gap_values: tuple[float, ...],
     stack: BenchStack | None,
+    tool_timing: ToolTiming,
+    model_dir: Path,
 ) -> tuple[list[TurnRecord], list[Any], list[str], dict[str, Any], list[dict[str, Any]]]:
+    from kvferry.bench.multiturn_agent import one_token_words
     from kvferry.bench.multiturn_driver import (
+        AgentDriver,
+        ChatEndpoint,
         DriverSettings,
         EngineCounters,
         Engines,
@@ -312,9 +368,11 @@ async def _measure(
     notes: list[str] = []
     if stack is not None:
         router, api_key, model_name = stack.router_address, stack.api_key, BENCH_MODEL_NAME
+        router_http = stack.router_http
         engines: Engines | None = Engines(stack.prefill.http_url, stack.decode.http_url, model_name)
     else:
         router, api_key, model_name = args.router, args.api_key, args.model
+        router_http = args.router_http.rstrip("/").removesuffix("/v1")
         engines = Engines(args.prefill_url, args.decode_url, model_name) if args.prefill_url else None
     if engines is None:
         notes.append("engine URLs not given: no KV transfer / compute split, no vllm mode")
@@ -329,6 +387,15 @@ async def _measure(
         notes.append(
             "reuse mode: between its turns each conversation is heartbeated with the SDK's keep_alive "
             f"(the agent runs its tool), the lease being {args.ttl} s."
+        )
+    if args.workload == "agent":
+        notes.append(
+            "agent workload: chat messages through the router's /v1/chat/completions (streamed, the whole "
+            "history resent, 3 function tools declared, tool_choice none); after each answer the client "
+            "appends the assistant message with a synthesized tool call and, next turn, the tool's result "
+            f"as a role=tool message; each call takes {tool_timing.min_seconds:g}-"
+            f"{tool_timing.max_seconds:g} s. "
+            "Prompt lengths are the router's token counts; TTFT is the first streamed chunk."
         )
     if args.parallel > 1:
         notes.append(
@@ -350,6 +417,22 @@ async def _measure(
         deadlines=Deadlines(generate_seconds=900.0),
         wait_ready_seconds=30.0,
     )
+    chat = ChatEndpoint(router_http, api_key or BENCH_API_KEY, model_name)
+    words = one_token_words(model_dir / "tokenizer.json") if args.workload == "agent" else ()
+
+    def driver_for(settings: DriverSettings) -> TurnDriver:
+        if args.workload == "agent":
+            return AgentDriver(
+                client,
+                counters,
+                settings,
+                chat=chat,
+                words=words,
+                tool_timing=tool_timing,
+                run_started=run_started,
+            )
+        return TurnDriver(client, counters, vllm_engines, settings, run_started=run_started)
+
     run_started = time.perf_counter()
     idle: dict[str, Any] = {}
     repins: list[dict[str, Any]] = []
@@ -360,16 +443,8 @@ async def _measure(
             spec, conversations=1, turns=2, target_tokens=spec.start_tokens + 1024, seed=spec.seed + 99
         )
         _say("warm-up: one short conversation per mode (not measured)")
-        await TurnDriver(
-            client, counters, vllm_engines, DriverSettings(warm, modes), run_started=run_started
-        ).run()
-        driver = TurnDriver(
-            client,
-            counters,
-            vllm_engines,
-            DriverSettings(spec, modes, parallel=args.parallel),
-            run_started=run_started,
-        )
+        await driver_for(DriverSettings(warm, modes)).run()
+        driver = driver_for(DriverSettings(spec, modes, parallel=args.parallel))
         progress = Progress(total=len(driver.schedule()), label="turns")
         records = await driver.run(progress)
         if driver.errors:
@@ -475,7 +550,8 @@ def _print_header(
     args: argparse.Namespace,
 ) -> None:
     print(
-        f"kvferry bench multiturn: modes {', '.join(modes)}; {spec.conversations} conversations x "
+        f"kvferry bench multiturn ({args.workload} workload): modes {', '.join(modes)}; "
+        f"{spec.conversations} conversations x "
         f"{spec.turns} turns per mode, {spec.start_tokens} -> {spec.target_tokens} tokens, "
         f"{spec.reply_tokens} generated per turn, seed {spec.seed}"
     )

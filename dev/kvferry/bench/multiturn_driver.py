@@ -10,6 +10,9 @@ Modes (each on its own conversations, alternating turn by turn):
   ``decoder_kv_blocks_ttl`` and returns them in its response; the client passes them to P next turn.
   No router state, no digest check, no heartbeat.
 
+:class:`AgentDriver` runs the agent workload (``--workload agent``) the same way, its turns being chat
+requests to the router's ``/v1/chat/completions`` with a tool call and its result between turns.
+
 Per turn, the engines' Prometheus counters are read before and after: the prefill engine's NIXL
 transfer time (its pull of the retained prefix from D), the decode engine's (its pull of the prompt's
 new KV from P) and the decode engine's own TTFT. Deltas are exact when turns do not overlap
@@ -20,13 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
+from kvferry.bench.multiturn_agent import TOOLS, AgentConversation, ToolTiming
 from kvferry.bench.multiturn_stats import (
     FIXED_TTL,
     HEARTBEAT,
@@ -36,7 +42,13 @@ from kvferry.bench.multiturn_stats import (
     GapRecord,
     TurnRecord,
 )
-from kvferry.bench.multiturn_workload import ConversationTokens, WorkloadSpec, plan_conversations, seeded_rng
+from kvferry.bench.multiturn_workload import (
+    ConversationPlan,
+    ConversationTokens,
+    WorkloadSpec,
+    plan_conversations,
+    seeded_rng,
+)
 from kvferry.pd.engine_api import EngineApi, Sampling
 from kvferry.pd.engine_metrics import (
     TTFT_COUNT,
@@ -201,8 +213,7 @@ class TurnDriver:
         chains: dict[tuple[str, int], _Chain] = {}
         for mode in self._settings.modes:
             for plan in plans:
-                tokens = ConversationTokens(plan, seed=spec.seed, salt=mode, vocab_size=spec.vocab_size)
-                chains[(mode, plan.index)] = _Chain(mode=mode, tokens=tokens, conversation_id=_conv_id(mode))
+                chains[(mode, plan.index)] = self._new_chain(mode, plan)
         order = self.schedule()
         queue: asyncio.Queue[tuple[str, int, int]] = asyncio.Queue()
         for step in order:
@@ -237,9 +248,34 @@ class TurnDriver:
             await self._close(chains)
         return self.records
 
+    def _new_chain(self, mode: str, plan: ConversationPlan) -> _Chain:
+        spec = self._settings.workload
+        tokens = ConversationTokens(plan, seed=spec.seed, salt=mode, vocab_size=spec.vocab_size)
+        return _Chain(mode=mode, source=tokens, conversation_id=_conv_id(mode))
+
+    async def _send(self, chain: _Chain) -> _TurnResult:
+        assert isinstance(chain.source, ConversationTokens)
+        prompt = list(chain.source.prompt())
+        if chain.mode == VLLM:
+            return await self._vllm_turn(chain, prompt)
+        reply_tokens = self._settings.workload.reply_tokens
+
+        async def send(conversation_id: str) -> _TurnResult:
+            return await router_turn(self._client, conversation_id, prompt, reply_tokens, retain=True)
+
+        return await self._router_turn(chain, send)
+
+    def _close_turn(self, chain: _Chain, result: _TurnResult | None) -> None:
+        """Adds the turn's reply to the conversation (``None``: the turn failed)."""
+        assert isinstance(chain.source, ConversationTokens)
+        chain.source.add_reply(list(result.reply_ids) if result is not None else [])
+
     async def _turn(self, chain: _Chain) -> TurnRecord | None:
-        prompt = list(chain.tokens.prompt())
-        turn = chain.tokens.next_turn
+        turn = chain.source.next_turn
+        # The conversation's tool (agent workload) may still be running.
+        wait = chain.ready_at - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
         if chain.keep_alive is not None:
             await chain.keep_alive.stop()
             chain.keep_alive = None
@@ -248,22 +284,20 @@ class TurnDriver:
         try:
             before = await self._counters.read()
             started = time.perf_counter()
-            if chain.mode == VLLM:
-                result = await self._vllm_turn(chain, prompt)
-            else:
-                result = await self._router_turn(chain, prompt)
+            result = await self._send(chain)
             after = await self._counters.settled_after(before, expect_decode_ttft=True)
             exclusive = exclusive and self._inflight == 1
         except Exception as error:  # a failed turn is reported, the run goes on
-            self.errors.append(f"{chain.mode} conversation {chain.tokens.plan.index} turn {turn}: {error}")
-            chain.tokens.add_reply([])
+            self.errors.append(f"{chain.mode} conversation {chain.source.plan.index} turn {turn}: {error}")
+            self._close_turn(chain, None)
             return None
         finally:
             self._inflight -= 1
-        chain.tokens.add_reply(list(result.reply_ids))
+        self._close_turn(chain, result)
         deltas = counter_deltas(before, after)
-        if chain.mode == REUSE and not chain.tokens.done:
-            # The agent runs its tool now: keep the conversation's KV alive until the next turn.
+        if chain.mode == REUSE and not chain.source.done:
+            # The agent runs its tool now (and waits for its next turn's slot behind the other
+            # conversations'): keep the conversation's KV alive until then.
             chain.keep_alive = self._client.keep_alive(chain.conversation_id)
             await chain.keep_alive.__aenter__()
         ttft_ms = result.ttft_ms
@@ -276,13 +310,13 @@ class TurnDriver:
         pull_bytes = deltas["pull_bytes"]
         return TurnRecord(
             mode=chain.mode,
-            conversation=chain.tokens.plan.index,
+            conversation=chain.source.plan.index,
             turn=turn,
-            prompt_tokens=len(prompt),
+            prompt_tokens=result.prompt_tokens,
             ttft_ms=ttft_ms,
             prefill_ms=result.prefill_ms,
             pulled_tokens=result.pulled_tokens,
-            recomputed_tokens=len(prompt) - result.pulled_tokens,
+            recomputed_tokens=result.prompt_tokens - result.pulled_tokens,
             pull_ms=pull_ms,
             pull_bytes=int(pull_bytes) if pull_bytes is not None else None,
             handoff_ms=deltas["handoff_ms"],
@@ -292,18 +326,16 @@ class TurnDriver:
             exclusive=exclusive,
         )
 
-    async def _router_turn(self, chain: _Chain, prompt: list[int]) -> _TurnResult:
-        spec = self._settings.workload
+    async def _router_turn(self, chain: _Chain, send: Callable[[str], Awaitable[_TurnResult]]) -> _TurnResult:
+        """``send`` on the chain's conversation (reuse), or on a new one closed right after (recompute)."""
         if chain.mode == REUSE:
-            return await router_turn(
-                self._client, chain.conversation_id, prompt, spec.reply_tokens, retain=True
-            )
+            return await send(chain.conversation_id)
         # Recompute: a conversation the router has never seen, closed at once. (retain=False would
         # leave the decode engine holding the blocks for vLLM's fixed decoder_kv_blocks_ttl: the
         # connector leaves unmarked requests to vLLM.)
         conversation_id = _conv_id(RECOMPUTE)
         try:
-            return await router_turn(self._client, conversation_id, prompt, spec.reply_tokens, retain=True)
+            return await send(conversation_id)
         finally:
             with contextlib.suppress(Exception):
                 await self._client.close_conversation(conversation_id)
@@ -327,6 +359,7 @@ class TurnDriver:
         chain.vllm_blocks = retained.blocks if retained is not None else None
         return _TurnResult(
             ttft_ms=None,
+            prompt_tokens=len(prompt),
             prefill_ms=done.prefilled.seconds * 1000,
             pulled_tokens=pulled,
             reply_ids=done.decoded.token_ids,
@@ -346,9 +379,11 @@ class TurnDriver:
 @dataclass
 class _Chain:
     mode: str
-    tokens: ConversationTokens
+    source: ConversationTokens | AgentConversation
     conversation_id: str
     keep_alive: KeepAlive | None = None
+    # Monotonic time the conversation's next turn may start (its tool's call ends).
+    ready_at: float = 0.0
     # vLLM mode: the blocks D returned for this conversation's last turn.
     vllm_blocks: RemoteBlocks | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -358,11 +393,13 @@ class _Chain:
 class _TurnResult:
     # Client-side TTFT (None: derive it from the prefill call and D's own TTFT).
     ttft_ms: float | None
+    prompt_tokens: int
     prefill_ms: float
     pulled_tokens: int
     reply_ids: tuple[int, ...]
     router_ttft_ms: float | None
     reuse: str
+    reply_text: str = ""
 
 
 def _conv_id(mode: str) -> str:
@@ -390,11 +427,150 @@ async def router_turn(
         raise RuntimeError("the router's stream ended without a summary")
     return _TurnResult(
         ttft_ms=ttft_ms if ttft_ms is not None else summary.ttft_ms,
+        prompt_tokens=len(prompt),
         prefill_ms=summary.prefill_ms,
         pulled_tokens=summary.pulled_tokens,
         reply_ids=tuple(reply),
         router_ttft_ms=summary.ttft_ms,
         reuse=summary.reuse.value,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The agent workload: chat messages through the router's OpenAI API, a tool call between turns
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatEndpoint:
+    """The router's OpenAI-compatible HTTP API."""
+
+    base_url: str  # http://host:port (no /v1)
+    api_key: str
+    model: str
+
+
+class AgentDriver(TurnDriver):
+    """The main phase with the agent workload (:mod:`kvferry.bench.multiturn_agent`): each turn sends the
+    whole chat history to ``/v1/chat/completions`` (streamed, the tools declared), then the agent calls a
+    tool: the answer and the call join the history, the call takes its seeded time, and its result opens
+    the next turn. Modes ``reuse`` and ``recompute`` only (the vllm mode drives the engines by token ids).
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        counters: EngineCounters,
+        settings: DriverSettings,
+        *,
+        chat: ChatEndpoint,
+        words: tuple[str, ...],
+        tool_timing: ToolTiming,
+        run_started: float,
+        on_turn: Callable[[TurnRecord], None] | None = None,
+    ) -> None:
+        if VLLM in settings.modes:
+            raise ValueError("the agent workload runs the reuse and recompute modes, not vllm")
+        super().__init__(client, counters, None, settings, run_started=run_started, on_turn=on_turn)
+        self._chat = chat
+        self._words = words
+        self._tool_timing = tool_timing
+        self._http = httpx.AsyncClient(base_url=chat.base_url, timeout=httpx.Timeout(900.0, connect=10.0))
+
+    def _new_chain(self, mode: str, plan: ConversationPlan) -> _Chain:
+        source = AgentConversation(
+            plan,
+            seed=self._settings.workload.seed,
+            salt=mode,
+            words=self._words,
+            tool_timing=self._tool_timing,
+        )
+        return _Chain(mode=mode, source=source, conversation_id=_conv_id(mode))
+
+    async def _send(self, chain: _Chain) -> _TurnResult:
+        assert isinstance(chain.source, AgentConversation)
+        messages = chain.source.messages()
+        reply_tokens = self._settings.workload.reply_tokens
+
+        async def send(conversation_id: str) -> _TurnResult:
+            return await chat_turn(self._http, self._chat, conversation_id, messages, reply_tokens)
+
+        return await self._router_turn(chain, send)
+
+    def _close_turn(self, chain: _Chain, result: _TurnResult | None) -> None:
+        assert isinstance(chain.source, AgentConversation)
+        call = chain.source.add_reply(result.reply_text if result is not None else "")
+        if call is not None:
+            chain.ready_at = time.monotonic() + call.seconds
+
+    async def run(self, progress: Progress | None = None) -> list[TurnRecord]:
+        try:
+            return await super().run(progress)
+        finally:
+            await self._http.aclose()
+
+
+def chat_request(model: str, messages: list[dict[str, Any]], reply_tokens: int) -> dict[str, Any]:
+    """One agent turn's request body: the whole history, the tools, a streamed answer of ``reply_tokens``."""
+    return {
+        "model": model,
+        "messages": messages,
+        "tools": list(TOOLS),
+        # The calls are the client's (module docs of multiturn_agent): the model answers in text.
+        "tool_choice": "none",
+        "max_tokens": reply_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def chat_turn(
+    http: httpx.AsyncClient,
+    chat: ChatEndpoint,
+    conversation_id: str,
+    messages: list[dict[str, Any]],
+    reply_tokens: int,
+) -> _TurnResult:
+    """One streamed chat turn; TTFT is the first chunk with a choice (vLLM sends one per token, the
+    first with the assistant's role), the rest comes from the usage chunk's kvferry figures."""
+    started = time.perf_counter()
+    ttft_ms: float | None = None
+    text: list[str] = []
+    usage: dict[str, Any] | None = None
+    async with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json=chat_request(chat.model, messages, reply_tokens),
+        headers={"Authorization": f"Bearer {chat.api_key}", "X-Conversation-Id": conversation_id},
+    ) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")
+            raise RuntimeError(f"chat completions answered HTTP {response.status_code}: {body[:500]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                raise RuntimeError(f"the stream failed: {chunk['error']}")
+            for choice in chunk.get("choices") or ():
+                if ttft_ms is None:
+                    ttft_ms = (time.perf_counter() - started) * 1000
+                text.append((choice.get("delta") or {}).get("content") or "")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    if usage is None or "kvferry" not in usage:
+        raise RuntimeError("the router's stream ended without its usage chunk")
+    figures = usage["kvferry"]
+    return _TurnResult(
+        ttft_ms=ttft_ms if ttft_ms is not None else float(figures["ttft_ms"]),
+        prompt_tokens=int(usage["prompt_tokens"]),
+        prefill_ms=float(figures["prefill_ms"]),
+        pulled_tokens=int(usage["pulled_tokens"]),
+        reply_ids=(),
+        router_ttft_ms=float(figures["ttft_ms"]),
+        reuse=str(figures["reuse"]),
+        reply_text="".join(text),
     )
 
 

@@ -265,6 +265,7 @@ def check_targets(
                 "suffix, and each suffix token attends to the whole context: that part grows with length",
             )
         )
+    checks.append(reuse_hit_rate(buckets))
     beats = [g for g in gaps if g.arm == HEARTBEAT]
     if not beats:
         checks.append(TargetCheck("hit_rate", f">= {TARGET_HIT_RATE:.0%}", None, None, "no gap sweep ran"))
@@ -287,6 +288,24 @@ def check_targets(
             )
         )
     return checks
+
+
+def reuse_hit_rate(buckets: Sequence[Bucket]) -> TargetCheck:
+    """Reuse-mode turns after a conversation's first that pulled its KV, over all such turns."""
+    reuse = [b.modes[REUSE] for b in buckets if REUSE in b.modes]
+    pulls = sum(m.pulls for m in reuse)
+    candidates = sum(m.pull_candidates for m in reuse)
+    target = f"reuse-mode turns after the first that pulled the conversation's KV >= {TARGET_HIT_RATE:.0%}"
+    if not candidates:
+        return TargetCheck("reuse_hit_rate", target, None, None, "no reuse turn after a first one")
+    rate = pulls / candidates
+    return TargetCheck(
+        "reuse_hit_rate",
+        target,
+        rate,
+        rate >= TARGET_HIT_RATE,
+        f"{pulls} of {candidates} turns pulled; the others recomputed their whole prompt",
+    )
 
 
 def _split(mode: ModeBucket) -> str:
