@@ -557,9 +557,9 @@ async def chat_turn(
                 if ttft_ms is None:
                     ttft_ms = (time.perf_counter() - started) * 1000
                 text.append((choice.get("delta") or {}).get("content") or "")
-            if chunk.get("usage"):
+            if "kvferry" in (chunk.get("usage") or {}):
                 usage = chunk["usage"]
-    if usage is None or "kvferry" not in usage:
+    if usage is None:
         raise RuntimeError("the router's stream ended without its usage chunk")
     figures = usage["kvferry"]
     return _TurnResult(
