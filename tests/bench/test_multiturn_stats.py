@@ -210,5 +210,8 @@ def test_combine_takes_medians_over_runs() -> None:
     assert combined["gaps"] == [{"arm": HEARTBEAT, "gap_s": 5.0, "hits": 3, "turns": 3}]
     table = combined_markdown(combined)
     assert "Median of 3 runs" in table and "| 2k-4k | reuse | 200 |" in table
+    assert "| 5 | - | 3/3 |" in table
+    # Runs without a gap sweep (the agent workload's) print no empty gap table.
+    assert "gap (s)" not in combined_markdown({**combined, "gaps": []})
     with pytest.raises(ValueError):
         combine_reports([])

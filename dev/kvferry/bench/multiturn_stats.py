@@ -550,6 +550,8 @@ def combined_markdown(combined: Mapping[str, Any]) -> str:
     lines += ["", "| target | median | min | max |", "|---|---:|---:|---:|"]
     for name, t in combined["targets"].items():
         lines.append(f"| {name} | {t['median']:.3g} | {t['min']:.3g} | {t['max']:.3g} |")
+    if not combined["gaps"]:
+        return "\n".join(lines)
     lines += ["", "| gap (s) | fixed TTL hits | heartbeat hits |", "|---:|---:|---:|"]
     by_gap: dict[float, dict[str, str]] = {}
     for row in combined["gaps"]:
