@@ -18,14 +18,13 @@ import pytest
 import pytest_asyncio
 import yaml  # type: ignore[import-untyped]
 from kvferry.registry.config import RegistryConfig
-from kvferry.registry.server import Registry, create_registry
 from kvferry.runtime.tls import TlsFiles, open_channel
 from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.v1 import registry_service_pb2 as registry
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2 as resources
 
-from tests.fixtures.registry import TEST_TTLS
+from tests.fixtures.registry import TEST_TTLS, RegistryHandle, running_registry
 from tests.registry.builders import engine
 
 COMPOSE_DIR = Path(__file__).resolve().parents[2] / "deploy" / "compose"
@@ -70,23 +69,19 @@ def _flag(service: dict[str, Any], name: str) -> str:
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def compose_registry(etcd: EtcdProcess, tmp_path: Path) -> AsyncIterator[tuple[Registry, Path]]:
+async def compose_registry(etcd: EtcdProcess, tmp_path: Path) -> AsyncIterator[tuple[RegistryHandle, Path]]:
     root = tmp_path / "tls"
     _make_certificates(root)
-    running = await create_registry(
-        RegistryConfig(
-            listen_address="127.0.0.1:0",
-            etcd_endpoints=(etcd.endpoint,),
-            key_prefix=f"/kvferry-compose-tls-{uuid.uuid4().hex[:8]}/",
-            ttl=TEST_TTLS,
-            history_seconds=0,
-            tls=_identity_files(root, "registry"),
-        )
+    config = RegistryConfig(
+        listen_address="127.0.0.1:0",
+        etcd_endpoints=(etcd.endpoint,),
+        key_prefix=f"/kvferry-compose-tls-{uuid.uuid4().hex[:8]}/",
+        ttl=TEST_TTLS,
+        history_seconds=0,
+        tls=_identity_files(root, "registry"),
     )
-    try:
-        yield running, root
-    finally:
-        await running.stop(grace_seconds=0.2)
+    async with running_registry(config) as handle:
+        yield handle, root
 
 
 async def _register(files: TlsFiles, address: str, engine_id: str) -> grpc.StatusCode:
@@ -99,7 +94,7 @@ async def _register(files: TlsFiles, address: str, engine_id: str) -> grpc.Statu
     return grpc.StatusCode.OK
 
 
-async def test_each_compose_service_gets_its_role(compose_registry: tuple[Registry, Path]) -> None:
+async def test_each_compose_service_gets_its_role(compose_registry: tuple[RegistryHandle, Path]) -> None:
     running, root = compose_registry
     services = _compose()["services"]
     sidecars = [name for name, s in services.items() if s.get("command", [])[:2] == ["kvferry", "sidecar"]]
