@@ -168,6 +168,7 @@ def test_report_follows_the_schema_and_is_json() -> None:
     assert summary["longest_bucket"] == "16k-18k"
     assert summary["reuse_over_recompute"] == pytest.approx(0.15)
     assert summary["vllm_over_recompute"] == pytest.approx(0.2)
+    assert "recompute_over_recompute" not in summary  # always 1
     assert again["turns"][1]["compute_ms"] == pytest.approx(200.0)
 
 

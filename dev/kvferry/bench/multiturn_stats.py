@@ -385,7 +385,7 @@ def build_report(
         base = longest.modes.get(RECOMPUTE)
         for mode, stats in longest.modes.items():
             summary[f"{mode}_ttft_p50_ms"] = stats.ttft_p50_ms
-            if base is not None and base.ttft_p50_ms:
+            if base is not None and base.ttft_p50_ms and mode != RECOMPUTE:
                 summary[f"{mode}_over_recompute"] = stats.ttft_p50_ms / base.ttft_p50_ms
     for check in targets:
         summary[check.name] = check.value
