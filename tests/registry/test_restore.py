@@ -123,6 +123,22 @@ async def _served(stub: RegistryServiceStub, tenant: str, conversation: str) -> 
     return str(found.retention.engine_request_id)
 
 
+async def _marked(stub: RegistryServiceStub, tenant: str, conversation: str) -> str | None:
+    """What a turn's mark reports retained (the engine request id; None: nothing), the mark then cleared."""
+    request_id = unique("kvf")
+    try:
+        begun = await stub.BeginTurn(
+            api.BeginTurnRequest(tenant=tenant, conversation_id=conversation, request_id=request_id),
+            timeout=5,
+        )
+    except grpc.aio.AioRpcError as error:
+        return f"<{error.code().name}>"
+    await stub.EndTurn(
+        api.EndTurnRequest(tenant=tenant, conversation_id=conversation, request_id=request_id), timeout=5
+    )
+    return str(begun.retained_engine_request_id) if begun.retained_turn else None
+
+
 async def _run_through_restore(
     restorable: Restorable,
     registry: Registry,
@@ -131,13 +147,15 @@ async def _run_through_restore(
     restarted_registry: bool,
 ) -> tuple[str | None, list[str | None], Registry]:
     """A retention published, a snapshot saved, the retention ended (its engine frees the blocks), etcd
-    restored. Returns what the registry served before the end, and after the restore (polled)."""
+    restored. Returns what the registry served before the end, and after the restore (polled): the lookup's
+    answers and a turn mark's, alternately."""
     stub = sidecar.stub()
     item = retention(unique("tenant"), unique("conv"))
     await stub.ReportRetention(sidecar_pb2.ReportRetentionRequest(retention=item), timeout=5)
     channel = grpc.aio.insecure_channel(registry.address)
     registry_stub = RegistryServiceStub(channel)
     before = await _served(registry_stub, item.tenant, item.conversation_id)
+    assert await _marked(registry_stub, item.tenant, item.conversation_id) == before
     snapshot = await asyncio.to_thread(restorable.save)
     # The engine lets it go; once confirmed it frees the blocks. Then life goes on (more revisions).
     await stub.EndRetention(
@@ -162,6 +180,7 @@ async def _run_through_restore(
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         after.append(await _served(registry_stub, item.tenant, item.conversation_id))
+        after.append(await _marked(registry_stub, item.tenant, item.conversation_id))
         await asyncio.sleep(0.1)
     await channel.close()
     return before, after, registry
@@ -190,7 +209,7 @@ async def test_a_registry_that_lived_through_the_restore_never_serves_what_the_s
         )
         assert before is not None
         assert before not in after, f"the snapshot's retention was served again: {after}"
-        assert after[-1] is None
+        assert after[-2:] == [None, None]
         epoch = registry.engines.epochs.known
         assert epoch is not None and epoch_before is not None and epoch.counter > epoch_before.counter
         # The sidecar registered again, in the new epoch, and goes on publishing.
@@ -228,7 +247,7 @@ async def test_a_registry_started_after_the_restore_learns_it_from_the_sidecars(
         )
         assert registry.port == port
         assert before is not None
-        assert after[-1] is None, f"still served at the end: {after[-10:]}"
+        assert after[-2:] == [None, None], f"still served at the end: {after[-10:]}"
     finally:
         await sidecar.stop()
         await registry.stop(grace_seconds=0.2)

@@ -19,7 +19,7 @@ from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 
 from tests.fixtures.registry import RegistryHandle, running_registry, unique
-from tests.registry.builders import publish, register, retention, status_of
+from tests.registry.builders import get, publish, register, retention, status_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -153,8 +153,32 @@ async def test_the_mark_reads_the_retained_turn_in_the_same_transaction(registry
     await register(stub, engine_id, ttl_seconds=30)
     await publish(stub, retention(tenant, conv, engine_id, turn=3))
     begun = await stub.BeginTurn(begin(tenant, conv, "kvf-a"), timeout=5)
-    assert begun.retained_turn == 3
+    assert (begun.retained_turn, begun.retained_engine_request_id) == (3, f"req-{conv}-3")
     await stub.EndTurn(end(tenant, conv, "kvf-a"), timeout=5)
+
+
+async def test_the_mark_reports_no_record_once_the_engine_that_published_it_registered_again(
+    registry: RegistryHandle, second_replica: RegistryHandle
+) -> None:
+    """Rule 3 in the mark's transaction too: a record of an engine incarnation that is no longer registered
+    (its engine restarted, or an etcd snapshot brought it back) counts as none, before the reaper ends it,
+    so a caller that found it in a lagging index looks it up again in the registry, which refuses it."""
+    stub, other = registry.stub(), second_replica.stub()
+    engine_id, tenant, conv = unique("engine"), unique("tenant"), unique("conv")
+    await register(stub, engine_id, ttl_seconds=30)
+    await publish(stub, retention(tenant, conv, engine_id, turn=3))
+    # Twice on each replica: the first read of a conversation's engine follows the mark, later ones are in
+    # its transaction.
+    for attempt, replica in enumerate((stub, stub, other, other)):
+        begun = await replica.BeginTurn(begin(tenant, conv, f"kvf-{attempt}"), timeout=5)
+        assert (begun.retained_turn, begun.retained_engine_request_id) == (3, f"req-{conv}-3")
+        await replica.EndTurn(end(tenant, conv, f"kvf-{attempt}"), timeout=5)
+    await register(stub, engine_id, ttl_seconds=30)  # a new incarnation
+    for attempt, replica in enumerate((stub, other)):
+        begun = await replica.BeginTurn(begin(tenant, conv, f"kvf-again-{attempt}"), timeout=5)
+        assert (begun.retained_turn, begun.retained_engine_request_id) == (0, "")
+        await replica.EndTurn(end(tenant, conv, f"kvf-again-{attempt}"), timeout=5)
+    assert await status_of(get(stub, tenant, conv)) == grpc.StatusCode.NOT_FOUND
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,7 @@ class FakeRegistry:
         self.lookups = 0
         # What BeginTurn says was retained when it took the mark (None: the truth).
         self.retained_turn_at_mark: int | None = None
+        self.retained_request_id_at_mark: str | None = None
 
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None:
         self.lookups += 1
@@ -94,9 +95,14 @@ class FakeRegistry:
         self.mark_calls.append(("begin", request_id))
         record = self.retentions.get((tenant, conversation_id))
         retained = record.turn if record is not None else 0
+        retained_request_id = record.engine_request_id if record is not None else ""
         if self.retained_turn_at_mark is not None:
             retained = self.retained_turn_at_mark
-        return BegunTurn(ttl_seconds=ttl_seconds, retained_turn=retained)
+        if self.retained_request_id_at_mark is not None:
+            retained_request_id = self.retained_request_id_at_mark
+        return BegunTurn(
+            ttl_seconds=ttl_seconds, retained_turn=retained, retained_request_id=retained_request_id
+        )
 
     async def end_turn(self, tenant: str, conversation_id: str, request_id: str) -> bool:
         self.mark_calls.append(("end", request_id))
@@ -583,6 +589,39 @@ async def test_a_lookup_made_before_the_mark_is_repeated_when_a_turn_came_in_bet
     before = cluster.registry.lookups
     await cluster.turn([*PROMPT, 101, 102, 103, 7, 101, 102, 103, 8])
     assert cluster.registry.lookups == before + 1 + 1
+
+
+async def test_a_lookup_that_found_another_record_of_the_same_turn_is_repeated(cluster: Cluster) -> None:
+    """The mark names the record it read: one of the same turn number but another request (a conversation
+    that started over, a record whose engine left) is not the one the lookup found."""
+    await cluster.turn(PROMPT)
+    cluster.registry.retained_request_id_at_mark = "kvf-some-other-request-d"
+    before = cluster.registry.lookups
+    await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    assert cluster.registry.lookups == before + 2 + 1  # the lookup, its repetition, the publication poll
+    cluster.registry.retained_request_id_at_mark = None
+
+
+def test_the_mark_confirms_only_the_record_it_read() -> None:
+    record = RetentionRecord(
+        tenant="t",
+        conversation_id="c",
+        engine_id="d1",
+        engine_request_id="kvf-a-d",
+        block_ids=(1,),
+        num_tokens=16,
+        block_digests=(b"x",),
+        turn=2,
+        expire_time=NOW + 60,
+    )
+    assert BegunTurn(ttl_seconds=5, retained_turn=2, retained_request_id="kvf-a-d").confirms(record)
+    assert not BegunTurn(ttl_seconds=5, retained_turn=2, retained_request_id="kvf-b-d").confirms(record)
+    assert not BegunTurn(ttl_seconds=5, retained_turn=3, retained_request_id="kvf-a-d").confirms(record)
+    assert not BegunTurn(ttl_seconds=5, retained_turn=0).confirms(record)
+    assert BegunTurn(ttl_seconds=5, retained_turn=0).confirms(None)
+    assert not BegunTurn(ttl_seconds=5, retained_turn=2, retained_request_id="kvf-a-d").confirms(None)
+    # A registry from before the request id was reported: the turn alone.
+    assert BegunTurn(ttl_seconds=5, retained_turn=2).confirms(record)
 
 
 async def test_without_its_mark_a_turn_neither_reuses_nor_retains(cluster: Cluster) -> None:

@@ -270,6 +270,7 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
             ttl_seconds=begun.ttl_seconds,
             retained_turn=begun.retained_turn,
             turn=begun.turn,
+            retained_engine_request_id=begun.retained_request_id,
         )
 
     @unary

@@ -8,9 +8,14 @@ router that dies stops renewing, and etcd drops the mark within the lease.
 
 Taking a mark is one transaction that writes the mark only if no mark exists, under a lease granted ahead
 (:class:`LeasePool`: a grant is an etcd write of its own, which would double the time a turn waits), and
-reads the conversation's retention record at the same revision: its turn (``retained_turn``) tells the
-caller whether a lookup it made concurrently is still current. Renewing a mark this registry took is a
-lease keep-alive plus a check that the mark still lives under that lease, together.
+reads the conversation's retention record and its engine's registration at the same revision: the
+record's turn and request (``retained_turn``, ``retained_request_id``) tell the caller whether a lookup it
+made concurrently is still current. A record counts only while the engine incarnation that published it
+is registered (rule 3), as for every lookup: a record whose engine left (or a record etcd brought back
+from an older snapshot, before the registry's new epoch voided its engine) is reported as none, so a
+caller that found it elsewhere (the router's retention index) asks the registry, which refuses it.
+Renewing a mark this registry took is a lease keep-alive plus a check that the mark still lives under
+that lease, together.
 
 Plain Python over the etcd gateway; the gRPC handlers only translate messages.
 """
@@ -52,6 +57,9 @@ log = logging.getLogger(__name__)
 # Marks this registry took, remembered to renew and clear them in one round trip (oldest forgotten first:
 # a forgotten one costs a read more, nothing else).
 _HELD_MARKS = 65_536
+# The engine each conversation's record named when last read, so that the mark's transaction reads that
+# engine's registration too (a conversation seldom moves; a wrong or forgotten guess costs a read more).
+_RECORD_ENGINES = 65_536
 
 
 @dataclass(frozen=True)
@@ -59,8 +67,10 @@ class BegunTurn:
     turn: resources.RunningTurn
     ttl_seconds: int
     revision: int
-    # The conversation's retained turn when the mark was taken (0: none, or the mark was renewed).
+    # The conversation's servable retained turn when the mark was taken (0: none, a record whose engine
+    # incarnation is not registered, or the mark was renewed), and that record's engine request id.
     retained_turn: int = 0
+    retained_request_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -151,6 +161,7 @@ class TurnStore:
         self._metrics = metrics if metrics is not None else RegistryMetrics()
         self._writes = TxnBatcher(etcd)
         self._held: OrderedDict[bytes, _Held] = OrderedDict()
+        self._record_engines: OrderedDict[bytes, str] = OrderedDict()
         self._leases: dict[int, LeasePool] = {}
 
     async def begin_turn(
@@ -189,11 +200,14 @@ class TurnStore:
             holder=holder,
             start_time=to_timestamp(self._clock.time()),
         )
+        live_key = self.layout.live(conversation)
+        engine_guess = self._record_engines.get(live_key)
+        reads = [Get(live_key)]
+        if engine_guess is not None:
+            reads.append(Get(self.layout.engine(engine_guess)))
         try:
             written = await self._writes.txn(
-                [ModRevisionIs(key, 0)],
-                [Put(key, running.SerializeToString(), lease.id), Get(self.layout.live(conversation))],
-                [Get(key)],
+                [ModRevisionIs(key, 0)], [Put(key, running.SerializeToString(), lease.id), *reads], [Get(key)]
             )
         except LeaseNotFound:
             return None  # the lease was gone before the write (an etcd leader change): again
@@ -205,8 +219,23 @@ class TurnStore:
         if written.succeeded:
             self._remember(key, _Held(request_id, lease.id, running))
             record = written.range(1).first
-            retained_turn = int(decode_record(record.value).retention.turn) if record is not None else 0
-            return BegunTurn(running, lease.ttl_seconds, written.revision, retained_turn)
+            if record is None:
+                return BegunTurn(running, lease.ttl_seconds, written.revision)
+            stored = decode_record(record.value)
+            engine_id = stored.retention.engine_id
+            self._remember_engine(live_key, engine_id)
+            if engine_guess == engine_id:
+                engine = written.range(2).first
+            else:
+                # Read after the mark: an incarnation registered now was registered at the mark's revision
+                # too (one that ended never comes back; an etcd gone back in time is refused by the gateway).
+                engine = (await self.etcd.range(self.layout.engine(engine_id))).first
+            if engine is None or engine.lease != stored.engine_incarnation:
+                return BegunTurn(running, lease.ttl_seconds, written.revision)
+            retention = stored.retention
+            return BegunTurn(
+                running, lease.ttl_seconds, written.revision, int(retention.turn), retention.engine_request_id
+            )
         await self.etcd.revoke_quietly(lease.id, "turn mark taken meanwhile")
         existing = written.range(0).first
         if existing is None:
@@ -265,6 +294,12 @@ class TurnStore:
     async def close(self) -> None:
         for pool in self._leases.values():
             await pool.close()
+
+    def _remember_engine(self, live_key: bytes, engine_id: str) -> None:
+        self._record_engines[live_key] = engine_id
+        self._record_engines.move_to_end(live_key)
+        while len(self._record_engines) > _RECORD_ENGINES:
+            self._record_engines.popitem(last=False)
 
     def _remember(self, key: bytes, held: _Held) -> None:
         self._held[key] = held

@@ -73,9 +73,20 @@ class BegunTurn:
 
     # The mark's lease: renew well within it.
     ttl_seconds: int
-    # The conversation's retained turn when the mark was taken (0: none, or a renewal): a lookup made
-    # concurrently that found another turn is out of date.
+    # The conversation's retained turn when the mark was taken (0: none, a record the registry would not
+    # serve, or a renewal) and that record's engine request id: a lookup made concurrently that found
+    # another record is out of date.
     retained_turn: int
+    retained_request_id: str = ""
+
+    def confirms(self, found: RetentionRecord | None) -> bool:
+        """Whether a lookup made beside the mark found what the registry held when the mark was taken
+        (a registry older than the request id compares turns only)."""
+        if found is None:
+            return self.retained_turn == 0
+        if found.turn != self.retained_turn:
+            return False
+        return not self.retained_request_id or found.engine_request_id == self.retained_request_id
 
 
 @dataclass(frozen=True)
@@ -282,7 +293,11 @@ class GrpcRegistry:
             )
         except grpc.aio.AioRpcError as error:
             raise self._fail(error, "BeginTurn") from None
-        return BegunTurn(ttl_seconds=response.ttl_seconds, retained_turn=response.retained_turn)
+        return BegunTurn(
+            ttl_seconds=response.ttl_seconds,
+            retained_turn=response.retained_turn,
+            retained_request_id=response.retained_engine_request_id,
+        )
 
     async def end_turn(self, tenant: str, conversation_id: str, request_id: str) -> bool:
         try:

@@ -359,11 +359,10 @@ class TurnRunner:
             mark = await marking if marking is not None else None
             retention, window, registry_ok = await lookup if lookup is not None else (None, None, True)
             if conversation_id and mark is not None and registry_ok:
-                found = retention.turn if retention is not None else 0
-                if mark.begun.retained_turn != found:
+                if not mark.begun.confirms(retention):
                     # The lookup is not what the registry held when the mark was taken (a turn was published
-                    # or ended in between, or the index lags): the registry's answer now is current (the
-                    # mark holds the conversation still).
+                    # or ended in between, the index lags, or the record's engine left): the registry's
+                    # answer now is current (the mark holds the conversation still).
                     retention, window, registry_ok = await self._lookup(
                         tenant, conversation_id, self._clock(), from_registry=True
                     )

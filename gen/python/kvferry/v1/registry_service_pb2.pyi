@@ -990,12 +990,19 @@ class BeginTurnResponse(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     RETAINED_TURN_FIELD_NUMBER: _builtins.int
     TURN_FIELD_NUMBER: _builtins.int
+    RETAINED_ENGINE_REQUEST_ID_FIELD_NUMBER: _builtins.int
     ttl_seconds: _builtins.int
     """The mark's lease, in seconds (etcd may grant more than asked): renew well within it."""
     retained_turn: _builtins.int
     """The turn of the conversation's retention record when the mark was taken, read in the same
-    transaction (0: none). A lookup made concurrently that found another turn is out of date: look
-    up again. Only set when this call took the mark.
+    transaction (0: none, or a record that may not be served: the engine incarnation that published
+    it is no longer registered). A lookup made concurrently that found another record is out of
+    date: look up again. Only set when this call took the mark.
+    """
+    retained_engine_request_id: _builtins.str
+    """That record's `engine_request_id` (empty with `retained_turn` 0): a lookup that found another
+    request's record (a turn number used again, e.g. by a conversation that started over) is out of
+    date too.
     """
     @_builtins.property
     def header(self) -> _resources_pb2.ResponseHeader:
@@ -1012,10 +1019,11 @@ class BeginTurnResponse(_message.Message):
         ttl_seconds: _builtins.int = ...,
         retained_turn: _builtins.int = ...,
         turn: _resources_pb2.RunningTurn | None = ...,
+        retained_engine_request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "turn", b"turn"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "retained_turn", b"retained_turn", "ttl_seconds", b"ttl_seconds", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "retained_engine_request_id", b"retained_engine_request_id", "retained_turn", b"retained_turn", "ttl_seconds", b"ttl_seconds", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

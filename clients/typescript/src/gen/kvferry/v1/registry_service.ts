@@ -501,12 +501,21 @@ export interface BeginTurnResponse {
   ttlSeconds: bigint;
   /**
    * The turn of the conversation's retention record when the mark was taken, read in the same
-   * transaction (0: none). A lookup made concurrently that found another turn is out of date: look
-   * up again. Only set when this call took the mark.
+   * transaction (0: none, or a record that may not be served: the engine incarnation that published
+   * it is no longer registered). A lookup made concurrently that found another record is out of
+   * date: look up again. Only set when this call took the mark.
    */
   retainedTurn: bigint;
   /** The mark as stored. */
-  turn?: RunningTurn | undefined;
+  turn?:
+    | RunningTurn
+    | undefined;
+  /**
+   * That record's `engine_request_id` (empty with `retained_turn` 0): a lookup that found another
+   * request's record (a turn number used again, e.g. by a conversation that started over) is out of
+   * date too.
+   */
+  retainedEngineRequestId: string;
 }
 
 /** Request for EndTurn. */
@@ -3463,7 +3472,7 @@ export const BeginTurnRequest: MessageFns<BeginTurnRequest> = {
 };
 
 function createBaseBeginTurnResponse(): BeginTurnResponse {
-  return { header: undefined, ttlSeconds: 0n, retainedTurn: 0n, turn: undefined };
+  return { header: undefined, ttlSeconds: 0n, retainedTurn: 0n, turn: undefined, retainedEngineRequestId: "" };
 }
 
 export const BeginTurnResponse: MessageFns<BeginTurnResponse> = {
@@ -3485,6 +3494,9 @@ export const BeginTurnResponse: MessageFns<BeginTurnResponse> = {
     }
     if (message.turn !== undefined) {
       RunningTurn.encode(message.turn, writer.uint32(34).fork()).join();
+    }
+    if (message.retainedEngineRequestId !== "") {
+      writer.uint32(42).string(message.retainedEngineRequestId);
     }
     return writer;
   },
@@ -3534,6 +3546,14 @@ export const BeginTurnResponse: MessageFns<BeginTurnResponse> = {
             message.turn = RunningTurn.decode(reader, reader.uint32());
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.retainedEngineRequestId = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -3560,6 +3580,11 @@ export const BeginTurnResponse: MessageFns<BeginTurnResponse> = {
         ? BigInt(object.retained_turn)
         : 0n,
       turn: isSet(object.turn) ? RunningTurn.fromJSON(object.turn) : undefined,
+      retainedEngineRequestId: isSet(object.retainedEngineRequestId)
+        ? globalThis.String(object.retainedEngineRequestId)
+        : isSet(object.retained_engine_request_id)
+        ? globalThis.String(object.retained_engine_request_id)
+        : "",
     };
   },
 
@@ -3576,6 +3601,9 @@ export const BeginTurnResponse: MessageFns<BeginTurnResponse> = {
     }
     if (message.turn !== undefined) {
       obj.turn = RunningTurn.toJSON(message.turn);
+    }
+    if (message.retainedEngineRequestId !== "") {
+      obj.retainedEngineRequestId = message.retainedEngineRequestId;
     }
     return obj;
   },
@@ -3597,6 +3625,7 @@ export const BeginTurnResponse: MessageFns<BeginTurnResponse> = {
     message.turn = (object.turn !== undefined && object.turn !== null)
       ? RunningTurn.fromPartial(object.turn)
       : undefined;
+    message.retainedEngineRequestId = object.retainedEngineRequestId ?? "";
     return message;
   },
 };
