@@ -21,7 +21,7 @@ from kvferry.connector.fence import (
     expand_block_runs,
 )
 from kvferry.connector.generations import CHECKED_PULLS, FENCED_PULLS, GenerationFile
-from kvferry.connector.logs import log_json_lines_to, stop_logging_thread
+from kvferry.connector.logs import hand_over_held, log_json_lines_to, stop_logging_thread
 
 nixl_api = pytest.importorskip("nixl._api")
 
@@ -121,7 +121,9 @@ def test_the_verdict_line_is_made_on_the_logging_thread_after_the_pull_is_report
         assert pair.settle("logged", pair.pulled([20, 21, 22], remote)) == ({"logged"}, set())
         reported = time.time()
         held = sink.getvalue()
-        pair.fence.settle(set(), set(), lambda _: None)  # vLLM's next poll hands the line over
+        pair.fence.settle(set(), set(), lambda _: None)  # vLLM's next poll finishes no pull:
+        assert sink.getvalue() == ""
+        hand_over_held()  # the connector hands the line over then
     finally:
         stop_logging_thread()  # writes what was handed over
         root.handlers[:], root.level, root.propagate = before

@@ -687,9 +687,11 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         done, failed = super()._pop_done_transfers(transfers)
         if transfers is not self._recving_transfers:
             return done, failed
+        if not done:
+            # The held lines of pulls and their verdicts (kvferry.connector.logs.log_off_path) go to the
+            # logging thread at a poll that finishes no pull: never while a pull waits for data or verdict.
+            hand_over_held()
         if self.fence is None:
-            if not done:  # the pulls' held lines go to the logging thread at a poll that finishes none
-                hand_over_held()
             return done, failed
         # After the data: the pulls of retentions wait for their generations (kvferry.connector.fence).
         return self.fence.settle(done, failed, self._pulled_blocks)

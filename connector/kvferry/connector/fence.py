@@ -41,7 +41,7 @@ from kvferry.connector.generations import (
     GenerationArray,
     GenerationFile,
 )
-from kvferry.connector.logs import hand_over_held, log_off_path
+from kvferry.connector.logs import log_off_path
 
 logger = logging.getLogger("kvferry.connector.fence")
 
@@ -274,12 +274,11 @@ class PullFence:
         A fenced pull is reported done *and* failed (vLLM's load-failure path); a pull whose check is
         still running is held back and reported at a later call.
         """
-        # Earlier verdicts' reads are released and their lines handed to the logging thread at a call
-        # that checks no pull (most of vLLM's polls, once a step), not while a pull waits for its verdict.
+        # Earlier verdicts' reads are released at a call that checks no pull (most of vLLM's polls, once a
+        # step), not while a pull waits for its verdict (their lines are handed over then too: the connector).
         if not done:
             if self._spent:
                 self._release_spent()
-            hand_over_held()
         elif len(self._spent) >= _MAX_SPENT:
             self._release_spent()
         for request_id in failed:

@@ -101,7 +101,8 @@ def log_off_path(
 
 
 def hand_over_held() -> None:
-    """Queues the lines :func:`log_off_path` held for the logging thread (waking it)."""
+    """Queues the lines :func:`log_off_path` held for the logging thread (waking it); the connector calls
+    it at each of vLLM's polls that finishes no pull."""
     records = _records
     if records is None or not _held:
         return
