@@ -154,6 +154,12 @@ class SyncClient:
         return self._runner.run(self._client.get_conversation(conversation_id))
 
 
+def loop_and_client(client: SyncClient) -> tuple[_LoopThread, Client]:
+    """For the SDK's own adapters: the loop thread a SyncClient runs on, and its async client (to be used
+    only through that thread's ``run``)."""
+    return client._runner, client._client
+
+
 class SyncTurnStream:
     """Blocking twin of ``TurnStream``: iterate chunks, then read ``summary``."""
 

@@ -29,7 +29,7 @@ from types import FrameType
 from typing import Any
 from uuid import UUID
 
-from kvferry.sdk._sync import SyncClient
+from kvferry.sdk._sync import SyncClient, loop_and_client
 from kvferry.sdk._tool_lease import ConversationLeases, LeaseAdapter
 from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
 
@@ -164,8 +164,8 @@ class KvferrySyncCallbackHandler(LeaseAdapter, BaseCallbackHandler):
         close_on_end: bool = True,
         interval: float | None = None,
     ) -> None:
-        self._runner = client._runner
-        self._start_lease(client._client, conversation_id, close_on_end=close_on_end, interval=interval)
+        self._runner, async_client = loop_and_client(client)
+        self._start_lease(async_client, conversation_id, close_on_end=close_on_end, interval=interval)
         self._runs = _OutermostRuns()
 
     def on_chain_start(
