@@ -20,6 +20,7 @@ from kvferry.runtime.tls import (
     ReloadingChannel,
     ReloadingServerContext,
     TlsFiles,
+    WatchedTlsFiles,
     add_tls_flags,
     open_channel,
     server_credentials,
@@ -77,6 +78,7 @@ async def test_a_server_takes_rotated_certificates_without_a_restart(tmp_path: P
 
         rotated = new.issue("registry", common_name="registry")
         install(rotated, live)
+        await asyncio.sleep(1.1)  # the server looks at its files at most once a second
         assert await _check(address, new_client) == grpc.StatusCode.OK
         assert await _check(address, old_client) == grpc.StatusCode.UNAVAILABLE
         assert await _check(address, None) == grpc.StatusCode.UNAVAILABLE
@@ -84,9 +86,11 @@ async def test_a_server_takes_rotated_certificates_without_a_restart(tmp_path: P
         # A key that does not match the certificate, or a CA file that is no certificate, is not taken: the
         # server keeps the last good files.
         shutil.copy(new.issue("other", common_name="registry").key, live.key)
+        await asyncio.sleep(1.1)
         assert await _check(address, new_client) == grpc.StatusCode.OK
         shutil.copy(rotated.key, live.key)
         live.ca.write_text("not a CA\n")
+        await asyncio.sleep(1.1)
         assert await _check(address, new_client) == grpc.StatusCode.OK
     finally:
         await server.stop(None)
@@ -113,7 +117,7 @@ async def test_an_https_server_takes_rotated_certificates_and_keeps_the_last_goo
     live = TlsFiles(tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "ca.crt")
     first = pki.issue("first")
     install(first, live)
-    reloading = ReloadingServerContext(live, _https_context)
+    reloading = ReloadingServerContext(live, _https_context, check_seconds=0.0)
     server = await asyncio.start_server(_hang_up, "127.0.0.1", 0, ssl=reloading.context)
     port = int(server.sockets[0].getsockname()[1])
     caplog.set_level(logging.INFO, logger="kvferry.runtime.tls")
@@ -151,6 +155,30 @@ async def test_an_https_server_takes_rotated_certificates_and_keeps_the_last_goo
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_the_watcher_looks_at_the_files_at_most_once_per_check_interval(tmp_path: Path) -> None:
+    pki = TestPki(tmp_path / "pki")
+    live = TlsFiles(tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "ca.crt")
+    install(pki.issue("first"), live)
+    now = [100.0]
+    built: list[str] = []
+
+    def build(files: TlsFiles) -> str:
+        built.append(files.cert.read_text())
+        return built[-1]
+
+    watched = WatchedTlsFiles(live, build, check_seconds=1.0, clock=lambda: now[0])
+    first = watched.current()
+    install(pki.issue("second"), live)
+    now[0] += 0.5
+    assert watched.current() == first and len(built) == 1  # within the interval: the files are not read
+    live.cert.unlink()  # not even looked at: no warning, no stat
+    now[0] += 0.4
+    assert watched.current() == first
+    install(pki.issue("second"), live)
+    now[0] += 0.2
+    assert watched.current() != first and len(built) == 2 and watched.reloads == 1
 
 
 class _PeerNames(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -198,6 +226,7 @@ async def test_a_client_channel_takes_rotated_certificates_without_a_restart(tmp
         # Both sides rotate to the new CA; the client's certificate now names another identity.
         install(new.issue("registry", common_name="registry"), server_live)
         install(new.issue("client", common_name="admin"), client_live)
+        await asyncio.sleep(1.1)  # the server looks at its files at most once a second
         await stub_checking.Check(check, timeout=5)
         assert peers.names[-1] == "admin" and channel_checks.reloads == 1
         await stub_checking.Check(check, timeout=5)  # no change since: no rebuild

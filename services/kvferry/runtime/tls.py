@@ -2,13 +2,14 @@
 key, CA) and the same flags on the registry (server), the sidecar and the router (its clients).
 
 - A server reads its files again when they change, before the next TLS handshake: one watcher,
-  :class:`WatchedTlsFiles`, compares the files' inode, modification time and size (one ``stat`` each) and
-  builds again when they moved. grpc asks it through :class:`ReloadingCertificates`
-  (:func:`server_credentials` requires a client certificate signed by the CA); an HTTPS server through
-  :class:`ReloadingServerContext` (an ``ssl.SSLContext`` whose SNI callback moves each new handshake onto
-  the current context). cert-manager and kubelet rotate Secrets by swapping the files under a mount;
-  running connections keep the certificate they started with, new ones get the new one, no restart. Files
-  that do not make a certificate and its matching key keep the current certificate, with an error logged.
+  :class:`WatchedTlsFiles`, compares the files' inode, modification time and size (one ``stat`` each, at
+  most once a second: handshakes in between take the current build) and builds again when they moved.
+  grpc asks it through :class:`ReloadingCertificates` (:func:`server_credentials` requires a client
+  certificate signed by the CA); an HTTPS server through :class:`ReloadingServerContext` (an
+  ``ssl.SSLContext`` whose SNI callback moves each new handshake onto the current context). cert-manager
+  and kubelet rotate Secrets by swapping the files under a mount; running connections keep the
+  certificate they started with, new ones get the new one, no restart. Files that do not make a
+  certificate and its matching key keep the current certificate, with an error logged.
 - A client (:func:`open_channel`) presents its certificate and trusts only the CA, and takes rotated files
   up without a restart too: grpc's channel credentials are fixed once built, so :class:`ReloadingChannel`
   compares the files' fingerprint before a call (at most once a second) and, when they moved, sends the
@@ -104,16 +105,27 @@ class WatchedTlsFiles(Generic[T]):
     """What a server builds from its TLS files (``build``), built again when the files change: the one
     watcher behind the gRPC servers' credentials and the HTTPS port's ``ssl.SSLContext``.
 
-    :meth:`current` is asked before each new TLS handshake (from grpc's threads or the event loop); a
-    ``stat`` per file keeps that cheap. When the fingerprint moved, ``build`` runs; a build that fails (a
-    file unreadable, a key that does not match its certificate, a file caught half-written) keeps the last
-    good one and logs an error naming the files, once per change: the next change (the rest of the write,
-    the fixed file) is tried again.
+    :meth:`current` is asked before each new TLS handshake (from grpc's threads or the event loop); it
+    looks at the files (a ``stat`` each) at most once every ``check_seconds``, so a burst of handshakes
+    costs the event loop no file system calls. When the fingerprint moved, ``build`` runs; a build that
+    fails (a file unreadable, a key that does not match its certificate, a file caught half-written) keeps
+    the last good one and logs an error naming the files, once per change: the next change (the rest of
+    the write, the fixed file) is tried again.
     """
 
-    def __init__(self, files: TlsFiles, build: Callable[[TlsFiles], T]) -> None:
+    def __init__(
+        self,
+        files: TlsFiles,
+        build: Callable[[TlsFiles], T],
+        *,
+        check_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._files = files
         self._build = build
+        self._check_seconds = check_seconds
+        self._clock = clock
+        self._checked = clock()
         self._lock = threading.Lock()
         self._seen = files.fingerprint()
         self._unreadable = ""
@@ -124,6 +136,10 @@ class WatchedTlsFiles(Generic[T]):
     def current(self) -> T:
         """The build of the files as they are now, or the last good one when they no longer build."""
         with self._lock:
+            checked = self._clock()
+            if checked - self._checked < self._check_seconds:
+                return self._current
+            self._checked = checked
             try:
                 now = self._files.fingerprint()
             except OSError as error:
@@ -173,8 +189,8 @@ class ReloadingCertificates:
     """grpc's certificate configuration fetcher: the files as a new configuration when they changed since
     the last one handed out, else None (grpc keeps the current one)."""
 
-    def __init__(self, files: TlsFiles) -> None:
-        self._watched = WatchedTlsFiles(files, _grpc_configuration)
+    def __init__(self, files: TlsFiles, *, check_seconds: float = 1.0) -> None:
+        self._watched = WatchedTlsFiles(files, _grpc_configuration, check_seconds=check_seconds)
         self.initial = self._handed = self._watched.current()
 
     @property
@@ -198,8 +214,10 @@ class ReloadingServerContext:
     ``build`` makes a server context from the files (the server's own settings: ALPN, ciphers).
     """
 
-    def __init__(self, files: TlsFiles, build: Callable[[TlsFiles], ssl.SSLContext]) -> None:
-        self._watched = WatchedTlsFiles(files, build)
+    def __init__(
+        self, files: TlsFiles, build: Callable[[TlsFiles], ssl.SSLContext], *, check_seconds: float = 1.0
+    ) -> None:
+        self._watched = WatchedTlsFiles(files, build, check_seconds=check_seconds)
         self.context = self._watched.current()
         self.context.sni_callback = self._on_client_hello
 
