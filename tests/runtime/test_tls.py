@@ -181,6 +181,28 @@ def test_the_watcher_looks_at_the_files_at_most_once_per_check_interval(tmp_path
     assert watched.current() != first and len(built) == 2 and watched.reloads == 1
 
 
+async def test_a_client_channel_keeps_its_files_until_a_rotation_makes_a_matching_pair(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pki = TestPki(tmp_path / "pki")
+    live = TlsFiles(tmp_path / "client.crt", tmp_path / "client.key", tmp_path / "client-ca.crt")
+    install(pki.issue("first", common_name="router"), live)
+    caplog.set_level(logging.INFO, logger="kvferry.runtime.tls")
+    channel = ReloadingChannel("127.0.0.1:1", live, check_seconds=0.0)
+    try:
+        first = channel.current()
+        second = pki.issue("second", common_name="router")
+        shutil.copy(second.cert, live.cert)  # the certificate lands before its key
+        for _ in range(2):
+            assert channel.current() is first and channel.reloads == 0
+        [refused] = [r for r in caplog.records if "client TLS files not reloaded" in r.getMessage()]
+        assert refused.levelno == logging.ERROR and "KEY_VALUES_MISMATCH" in refused.error  # type: ignore[attr-defined]
+        shutil.copy(second.key, live.key)
+        assert channel.current() is not first and channel.reloads == 1
+    finally:
+        await channel.close()
+
+
 class _PeerNames(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Notes the CN of each caller's certificate (what the server's auth context says)."""
 

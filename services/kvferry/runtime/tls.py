@@ -175,12 +175,17 @@ class WatchedTlsFiles(Generic[T]):
             return fresh
 
 
-def _grpc_configuration(files: TlsFiles) -> grpc.ServerCertificateConfiguration:
-    # grpc takes the bytes as they are, and a key that does not match (or a CA that is no certificate) would
-    # fail every handshake from then on: OpenSSL checks them first (ssl.SSLError names what is wrong).
-    check = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+def check_files(files: TlsFiles, purpose: int = ssl.PROTOCOL_TLS_SERVER) -> None:
+    """Raises (ssl.SSLError naming what is wrong, OSError) unless the files make a certificate, its matching
+    key and a CA. grpc takes the bytes as they are, and a key that does not match (or a CA that is no
+    certificate) would fail every handshake from then on: OpenSSL checks them first."""
+    check = ssl.SSLContext(purpose)
     check.load_cert_chain(files.cert, files.key)
     check.load_verify_locations(files.ca)
+
+
+def _grpc_configuration(files: TlsFiles) -> grpc.ServerCertificateConfiguration:
+    check_files(files)
     cert, key, ca = files.read()
     return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
@@ -268,8 +273,9 @@ class ReloadingChannel(grpc.aio.Channel):  # type: ignore[misc]
     when it is called. Before a call, at most once every ``check_seconds``, the files' fingerprint (one
     ``stat`` each) is compared with the one the current channel was built from; when it moved, a new channel
     takes the calls from then on. The channel it replaces is kept for the calls still running on it (a
-    long watch) and closed at the next rotation or :meth:`close`. A file caught half-written makes a channel
-    whose handshakes fail; the rest of the write changes the fingerprint again and the next check rebuilds.
+    long watch) and closed at the next rotation or :meth:`close`. Files that do not make a certificate and
+    its matching key (one caught half-written: a certificate written before its key) are not taken: the
+    current channel stays, an error is logged once, and the next change (the rest of the write) is tried.
     """
 
     def __init__(
@@ -313,10 +319,24 @@ class ReloadingChannel(grpc.aio.Channel):  # type: ignore[misc]
             fingerprint = self._files.fingerprint()
             if fingerprint == self._seen:
                 return self._channel
-            fresh = self._open()
         except OSError as error:
             log.warning(
                 "client TLS files not reloaded; keeping the current ones", extra={"error": str(error)}
+            )
+            return self._channel
+        try:
+            check_files(self._files, ssl.PROTOCOL_TLS_CLIENT)
+            fresh = self._open()
+        except (OSError, ssl.SSLError, ValueError) as error:
+            self._seen = fingerprint  # said once per change; the next change is tried again
+            log.error(
+                "client TLS files not reloaded: they do not make a certificate and matching key; keeping "
+                "the current ones until they change again",
+                extra={
+                    "certificate": str(self._files.cert),
+                    "key": str(self._files.key),
+                    "error": str(error),
+                },
             )
             return self._channel
         if self._retired is not None:
