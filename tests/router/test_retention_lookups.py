@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+from array import array
 from collections.abc import AsyncIterator
 
 import pytest
+from kvferry.pd.digest import DIGEST_BYTES, PackedDigests
 from kvferry.pd.engine_api import DecodeRequest
 from kvferry.pd.kvferry_params import ConversationMark
 from kvferry.router.cli import config_from_args, configure
@@ -82,6 +85,11 @@ def as_proto(record: RetentionRecord) -> resources.Retention:
 
 
 def record(conversation_id: str = "c1", *, turn: int = 1, expire_time: float = NOW + 120) -> RetentionRecord:
+    """As the index holds it (packed, RetentionRecord.from_proto)."""
+    return RetentionRecord.from_proto(as_proto(_record(conversation_id, turn, expire_time)))
+
+
+def _record(conversation_id: str, turn: int, expire_time: float) -> RetentionRecord:
     return RetentionRecord(
         tenant=TENANT.name,
         conversation_id=conversation_id,
@@ -89,7 +97,7 @@ def record(conversation_id: str = "c1", *, turn: int = 1, expire_time: float = N
         engine_request_id=f"r-{conversation_id}-{turn}",
         block_ids=(7, 8, 9),
         num_tokens=12,
-        block_digests=(b"a" * 32, b"b" * 32, b"c" * 32),
+        block_digests=(b"a" * DIGEST_BYTES, b"b" * DIGEST_BYTES, b"c" * DIGEST_BYTES),
         turn=turn,
         expire_time=expire_time,
         block_generations=(1, 1, 2),
@@ -123,6 +131,21 @@ async def test_a_hit_is_served_from_the_index_without_asking_the_registry() -> N
         found = await lookups.lookup(TENANT.name, "c1")
     assert found.path == "index" and found.retention == record()
     assert registry.lookups == 0
+
+
+async def test_the_index_holds_records_packed_and_skips_one_it_cannot_hold() -> None:
+    registry, watch = FakeRegistry(), Watch()
+    index = RetentionIndex(watch)
+    lookups = RetentionLookups(registry, index, wall_clock=lambda: NOW)
+    bad = dataclasses.replace(record("c2"), block_digests=(b"x" * 32,) * 3)
+    async with following(index):
+        await synced(watch, index, record(), bad)
+        found = await lookups.lookup(TENANT.name, "c1")
+        skipped = await lookups.lookup(TENANT.name, "c2")
+    assert found.path == "index" and found.retention is not None
+    assert isinstance(found.retention.block_digests, PackedDigests)
+    assert found.retention.block_ids == array("q", (7, 8, 9))
+    assert skipped.path == "miss"  # the registry is asked, the index keeps serving
 
 
 async def test_a_miss_asks_the_registry() -> None:

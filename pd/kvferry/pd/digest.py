@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
 
 DIGEST_BYTES = 16
 _CHAIN_VERSION = b"kvferry-digest-v1"
@@ -42,3 +43,57 @@ def matching_blocks(retained: Sequence[bytes], prompt: Sequence[bytes]) -> int:
             break
         count += 1
     return count
+
+
+class PackedDigests(Sequence[bytes]):
+    """A digest chain held as one bytes object, ``DIGEST_BYTES`` per block: what an index that holds many
+    chains keeps (a tuple of bytes objects costs ~57 bytes per digest, this 16)."""
+
+    __slots__ = ("_packed",)
+
+    def __init__(self, digests: Iterable[bytes]) -> None:
+        chain = list(digests)
+        if any(len(digest) != DIGEST_BYTES for digest in chain):
+            raise ValueError(f"every digest of a chain is {DIGEST_BYTES} bytes")
+        self._packed = b"".join(chain)
+
+    def __len__(self) -> int:
+        return len(self._packed) // DIGEST_BYTES
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            part = PackedDigests(())
+            part._packed = self._packed[start * DIGEST_BYTES : max(start, stop) * DIGEST_BYTES]
+            return part
+        count = len(self)
+        if index < 0:
+            index += count
+        if not 0 <= index < count:
+            raise IndexError("digest index out of range")
+        return self._packed[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES]
+
+    def __iter__(self) -> Iterator[bytes]:
+        packed = self._packed
+        return (packed[start : start + DIGEST_BYTES] for start in range(0, len(packed), DIGEST_BYTES))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedDigests):
+            return self._packed == other._packed
+        if isinstance(other, Sequence):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._packed)
+
+    def __repr__(self) -> str:
+        return f"PackedDigests({len(self)} digests)"

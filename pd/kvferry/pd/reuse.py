@@ -22,6 +22,7 @@ network gets a proportionally longer margin.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvferry.pd.kvferry_params import BlockGenerations
@@ -86,7 +87,7 @@ class RetainedKv:
 
     engine_id: str
     engine_request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: Sequence[int]
     num_tokens: int
     nixl_host: str
     nixl_port: int
@@ -94,7 +95,7 @@ class RetainedKv:
     # When the retention's lease ends, unix seconds (the holder's clock; an upper bound of the read window).
     lease_expire_time: float
     # One per block id, as the holder published them (empty: the holder does not fence pulls).
-    block_generations: tuple[int, ...] = ()
+    block_generations: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         if self.block_generations and len(self.block_generations) != len(self.block_ids):
@@ -159,4 +160,4 @@ class RetainedKv:
         pull is then not checked)."""
         if not self.block_generations:
             return None
-        return BlockGenerations(self.block_generations[: num_tokens // self.block_size])
+        return BlockGenerations(tuple(self.block_generations[: num_tokens // self.block_size]))

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from kvferry.pd.digest import PackedDigests
 from kvferry.pd.reuse import max_read_window, read_window_fits
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.runtime.backoff import Backoff, BackoffPolicy
@@ -42,28 +44,30 @@ class RetentionRecord:
     conversation_id: str
     engine_id: str
     engine_request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: Sequence[int]
     num_tokens: int
-    block_digests: tuple[bytes, ...]
+    block_digests: Sequence[bytes]
     turn: int
     # Lease end, Unix seconds.
     expire_time: float
     # One per block id (empty: the holder does not fence pulls); handed to P with the pull.
-    block_generations: tuple[int, ...] = ()
+    block_generations: Sequence[int] = ()
 
     @classmethod
     def from_proto(cls, r: resources_pb2.Retention) -> RetentionRecord:
+        """Packed (8 bytes per block id and generation, 16 per digest, against ~100 in tuples): the router's
+        retention index holds one per live retention. The registry checked the digests' size."""
         return cls(
             tenant=r.tenant,
             conversation_id=r.conversation_id,
             engine_id=r.engine_id,
             engine_request_id=r.engine_request_id,
-            block_ids=tuple(r.block_ids),
+            block_ids=array("q", r.block_ids),
             num_tokens=r.num_tokens,
-            block_digests=tuple(r.block_digests),
+            block_digests=PackedDigests(r.block_digests),
             turn=r.turn,
             expire_time=r.expire_time.seconds + r.expire_time.nanos / 1e9,
-            block_generations=tuple(r.block_generations),
+            block_generations=array("Q", r.block_generations),
         )
 
 

@@ -61,7 +61,17 @@ def apply_event(
     if entry is not None and revision <= entry.revision:
         return  # what the entry already reflects
     if event.type == registry_pb2.RETENTION_EVENT_TYPE_PUBLISHED:
-        entries[key] = IndexEntry(RetentionRecord.from_proto(retention), revision, revision)
+        try:
+            record = RetentionRecord.from_proto(retention)
+        except (ValueError, OverflowError) as error:
+            # Not a record the registry lets in (it checks digests' size): left to the registry's lookup.
+            entries.pop(key, None)
+            log.error(
+                "retention index skipped a record it cannot hold",
+                extra={"tenant": key[0], "conversation_id": key[1], "error": str(error)},
+            )
+            return
+        entries[key] = IndexEntry(record, revision, revision)
         return
     if entry is None or entry.record.engine_request_id != retention.engine_request_id:
         return  # not the turn the index holds (an older one, or one it never saw)
