@@ -283,6 +283,7 @@ def _reader(
     prepare_at_done: bool,
 ) -> list[NixlFenceRun]:
     from kvferry.connector.fence import PulledBlocks, PullFence
+    from kvferry.connector.logs import hand_over_held
 
     _json_log_to_nowhere()
     side = _Side("fence-bench-reader", shape, delay_us)
@@ -328,7 +329,9 @@ def _reader(
         while request_id not in answered:  # a read slower than fence_wait_us: the next poll
             answered, failed = fence.settle(set(), set(), lookup)
         settled = time.perf_counter()
-        fence.settle(set(), set(), lookup)  # vLLM's next poll, with no pull done: releases the read
+        # vLLM's next poll, no pull done: the fence releases the read, the connector hands lines over.
+        fence.settle(set(), set(), lookup)
+        hand_over_held()
         verdict = fence.verdicts[-1]
         if index < 2:
             continue
