@@ -11,9 +11,12 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import pytest_asyncio
-from kvferry.registry.etcd import EtcdGateway, EtcdSettings
-from kvferry.registry.turns import LeasePool
+from kvferry.registry.errors import TurnInFlight
+from kvferry.registry.etcd import EtcdGateway, EtcdSettings, RangeResult
+from kvferry.registry.keys import KeyLayout
+from kvferry.registry.turns import LeasePool, TurnStore
 from kvferry.runtime.clock import ManualClock
+from kvferry.runtime.errors import Unavailable
 from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
@@ -179,6 +182,43 @@ async def test_the_mark_reports_no_record_once_the_engine_that_published_it_regi
         assert (begun.retained_turn, begun.retained_engine_request_id) == (0, "")
         await replica.EndTurn(end(tenant, conv, f"kvf-again-{attempt}"), timeout=5)
     assert await status_of(get(stub, tenant, conv)) == grpc.StatusCode.NOT_FOUND
+
+
+class _ReadsRefused(EtcdGateway):
+    """etcd answering transactions but refusing plain reads (a read that fails after the mark was written)."""
+
+    async def range(
+        self, key: bytes, range_end: bytes = b"", *, limit: int = 0, keys_only: bool = False
+    ) -> RangeResult:
+        raise Unavailable("etcd refused the read (test)")
+
+
+async def test_a_mark_whose_engine_read_fails_is_kept_and_reports_no_record(
+    registry: RegistryHandle, etcd: EtcdProcess
+) -> None:
+    """The record's engine is read after the mark when the store had not seen it yet: if that read fails,
+    the mark stays (failing the call would leave it blocking the conversation until its lease ends) and no
+    record is reported, so the caller asks the registry; from then on the engine is read in the mark's
+    transaction."""
+    stub = registry.stub()
+    engine_id, tenant, conv = unique("engine"), unique("tenant"), unique("conv")
+    await register(stub, engine_id, ttl_seconds=30)
+    await publish(stub, retention(tenant, conv, engine_id, turn=3))
+    gateway = _ReadsRefused(EtcdSettings(endpoints=(etcd.endpoint,)))
+    await gateway.connect()
+    turns = TurnStore(gateway, KeyLayout(registry.key_prefix), registry.config.ttl)
+    try:
+        begun = await turns.begin_turn(tenant, conv, "kvf-a", "router-a:1", 5)
+        assert (begun.retained_turn, begun.retained_request_id) == (0, "")
+        with pytest.raises(TurnInFlight):
+            await turns.begin_turn(tenant, conv, "kvf-b", "router-a:1", 5)
+        assert (await turns.end_turn(tenant, conv, "kvf-a")).ended
+        again = await turns.begin_turn(tenant, conv, "kvf-c", "router-a:1", 5)
+        assert (again.retained_turn, again.retained_request_id) == (3, f"req-{conv}-3")
+        await turns.end_turn(tenant, conv, "kvf-c")
+    finally:
+        await turns.close()
+        await gateway.close()
 
 
 @pytest.mark.parametrize(

@@ -229,7 +229,16 @@ class TurnStore:
             else:
                 # Read after the mark: an incarnation registered now was registered at the mark's revision
                 # too (one that ended never comes back; an etcd gone back in time is refused by the gateway).
-                engine = (await self.etcd.range(self.layout.engine(engine_id))).first
+                try:
+                    engine = (await self.etcd.range(self.layout.engine(engine_id))).first
+                except ServiceError as error:
+                    # The mark is taken: keep it (failing now would leave it to block the conversation's next
+                    # turn until its lease ends) and report no record, so the caller asks the registry again.
+                    log.warning(
+                        "a turn's mark could not read its record's engine; reporting no record",
+                        extra={"engine_id": engine_id, "request_id": request_id, "error": str(error)},
+                    )
+                    return BegunTurn(running, lease.ttl_seconds, written.revision)
             if engine is None or engine.lease != stored.engine_incarnation:
                 return BegunTurn(running, lease.ttl_seconds, written.revision)
             retention = stored.retention
