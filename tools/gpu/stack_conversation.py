@@ -7,7 +7,17 @@ both, turn by turn alternating which goes first:
 
 - ``reuse``: the default router (cost policy: pull the retained prefix or recompute, whichever it
   prices cheaper from the engines' measured rates, the profile until they have measured);
-- ``off``: the ``--reuse-policy never`` router: every prompt computed in full.
+- ``off``: the ``--reuse-policy never`` router: every prompt computed in full;
+- ``vllm``: vLLM's own bidirectional P/D on the same two engines, driven as its example multi-turn proxy
+  drives them (``kvferry.pd.sequence``, no router, no registry, no kvferry mark, so kvferry's connector
+  leaves the requests to vLLM): prefill on P (``max_tokens`` 1), then a non-streamed decode on D, whose
+  answer names the blocks D keeps for vLLM's fixed ``decoder_kv_blocks_ttl`` (480 s by default); the next
+  turn's prefill hands them to P, which pulls them with vLLM's own per-block descriptors when they cover at
+  least ``kv_recompute_threshold`` (64) tokens. vLLM's pull trusts the client: its prompt must continue D's
+  tokens, so this arm's prompts carry each reply's token ids before the next turn's new tokens (the router
+  arms' prompts do not: their replies come as text; the digest check reuses the previous prompt's blocks).
+  vLLM returns D's blocks only in non-streamed answers, so this arm's client TTFT is P's call plus D's own
+  TTFT (its ``vllm:time_to_first_token_seconds`` counter, read before and after each turn).
 
 Per turn: client TTFT (first SSE chunk) and end-to-end time, the router's own TTFT and the prefill
 request's time (``usage.kvferry``), the router's decision and its reason (its ``turn done`` log line)
@@ -27,6 +37,7 @@ OUT/router-turns.jsonl, OUT/prefill-kv-pulls.jsonl and OUT/logs.tar.gz.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import signal
@@ -40,12 +51,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
+from kvferry.bench.multiturn_driver import EngineCounters, Engines, counter_deltas
+from kvferry.pd.engine_api import Sampling
+from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient
+from kvferry.pd.sequence import EngineTurn, Pull, run_turn
+from kvferry.pd.vllm_params import RemoteBlocks
+from kvferry.router.registry_client import GrpcRegistry
+from kvferry.v1 import resources_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "kvferry-demo-key"
 OFF_GRPC, OFF_HTTP = "127.0.0.1:50062", "127.0.0.1:8090"
-ARMS = ("reuse", "off")
+ARMS = ("reuse", "off", "vllm")
 
 
 @dataclass
@@ -144,6 +163,67 @@ def complete(
     return (ttft or total) * 1000, total * 1000, usage, response_id
 
 
+class VllmProxy:
+    """The ``vllm`` arm: vLLM's own bidirectional P/D on the stack's engines (module docs)."""
+
+    def __init__(self, prefill_url: str, decode_url: str, model: str) -> None:
+        timeouts = HttpTimeouts(read=300.0)
+        self.prefill = VllmEngineClient(prefill_url, model, timeouts=timeouts)
+        self.decode = VllmEngineClient(decode_url, model, timeouts=timeouts)
+        self.counters = EngineCounters(Engines(prefill_url, decode_url, model))
+        # Per conversation: the blocks D named in its last answer (what the next turn's prefill pulls).
+        self.retained: dict[str, RemoteBlocks | None] = {}
+
+    async def complete(
+        self, conversation: str, tokens: list[int], max_tokens: int
+    ) -> tuple[float, float, dict[str, Any], list[int]]:
+        """(client TTFT ms, end-to-end ms, usage, the reply's token ids) of one turn."""
+        blocks = self.retained.get(conversation)
+        before = await self.counters.read()
+        started = time.perf_counter()
+        done = await run_turn(
+            self.prefill,
+            self.decode,
+            EngineTurn(
+                token_ids=tuple(tokens),
+                sampling=Sampling(max_tokens=max_tokens, ignore_eos=True),
+                pull=Pull(blocks) if blocks is not None else None,
+            ),
+        )
+        e2e_ms = (time.perf_counter() - started) * 1000
+        after = await self.counters.settled_after(before, expect_decode_ttft=True)
+        figures = counter_deltas(before, after)
+        retained = done.decoded.retained
+        self.retained[conversation] = retained.blocks if retained is not None else None
+        prefill_ms = done.prefilled.seconds * 1000
+        decode_ttft_ms = figures["decode_ttft_ms"]
+        usage = {
+            "prompt_tokens": len(tokens),
+            "pulled_tokens": done.prefilled.pulled_tokens,
+            "vllm": {
+                "prefill_ms": prefill_ms,
+                **figures,
+                "reuse": "pull" if done.prefilled.pulled_tokens else "none",
+                "retained": retained is not None,
+            },
+        }
+        ttft_ms = e2e_ms if decode_ttft_ms is None else prefill_ms + decode_ttft_ms
+        return ttft_ms, e2e_ms, usage, list(done.decoded.token_ids)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(self.prefill.aclose(), self.decode.aclose(), self.counters.aclose())
+
+
+async def engine_urls(registry: str) -> tuple[str, str]:
+    """The HTTP URLs of the stack's first prefill and first decode engine, as registered."""
+    async with grpc.aio.insecure_channel(registry) as channel:
+        engines = await GrpcRegistry(channel, timeout_seconds=10.0).list_engine_records()
+    by_role = {}
+    for engine in sorted(engines, key=lambda e: e.engine_id, reverse=True):
+        by_role[engine.role] = engine.http_endpoint
+    return by_role[resources_pb2.ENGINE_ROLE_PREFILL], by_role[resources_pb2.ENGINE_ROLE_DECODE]
+
+
 def turn_lines(path: Path) -> list[dict[str, Any]]:
     """The router's ``turn done`` JSON log lines."""
     found = []
@@ -205,6 +285,32 @@ def table(samples: list[Sample]) -> str:
             f"{show(median([s.client_e2e_ms for s in reuse]))} / "
             f"{show(median([s.client_e2e_ms for s in off]))} |"
         )
+    if not any(s.arm == "vllm" for s in samples):
+        return "\n".join(rows)
+    rows += [
+        "",
+        "| turn | prompt tokens (vllm) | client TTFT ms: reuse / off / vllm | vllm/off | vllm: pulled tokens "
+        "| vllm: P's pull ms | vllm: pull GB/s | vllm: P's call ms | vllm: D's TTFT ms "
+        "| e2e ms: reuse / off / vllm |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for turn in sorted({s.turn for s in samples}):
+        reuse, off, vllm = of(turn, "reuse"), of(turn, "off"), of(turn, "vllm")
+        ttfts = [median([s.client_ttft_ms for s in arm]) for arm in (reuse, off, vllm)]
+        ratio = None if not ttfts[2] or not ttfts[1] else ttfts[2] / ttfts[1]
+        figures = [s.usage.get("vllm", {}) for s in vllm]
+        pull_ms = median([float(f["pull_ms"]) for f in figures if f.get("pull_ms")])
+        gbps = median(
+            [float(f["pull_bytes"]) / float(f["pull_ms"]) / 1e6 for f in figures if f.get("pull_ms")]
+        )
+        rows.append(
+            f"| {turn} | {vllm[0].prompt_tokens if vllm else '-':,} | "
+            f"{' / '.join(show(t) for t in ttfts)} | {show(ratio, 2)} | "
+            f"{show(median([float(s.usage.get('pulled_tokens', 0)) for s in vllm]))} | {show(pull_ms, 1)} | "
+            f"{show(gbps, 1)} | {show(median([float(f.get('prefill_ms', 0)) for f in figures]))} | "
+            f"{show(median([float(f['decode_ttft_ms']) for f in figures if f.get('decode_ttft_ms')]))} | "
+            f"{' / '.join(show(median([s.client_e2e_ms for s in arm])) for arm in (reuse, off, vllm))} |"
+        )
     return "\n".join(rows)
 
 
@@ -223,6 +329,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=4096, help="token ids are drawn below this")
     parser.add_argument("--up-timeout-s", type=float, default=420.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=ARMS,
+        default=list(ARMS),
+        help="which arms to run (reuse always starts the stack; module docs)",
+    )
     parser.add_argument("up_args", nargs="*", help="after --: arguments for kvferry up (e.g. --gpu)")
     args = parser.parse_args(argv)
     # A `timeout` still leaves the stack stopped and what was measured written.
@@ -231,78 +344,100 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = args.workdir.resolve()
     samples: list[Sample] = []
     off_router = None
+    vllm_arm: VllmProxy | None = None
+    arms = tuple(args.arms)
     started = time.monotonic()
-    try:
-        endpoints = start_stack(workdir, args.up_args, args.up_timeout_s)
-        print(f"stack up in {time.monotonic() - started:.0f} s: {endpoints}", flush=True)
-        off_router = start_off_router(workdir, endpoints["registry"])
-        urls = {"reuse": endpoints["router HTTP"].removesuffix("/v1"), "off": f"http://{OFF_HTTP}"}
-        model = served_model(urls["reuse"])
-        rng = random.Random(args.seed)
-        with httpx.Client(timeout=httpx.Timeout(300.0)) as client:
-            # Warm-up turns (kernels, allocator); the first pulls, and so the cost model's cold start, are in
-            # run 0 (with the default single warm-up turn).
-            for arm in ARMS:
-                tokens: list[int] = []
-                for turn in range(args.warmup_turns):
-                    tokens += [
-                        rng.randrange(3, args.vocab)
-                        for _ in range(args.first_tokens if not turn else args.turn_tokens)
-                    ]
-                    complete(client, urls[arm], model, f"warmup-{arm}", tokens, args.max_tokens)
-            for run in range(args.runs):
-                prompts: dict[str, list[int]] = {arm: [] for arm in ARMS}
-                for turn in range(1, args.turns + 1):
-                    order = ARMS if (turn + run) % 2 else ARMS[::-1]
-                    for arm in order:
-                        grow = args.first_tokens if turn == 1 else args.turn_tokens
-                        prompts[arm] += [rng.randrange(3, args.vocab) for _ in range(grow)]
-                        ttft, e2e, usage, response_id = complete(
-                            client, urls[arm], model, f"run{run}-{arm}", prompts[arm], args.max_tokens
-                        )
-                        sample = Sample(run, turn, arm, len(prompts[arm]), ttft, e2e, response_id, usage)
-                        samples.append(sample)
-                        kv = usage.get("kvferry", {})
-                        print(
-                            f"run {run} turn {turn:2d} {arm:5s} {len(prompts[arm]):6d} tokens: client TTFT "
-                            f"{ttft:8.1f} ms, router {kv.get('ttft_ms')} ms, "
-                            f"prefill {kv.get('prefill_ms')} ms, "
-                            f"{kv.get('reuse')}, pulled {usage.get('pulled_tokens')}",
-                            flush=True,
-                        )
-    finally:
-        if off_router is not None:
-            off_router.terminate()
-            off_router.wait(timeout=30)
-        subprocess.run(kvferry("down", "--workdir", str(workdir)), check=False, timeout=120)
-        logs = workdir / "logs"
-        routed = turn_lines(logs / "router.log") + turn_lines(logs / "router-never.log")
-        by_request = {str(line.get("request_id")): line for line in routed}
-        pulls = pull_lines(logs / "engine-prefill-0.log")
-        for sample in samples:
-            request_id = sample.response_id.removeprefix("cmpl-")
-            sample.decision = by_request.get(request_id, {})
-            sample.pulls = [p for p in pulls if request_id and request_id in str(p.get("request_id"))]
-        with open(args.out / "router-turns.jsonl", "w") as out:
-            out.writelines(json.dumps(line) + "\n" for line in routed)
-        with open(args.out / "prefill-kv-pulls.jsonl", "w") as out:
-            out.writelines(json.dumps(line) + "\n" for line in pulls)
-        (args.out / "conversation.json").write_text(
-            json.dumps(
-                {
-                    "args": vars(args) | {"out": str(args.out), "workdir": str(workdir)},
-                    "samples": [asdict(s) for s in samples],
-                },
-                indent=1,
-                default=str,
+    with asyncio.Runner() as loop:
+        try:
+            endpoints = start_stack(workdir, args.up_args, args.up_timeout_s)
+            print(f"stack up in {time.monotonic() - started:.0f} s: {endpoints}", flush=True)
+            urls = {"reuse": endpoints["router HTTP"].removesuffix("/v1")}
+            if "off" in arms:
+                off_router = start_off_router(workdir, endpoints["registry"])
+                urls["off"] = f"http://{OFF_HTTP}"
+            model = served_model(urls["reuse"])
+            if "vllm" in arms:
+                prefill_url, decode_url = loop.run(engine_urls(endpoints["registry"]))
+                vllm_arm = VllmProxy(prefill_url, decode_url, model)
+            rng = random.Random(args.seed)
+
+            def turn_of(
+                arm: str, conversation: str, tokens: list[int]
+            ) -> tuple[float, float, dict[str, Any], str]:
+                """One turn of ``arm``; a vLLM turn appends its reply's ids to ``tokens`` (module docs)."""
+                if arm != "vllm":
+                    return complete(client, urls[arm], model, conversation, tokens, args.max_tokens)
+                assert vllm_arm is not None
+                ttft, e2e, usage, reply = loop.run(vllm_arm.complete(conversation, tokens, args.max_tokens))
+                tokens += reply
+                return ttft, e2e, usage, ""
+
+            with httpx.Client(timeout=httpx.Timeout(300.0)) as client:
+                # Warm-up turns (kernels, allocator); the first pulls, and so the cost model's cold start,
+                # are in run 0 (with the default single warm-up turn).
+                for arm in arms:
+                    tokens: list[int] = []
+                    for turn in range(args.warmup_turns):
+                        tokens += [
+                            rng.randrange(3, args.vocab)
+                            for _ in range(args.first_tokens if not turn else args.turn_tokens)
+                        ]
+                        turn_of(arm, f"warmup-{arm}", tokens)
+                for run in range(args.runs):
+                    prompts: dict[str, list[int]] = {arm: [] for arm in arms}
+                    for turn in range(1, args.turns + 1):
+                        # Each arm goes first as often as the others.
+                        shift = (turn + run) % len(arms)
+                        for arm in arms[shift:] + arms[:shift]:
+                            grow = args.first_tokens if turn == 1 else args.turn_tokens
+                            prompts[arm] += [rng.randrange(3, args.vocab) for _ in range(grow)]
+                            prompt_tokens = len(prompts[arm])
+                            ttft, e2e, usage, response_id = turn_of(arm, f"run{run}-{arm}", prompts[arm])
+                            sample = Sample(run, turn, arm, prompt_tokens, ttft, e2e, response_id, usage)
+                            samples.append(sample)
+                            kv = usage.get("kvferry", usage.get("vllm", {}))
+                            print(
+                                f"run {run} turn {turn:2d} {arm:5s} {prompt_tokens:6d} tokens: client TTFT "
+                                f"{ttft:8.1f} ms, router {kv.get('ttft_ms')} ms, "
+                                f"prefill {kv.get('prefill_ms')} ms, "
+                                f"{kv.get('reuse')}, pulled {usage.get('pulled_tokens')}",
+                                flush=True,
+                            )
+        finally:
+            if vllm_arm is not None:
+                loop.run(vllm_arm.aclose())
+            if off_router is not None:
+                off_router.terminate()
+                off_router.wait(timeout=30)
+            subprocess.run(kvferry("down", "--workdir", str(workdir)), check=False, timeout=120)
+            logs = workdir / "logs"
+            routed = turn_lines(logs / "router.log") + turn_lines(logs / "router-never.log")
+            by_request = {str(line.get("request_id")): line for line in routed}
+            pulls = pull_lines(logs / "engine-prefill-0.log")
+            for sample in samples:
+                request_id = sample.response_id.removeprefix("cmpl-")
+                sample.decision = by_request.get(request_id, {})
+                sample.pulls = [p for p in pulls if request_id and request_id in str(p.get("request_id"))]
+            with open(args.out / "router-turns.jsonl", "w") as out:
+                out.writelines(json.dumps(line) + "\n" for line in routed)
+            with open(args.out / "prefill-kv-pulls.jsonl", "w") as out:
+                out.writelines(json.dumps(line) + "\n" for line in pulls)
+            (args.out / "conversation.json").write_text(
+                json.dumps(
+                    {
+                        "args": vars(args) | {"out": str(args.out), "workdir": str(workdir)},
+                        "samples": [asdict(s) for s in samples],
+                    },
+                    indent=1,
+                    default=str,
+                )
             )
-        )
-        if samples:
-            (args.out / "conversation.md").write_text(table(samples) + "\n")
-            print(table(samples))
-        if logs.exists():
-            with tarfile.open(args.out / "logs.tar.gz", "w:gz") as archive:
-                archive.add(logs, arcname="logs")
+            if samples:
+                (args.out / "conversation.md").write_text(table(samples) + "\n")
+                print(table(samples))
+            if logs.exists():
+                with tarfile.open(args.out / "logs.tar.gz", "w:gz") as archive:
+                    archive.add(logs, arcname="logs")
     return 0
 
 
