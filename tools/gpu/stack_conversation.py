@@ -166,11 +166,11 @@ def complete(
 class VllmProxy:
     """The ``vllm`` arm: vLLM's own bidirectional P/D on the stack's engines (module docs)."""
 
-    def __init__(self, prefill_url: str, decode_url: str, model: str) -> None:
+    def __init__(self, engines: Engines, counters: EngineCounters) -> None:
         timeouts = HttpTimeouts(read=300.0)
-        self.prefill = VllmEngineClient(prefill_url, model, timeouts=timeouts)
-        self.decode = VllmEngineClient(decode_url, model, timeouts=timeouts)
-        self.counters = EngineCounters(Engines(prefill_url, decode_url, model))
+        self.prefill = VllmEngineClient(engines.prefill_url, engines.model, timeouts=timeouts)
+        self.decode = VllmEngineClient(engines.decode_url, engines.model, timeouts=timeouts)
+        self.counters = counters
         # Per conversation: the blocks D named in its last answer (what the next turn's prefill pulls).
         self.retained: dict[str, RemoteBlocks | None] = {}
 
@@ -211,7 +211,7 @@ class VllmProxy:
         return ttft_ms, e2e_ms, usage, list(done.decoded.token_ids)
 
     async def aclose(self) -> None:
-        await asyncio.gather(self.prefill.aclose(), self.decode.aclose(), self.counters.aclose())
+        await asyncio.gather(self.prefill.aclose(), self.decode.aclose())
 
 
 async def engine_urls(registry: str) -> tuple[str, str]:
@@ -287,11 +287,23 @@ def table(samples: list[Sample]) -> str:
         )
     if not any(s.arm == "vllm" for s in samples):
         return "\n".join(rows)
+
+    def prefill_ms(arm: list[Sample]) -> float | None:
+        """P's request as the router (or the vllm arm) timed it."""
+        return median(
+            [float(s.usage.get("kvferry", s.usage.get("vllm", {})).get("prefill_ms", 0)) for s in arm]
+        )
+
+    def decode_ttft_ms(arm: list[Sample]) -> float | None:
+        """D's own TTFT (its counter: from the request's arrival in D's engine to its first token)."""
+        figures = [s.usage.get("engines", s.usage.get("vllm", {})).get("decode_ttft_ms") for s in arm]
+        return median([float(f) for f in figures if f])
+
     rows += [
         "",
         "| turn | prompt tokens (vllm) | client TTFT ms: reuse / off / vllm | vllm/off | vllm: pulled tokens "
-        "| vllm: P's pull ms | vllm: pull GB/s | vllm: P's call ms | vllm: D's TTFT ms "
-        "| e2e ms: reuse / off / vllm |",
+        "| vllm: P's pull ms | vllm: pull GB/s | P's call ms: reuse / off / vllm "
+        "| D's TTFT ms: reuse / off / vllm | e2e ms: reuse / off / vllm |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for turn in sorted({s.turn for s in samples}):
@@ -307,8 +319,8 @@ def table(samples: list[Sample]) -> str:
             f"| {turn} | {vllm[0].prompt_tokens if vllm else '-':,} | "
             f"{' / '.join(show(t) for t in ttfts)} | {show(ratio, 2)} | "
             f"{show(median([float(s.usage.get('pulled_tokens', 0)) for s in vllm]))} | {show(pull_ms, 1)} | "
-            f"{show(gbps, 1)} | {show(median([float(f.get('prefill_ms', 0)) for f in figures]))} | "
-            f"{show(median([float(f['decode_ttft_ms']) for f in figures if f.get('decode_ttft_ms')]))} | "
+            f"{show(gbps, 1)} | {' / '.join(show(prefill_ms(arm)) for arm in (reuse, off, vllm))} | "
+            f"{' / '.join(show(decode_ttft_ms(arm)) for arm in (reuse, off, vllm))} | "
             f"{' / '.join(show(median([s.client_e2e_ms for s in arm])) for arm in (reuse, off, vllm))} |"
         )
     return "\n".join(rows)
@@ -345,6 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     samples: list[Sample] = []
     off_router = None
     vllm_arm: VllmProxy | None = None
+    counters: EngineCounters | None = None
     arms = tuple(args.arms)
     started = time.monotonic()
     with asyncio.Runner() as loop:
@@ -356,17 +369,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 off_router = start_off_router(workdir, endpoints["registry"])
                 urls["off"] = f"http://{OFF_HTTP}"
             model = served_model(urls["reuse"])
+            # Both engines' counters around every turn of every arm: P's pulls, D's handoff and D's TTFT.
+            engines = Engines(*loop.run(engine_urls(endpoints["registry"])), model)
+            counters = EngineCounters(engines)
             if "vllm" in arms:
-                prefill_url, decode_url = loop.run(engine_urls(endpoints["registry"]))
-                vllm_arm = VllmProxy(prefill_url, decode_url, model)
+                vllm_arm = VllmProxy(engines, counters)
             rng = random.Random(args.seed)
 
             def turn_of(
                 arm: str, conversation: str, tokens: list[int]
             ) -> tuple[float, float, dict[str, Any], str]:
                 """One turn of ``arm``; a vLLM turn appends its reply's ids to ``tokens`` (module docs)."""
+                assert counters is not None
                 if arm != "vllm":
-                    return complete(client, urls[arm], model, conversation, tokens, args.max_tokens)
+                    before = loop.run(counters.read())
+                    ttft, e2e, usage, response_id = complete(
+                        client, urls[arm], model, conversation, tokens, args.max_tokens
+                    )
+                    after = loop.run(counters.settled_after(before, expect_decode_ttft=True))
+                    return ttft, e2e, usage | {"engines": counter_deltas(before, after)}, response_id
                 assert vllm_arm is not None
                 ttft, e2e, usage, reply = loop.run(vllm_arm.complete(conversation, tokens, args.max_tokens))
                 tokens += reply
@@ -406,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             if vllm_arm is not None:
                 loop.run(vllm_arm.aclose())
+            if counters is not None:
+                loop.run(counters.aclose())
             if off_router is not None:
                 off_router.terminate()
                 off_router.wait(timeout=30)
