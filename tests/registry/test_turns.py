@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import pytest_asyncio
+from kvferry.registry.cache import RetentionCache
 from kvferry.registry.errors import TurnInFlight
 from kvferry.registry.etcd import EtcdGateway, EtcdSettings, RangeResult
 from kvferry.registry.keys import KeyLayout
+from kvferry.registry.retentions import RetentionStore
 from kvferry.registry.turns import LeasePool, TurnStore
 from kvferry.runtime.clock import ManualClock
 from kvferry.runtime.errors import Unavailable
@@ -206,7 +208,9 @@ async def test_a_mark_whose_engine_read_fails_is_kept_and_reports_no_record(
     await publish(stub, retention(tenant, conv, engine_id, turn=3))
     gateway = _ReadsRefused(EtcdSettings(endpoints=(etcd.endpoint,)))
     await gateway.connect()
-    turns = TurnStore(gateway, KeyLayout(registry.key_prefix), registry.config.ttl)
+    turns = TurnStore(
+        gateway, KeyLayout(registry.key_prefix), registry.config.ttl, records=RetentionCache(1 << 20)
+    )
     try:
         begun = await turns.begin_turn(tenant, conv, "kvf-a", "router-a:1", 5)
         assert (begun.retained_turn, begun.retained_request_id) == (0, "")
@@ -218,6 +222,34 @@ async def test_a_mark_whose_engine_read_fails_is_kept_and_reports_no_record(
         await turns.end_turn(tenant, conv, "kvf-c")
     finally:
         await turns.close()
+        await gateway.close()
+
+
+async def test_the_mark_guesses_the_engine_from_the_records_the_registry_cached(
+    registry: RegistryHandle, etcd: EtcdProcess
+) -> None:
+    """The marks share the registry's record cache (``RetentionStore.cache``): a conversation the registry
+    published or looked up has its engine read in the mark's own transaction, with no read after it (which
+    this etcd refuses)."""
+    stub = registry.stub()
+    engine_id, tenant, conv = unique("engine"), unique("tenant"), unique("conv")
+    await register(stub, engine_id, ttl_seconds=30)
+    await publish(stub, retention(tenant, conv, engine_id, turn=3))
+    layout = KeyLayout(registry.key_prefix)
+    gateway = EtcdGateway(EtcdSettings(endpoints=(etcd.endpoint,)))
+    refusing = _ReadsRefused(EtcdSettings(endpoints=(etcd.endpoint,)))
+    await gateway.connect()
+    await refusing.connect()
+    retentions = RetentionStore(gateway, layout, registry.config.ttl)
+    turns = TurnStore(refusing, layout, registry.config.ttl, records=retentions.cache)
+    try:
+        await retentions.get_retention(tenant, conv)  # a lookup caches the record
+        begun = await turns.begin_turn(tenant, conv, "kvf-a", "router-a:1", 5)
+        assert (begun.retained_turn, begun.retained_request_id) == (3, f"req-{conv}-3")
+        await turns.end_turn(tenant, conv, "kvf-a")
+    finally:
+        await turns.close()
+        await refusing.close()
         await gateway.close()
 
 

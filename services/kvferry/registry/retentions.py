@@ -215,6 +215,11 @@ class RetentionStore:
         self._reads = TxnBatcher(etcd)
         self._writes = TxnBatcher(etcd)
 
+    @property
+    def cache(self) -> RetentionCache:
+        """The records this store last read or wrote; the turns' marks share it (``TurnStore``)."""
+        return self._cache
+
     # --- publish ----------------------------------------------------------------------------
 
     async def publish_retention(

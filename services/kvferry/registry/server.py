@@ -220,7 +220,7 @@ async def create_registry(
         reaper = EngineReaper(etcd, layout, clock=clock, metrics=metrics)
         engines = EngineStore(etcd, layout, config.ttl, reaper, epochs=epochs, clock=clock, metrics=metrics)
         retentions = RetentionStore(etcd, layout, config.ttl, clock=clock, metrics=metrics)
-        turns = TurnStore(etcd, layout, config.ttl, clock=clock, metrics=metrics)
+        turns = TurnStore(etcd, layout, config.ttl, records=retentions.cache, clock=clock, metrics=metrics)
         host.on_stop("turn store", turns.close)
         hub = RetentionEventHub(etcd, layout, clock, metrics=metrics)
         host.on_stop("retention event hub", hub.close)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from kvferry.registry import validation
 from kvferry.registry.batching import TxnBatcher
+from kvferry.registry.cache import RetentionCache
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.errors import TurnInFlight
 from kvferry.registry.etcd import (
@@ -57,9 +58,6 @@ log = logging.getLogger(__name__)
 # Marks this registry took, remembered to renew and clear them in one round trip (oldest forgotten first:
 # a forgotten one costs a read more, nothing else).
 _HELD_MARKS = 65_536
-# The engine each conversation's record named when last read, so that the mark's transaction reads that
-# engine's registration too (a conversation seldom moves; a wrong or forgotten guess costs a read more).
-_RECORD_ENGINES = 65_536
 
 
 @dataclass(frozen=True)
@@ -143,7 +141,12 @@ class LeasePool:
 
 
 class TurnStore:
-    """Begins, renews and ends the turns in flight."""
+    """Begins, renews and ends the turns in flight.
+
+    ``records`` is the registry's cache of retention records (``RetentionStore.cache``): the engine the
+    cached record names is the mark's guess, read in its transaction (a conversation seldom moves; a
+    wrong or missing guess costs a read more), and a record the mark reads is cached there.
+    """
 
     def __init__(
         self,
@@ -151,6 +154,7 @@ class TurnStore:
         layout: KeyLayout,
         ttl: TtlPolicy,
         *,
+        records: RetentionCache,
         clock: Clock | None = None,
         metrics: RegistryMetrics | None = None,
     ) -> None:
@@ -161,7 +165,7 @@ class TurnStore:
         self._metrics = metrics if metrics is not None else RegistryMetrics()
         self._writes = TxnBatcher(etcd)
         self._held: OrderedDict[bytes, _Held] = OrderedDict()
-        self._record_engines: OrderedDict[bytes, str] = OrderedDict()
+        self._records = records
         self._leases: dict[int, LeasePool] = {}
 
     async def begin_turn(
@@ -201,7 +205,8 @@ class TurnStore:
             start_time=to_timestamp(self._clock.time()),
         )
         live_key = self.layout.live(conversation)
-        engine_guess = self._record_engines.get(live_key)
+        cached = self._records.get(live_key)
+        engine_guess = cached.stored.retention.engine_id if cached is not None else None
         reads = [Get(live_key)]
         if engine_guess is not None:
             reads.append(Get(self.layout.engine(engine_guess)))
@@ -223,7 +228,8 @@ class TurnStore:
                 return BegunTurn(running, lease.ttl_seconds, written.revision)
             stored = decode_record(record.value)
             engine_id = stored.retention.engine_id
-            self._remember_engine(live_key, engine_id)
+            if cached is None or cached.mod_revision != record.mod_revision:
+                self._records.put(live_key, stored, record.lease, record.mod_revision, len(record.value))
             if engine_guess == engine_id:
                 engine = written.range(2).first
             else:
@@ -303,12 +309,6 @@ class TurnStore:
     async def close(self) -> None:
         for pool in self._leases.values():
             await pool.close()
-
-    def _remember_engine(self, live_key: bytes, engine_id: str) -> None:
-        self._record_engines[live_key] = engine_id
-        self._record_engines.move_to_end(live_key)
-        while len(self._record_engines) > _RECORD_ENGINES:
-            self._record_engines.popitem(last=False)
 
     def _remember(self, key: bytes, held: _Held) -> None:
         self._held[key] = held
