@@ -57,6 +57,15 @@ class PackedDigests(Sequence[bytes]):
             raise ValueError(f"every digest of a chain is {DIGEST_BYTES} bytes")
         self._packed = b"".join(chain)
 
+    @classmethod
+    def from_packed(cls, packed: bytes) -> PackedDigests:
+        """The chain ``packed`` holds, ``DIGEST_BYTES`` per block, kept as it is (no copy)."""
+        if len(packed) % DIGEST_BYTES:
+            raise ValueError(f"a packed chain is {DIGEST_BYTES} bytes per digest, not {len(packed)} bytes")
+        chain = cls.__new__(cls)
+        chain._packed = packed
+        return chain
+
     def __len__(self) -> int:
         return len(self._packed) // DIGEST_BYTES
 
@@ -71,9 +80,9 @@ class PackedDigests(Sequence[bytes]):
             start, stop, step = index.indices(len(self))
             if step != 1:
                 return [self[i] for i in range(start, stop, step)]
-            part = PackedDigests(())
-            part._packed = self._packed[start * DIGEST_BYTES : max(start, stop) * DIGEST_BYTES]
-            return part
+            return PackedDigests.from_packed(
+                self._packed[start * DIGEST_BYTES : max(start, stop) * DIGEST_BYTES]
+            )
         count = len(self)
         if index < 0:
             index += count
