@@ -238,10 +238,13 @@ class ReloadingServerContext:
             connection.context = current
 
 
-def server_credentials(files: TlsFiles, *, client_certificates: bool = True) -> grpc.ServerCredentials:
-    """Server credentials, reloaded when the files change, requiring a client certificate from ``files.ca``
-    (``client_certificates`` False: none asked, for agents that authenticate with API keys)."""
-    fetcher = ReloadingCertificates(files)
+def server_credentials(
+    files: TlsFiles, *, client_certificates: bool = True, check_seconds: float = 1.0
+) -> grpc.ServerCredentials:
+    """Server credentials, reloaded when the files change (looked at, on a handshake, at most once every
+    ``check_seconds``), requiring a client certificate from ``files.ca`` (``client_certificates`` False:
+    none asked, for agents that authenticate with API keys)."""
+    fetcher = ReloadingCertificates(files, check_seconds=check_seconds)
     return grpc.dynamic_ssl_server_credentials(
         fetcher.initial, fetcher, require_client_authentication=client_certificates
     )
