@@ -6,15 +6,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import pytest
 import pytest_asyncio
 from kvferry.registry.cache import RetentionCache
 from kvferry.registry.errors import TurnInFlight
-from kvferry.registry.etcd import EtcdGateway, EtcdSettings, RangeResult
-from kvferry.registry.keys import KeyLayout
+from kvferry.registry.etcd import Compare, Delete, EtcdGateway, EtcdSettings, Get, Op, RangeResult, TxnResult
+from kvferry.registry.keys import ConversationKey, KeyLayout
 from kvferry.registry.retentions import RetentionStore
 from kvferry.registry.turns import LeasePool, TurnStore
 from kvferry.runtime.clock import ManualClock
@@ -187,50 +187,30 @@ async def test_the_mark_reports_no_record_once_the_engine_that_published_it_regi
 
 
 class _ReadsRefused(EtcdGateway):
-    """etcd answering transactions but refusing plain reads (a read that fails after the mark was written)."""
+    """etcd taking the mark's write but refusing reads, plain or in a transaction that only reads (a read
+    that fails after the mark was written)."""
 
     async def range(
         self, key: bytes, range_end: bytes = b"", *, limit: int = 0, keys_only: bool = False
     ) -> RangeResult:
         raise Unavailable("etcd refused the read (test)")
 
+    async def txn(
+        self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
+        if all(isinstance(op, Get) for op in (*success, *failure)):
+            raise Unavailable("etcd refused the read (test)")
+        return await super().txn(compare, success, failure)
+
 
 async def test_a_mark_whose_engine_read_fails_is_kept_and_reports_no_record(
     registry: RegistryHandle, etcd: EtcdProcess
 ) -> None:
-    """The record's engine is read after the mark when the store had not seen it yet: if that read fails,
-    the mark stays (failing the call would leave it blocking the conversation until its lease ends) and no
-    record is reported, so the caller asks the registry; from then on the engine is read in the mark's
-    transaction."""
-    stub = registry.stub()
-    engine_id, tenant, conv = unique("engine"), unique("tenant"), unique("conv")
-    await register(stub, engine_id, ttl_seconds=30)
-    await publish(stub, retention(tenant, conv, engine_id, turn=3))
-    gateway = _ReadsRefused(EtcdSettings(endpoints=(etcd.endpoint,)))
-    await gateway.connect()
-    turns = TurnStore(
-        gateway, KeyLayout(registry.key_prefix), registry.config.ttl, records=RetentionCache(1 << 20)
-    )
-    try:
-        begun = await turns.begin_turn(tenant, conv, "kvf-a", "router-a:1", 5)
-        assert (begun.retained_turn, begun.retained_request_id) == (0, "")
-        with pytest.raises(TurnInFlight):
-            await turns.begin_turn(tenant, conv, "kvf-b", "router-a:1", 5)
-        assert (await turns.end_turn(tenant, conv, "kvf-a")).ended
-        again = await turns.begin_turn(tenant, conv, "kvf-c", "router-a:1", 5)
-        assert (again.retained_turn, again.retained_request_id) == (3, f"req-{conv}-3")
-        await turns.end_turn(tenant, conv, "kvf-c")
-    finally:
-        await turns.close()
-        await gateway.close()
-
-
-async def test_the_mark_guesses_the_engine_from_the_records_the_registry_cached(
-    registry: RegistryHandle, etcd: EtcdProcess
-) -> None:
-    """The marks share the registry's record cache (``RetentionStore.cache``): a conversation the registry
-    published or looked up has its engine read in the mark's own transaction, with no read after it (which
-    this etcd refuses)."""
+    """The record's engine is read after the mark when the registry has not cached the record: if that read
+    fails, the mark stays (failing the call would leave it blocking the conversation until its lease ends)
+    and no record is reported, so the caller asks the registry. The marks share the registry's record cache
+    (``RetentionStore.cache``): once a lookup cached the record, its engine is read in the mark's own
+    transaction, with no read after it (which this etcd refuses)."""
     stub = registry.stub()
     engine_id, tenant, conv = unique("engine"), unique("tenant"), unique("conv")
     await register(stub, engine_id, ttl_seconds=30)
@@ -243,13 +223,58 @@ async def test_the_mark_guesses_the_engine_from_the_records_the_registry_cached(
     retentions = RetentionStore(gateway, layout, registry.config.ttl)
     turns = TurnStore(refusing, layout, registry.config.ttl, records=retentions.cache)
     try:
-        await retentions.get_retention(tenant, conv)  # a lookup caches the record
         begun = await turns.begin_turn(tenant, conv, "kvf-a", "router-a:1", 5)
-        assert (begun.retained_turn, begun.retained_request_id) == (3, f"req-{conv}-3")
-        await turns.end_turn(tenant, conv, "kvf-a")
+        assert (begun.retained_turn, begun.retained_request_id) == (0, "")
+        with pytest.raises(TurnInFlight):
+            await turns.begin_turn(tenant, conv, "kvf-b", "router-a:1", 5)
+        assert (await turns.end_turn(tenant, conv, "kvf-a")).ended
+        await retentions.get_retention(tenant, conv)  # a lookup caches the record
+        again = await turns.begin_turn(tenant, conv, "kvf-c", "router-a:1", 5)
+        assert (again.retained_turn, again.retained_request_id) == (3, f"req-{conv}-3")
+        await turns.end_turn(tenant, conv, "kvf-c")
     finally:
         await turns.close()
         await refusing.close()
+        await gateway.close()
+
+
+async def test_the_mark_reads_after_itself_what_it_did_not_guess(
+    registry: RegistryHandle, etcd: EtcdProcess
+) -> None:
+    """A record the registry has not cached, one on another engine than the cached one (the conversation
+    moved), or one without a renewal key (published before renewal keys were written with the record): the
+    mark reads it after itself (and caches it) and reports it while its engine incarnation is registered."""
+    stub = registry.stub()
+    first, second, tenant, conv = unique("engine"), unique("engine"), unique("tenant"), unique("conv")
+    await register(stub, first, ttl_seconds=30)
+    await register(stub, second, ttl_seconds=30)
+    await publish(stub, retention(tenant, conv, first, turn=3))
+    layout = KeyLayout(registry.key_prefix)
+    live_key = layout.live(ConversationKey(tenant, conv))
+    gateway = EtcdGateway(EtcdSettings(endpoints=(etcd.endpoint,)))
+    await gateway.connect()
+    records = RetentionCache(1 << 20)
+    turns = TurnStore(gateway, layout, registry.config.ttl, records=records)
+
+    async def retained(request_id: str) -> tuple[int, str]:
+        begun = await turns.begin_turn(tenant, conv, request_id, "router-a:1", 5)
+        await turns.end_turn(tenant, conv, request_id)
+        return begun.retained_turn, begun.retained_request_id
+
+    try:
+        assert await retained("kvf-a") == (3, f"req-{conv}-3")
+        cached = records.get(live_key)
+        assert cached is not None and cached.stored.retention.engine_id == first
+        await publish(stub, retention(tenant, conv, second, turn=4))  # the registry's cache, not this one's
+        assert await retained("kvf-b") == (4, f"req-{conv}-4")
+        cached = records.get(live_key)
+        assert cached is not None and cached.stored.retention.engine_id == second
+        await gateway.txn([], [Delete(layout.renewal(ConversationKey(tenant, conv)))])
+        assert await retained("kvf-c") == (4, f"req-{conv}-4")
+        await register(stub, second, ttl_seconds=30)  # a new incarnation: the record counts as none
+        assert await retained("kvf-d") == (0, "")
+    finally:
+        await turns.close()
         await gateway.close()
 
 

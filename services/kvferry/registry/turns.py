@@ -8,7 +8,8 @@ router that dies stops renewing, and etcd drops the mark within the lease.
 
 Taking a mark is one transaction that writes the mark only if no mark exists, under a lease granted ahead
 (:class:`LeasePool`: a grant is an etcd write of its own, which would double the time a turn waits), and
-reads the conversation's retention record and its engine's registration at the same revision: the
+reads the conversation's retention record (its renewal key: engine, incarnation, turn and request in a
+few dozen bytes, not the record's blocks) and its engine's registration at the same revision: the
 record's turn and request (``retained_turn``, ``retained_request_id``) tell the caller whether a lookup it
 made concurrently is still current. A record counts only while the engine incarnation that published it
 is registered (rule 3), as for every lookup: a record whose engine left (or a record etcd brought back
@@ -42,10 +43,11 @@ from kvferry.registry.etcd import (
     LeaseNotFound,
     ModRevisionIs,
     Put,
+    TxnResult,
 )
 from kvferry.registry.keys import ConversationKey, KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
-from kvferry.registry.records import decode_record
+from kvferry.registry.records import StoredRetention, decode_record
 from kvferry.registry.txn_retry import until_settled
 from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.runtime.errors import ServiceError
@@ -204,10 +206,11 @@ class TurnStore:
             holder=holder,
             start_time=to_timestamp(self._clock.time()),
         )
-        live_key = self.layout.live(conversation)
-        cached = self._records.get(live_key)
+        cached = self._records.get(self.layout.live(conversation))
         engine_guess = cached.stored.retention.engine_id if cached is not None else None
-        reads = [Get(live_key)]
+        # The record's key without its value (up to ~170 KB at 128k tokens) and its renewal key, which holds
+        # all the answer needs (engine, incarnation, turn, request) in a few dozen bytes.
+        reads = [Get(self.layout.live(conversation), keys_only=True), Get(self.layout.renewal(conversation))]
         if engine_guess is not None:
             reads.append(Get(self.layout.engine(engine_guess)))
         try:
@@ -223,33 +226,11 @@ class TurnStore:
             pool.fill()
         if written.succeeded:
             self._remember(key, _Held(request_id, lease.id, running))
-            record = written.range(1).first
-            if record is None:
+            retained = await self._servable_record(conversation, written, engine_guess, request_id)
+            if retained is None:
                 return BegunTurn(running, lease.ttl_seconds, written.revision)
-            stored = decode_record(record.value)
-            engine_id = stored.retention.engine_id
-            if cached is None or cached.mod_revision != record.mod_revision:
-                self._records.put(live_key, stored, record.lease, record.mod_revision, len(record.value))
-            if engine_guess == engine_id:
-                engine = written.range(2).first
-            else:
-                # Read after the mark: an incarnation registered now was registered at the mark's revision
-                # too (one that ended never comes back; an etcd gone back in time is refused by the gateway).
-                try:
-                    engine = (await self.etcd.range(self.layout.engine(engine_id))).first
-                except ServiceError as error:
-                    # The mark is taken: keep it (failing now would leave it to block the conversation's next
-                    # turn until its lease ends) and report no record, so the caller asks the registry again.
-                    log.warning(
-                        "a turn's mark could not read its record's engine; reporting no record",
-                        extra={"engine_id": engine_id, "request_id": request_id, "error": str(error)},
-                    )
-                    return BegunTurn(running, lease.ttl_seconds, written.revision)
-            if engine is None or engine.lease != stored.engine_incarnation:
-                return BegunTurn(running, lease.ttl_seconds, written.revision)
-            retention = stored.retention
             return BegunTurn(
-                running, lease.ttl_seconds, written.revision, int(retention.turn), retention.engine_request_id
+                running, lease.ttl_seconds, written.revision, int(retained.turn), retained.engine_request_id
             )
         await self.etcd.revoke_quietly(lease.id, "turn mark taken meanwhile")
         existing = written.range(0).first
@@ -267,6 +248,67 @@ class TurnStore:
         self._metrics.lease_renewed(LEASE_TURN)
         self._remember(key, _Held(request_id, existing.lease, current))
         return BegunTurn(current, renewal.ttl_seconds, max(renewal.revision, written.revision))
+
+    async def _servable_record(
+        self, conversation: ConversationKey, written: TxnResult, engine_guess: str | None, request_id: str
+    ) -> resources.Retention | None:
+        """The conversation's record as the mark's transaction saw it (its renewal summary: engine, turn,
+        request), or None: no record, its engine incarnation not registered (rule 3), or what the
+        transaction did not read cannot be read now."""
+        live = written.range(1).first
+        if live is None:
+            return None
+        renewal = written.range(2).first
+        # Written with the record, under its lease; a record from before renewal keys were has none.
+        summary = (
+            decode_record(renewal.value) if renewal is not None and renewal.lease == live.lease else None
+        )
+        if summary is not None and summary.retention.engine_id == engine_guess:
+            engine = written.range(3).first
+        else:
+            try:
+                summary, engine = await self._read_after_mark(conversation, live, summary)
+            except ServiceError as error:
+                # The mark is taken: keep it (failing now would leave it to block the conversation's next
+                # turn until its lease ends) and report no record, so the caller asks the registry again.
+                log.warning(
+                    "a turn's mark could not read its record or its engine; reporting no record",
+                    extra={"request_id": request_id, "error": str(error)},
+                )
+                return None
+        if summary is None or engine is None or engine.lease != summary.engine_incarnation:
+            return None
+        return summary.retention
+
+    async def _read_after_mark(
+        self, conversation: ConversationKey, live: KeyValue, summary: StoredRetention | None
+    ) -> tuple[StoredRetention | None, KeyValue | None]:
+        """What the mark's transaction did not guess: the registration of the engine ``summary`` names, and
+        the record, cached so that the next mark guesses its engine (and a lookup here takes one round trip).
+
+        Read after the mark: an incarnation registered now was registered at the mark's revision too (one that
+        ended never comes back; an etcd gone back in time is refused by the gateway). Without ``summary`` (a
+        record with no renewal key), the record read now stands for it if it is the one the mark saw (same
+        revision: a record is never rewritten), and its engine is read next.
+        """
+        live_key = self.layout.live(conversation)
+        engine_key = self.layout.engine(summary.retention.engine_id) if summary is not None else None
+        read = await self.etcd.txn(
+            [], [Get(live_key)] if engine_key is None else [Get(live_key), Get(engine_key)]
+        )
+        record = read.range(0).first
+        if record is not None:
+            stored = decode_record(record.value)
+            cached = self._records.get(live_key)
+            if cached is None or cached.mod_revision != record.mod_revision:
+                self._records.put(live_key, stored, record.lease, record.mod_revision, len(record.value))
+            if summary is None and record.mod_revision == live.mod_revision:
+                summary = stored
+        if summary is None:
+            return None, None
+        if engine_key is not None:
+            return summary, read.range(1).first
+        return summary, (await self.etcd.range(self.layout.engine(summary.retention.engine_id))).first
 
     async def _renew_held(self, key: bytes, held: _Held) -> BegunTurn | None:
         """Renews a mark this registry took; None when it is gone (expired or cleared)."""
