@@ -138,3 +138,32 @@ async def test_a_call_on_a_closed_client_is_the_engines_failure() -> None:
         assert handoff is not None
         async for _ in client.decode_stream(api.DecodeRequest((1, 2), handoff)):
             pass
+
+
+def test_request_bodies_are_json_the_engine_reads_back_unchanged() -> None:
+    body = {"model": "m", "prompt": list(range(40_000)), "max_tokens": 1, "stop": ["\u00e9"], "t": 0.5}
+    encoded = vh.encode_body(body)
+    assert json.loads(encoded) == body and b" " not in encoded
+    # orjson refuses integers beyond 64 bits (a client's tool schema may hold one): the standard library then.
+    schema = {"tools": [{"function": {"parameters": {"maximum": 2**70}}}], "prompt": "caf\u00e9"}
+    assert json.loads(vh.encode_body(schema)) == schema
+
+
+async def test_engine_requests_carry_the_encoded_body_as_json() -> None:
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(
+            200,
+            json={"choices": [{"token_ids": [7]}], "kv_transfer_params": P_PARAMS, "usage": None},
+        )
+
+    client = vh.VllmEngineClient("http://engine", "m", transport=httpx.MockTransport(answer))
+    try:
+        await client.prefill(api.PrefillRequest(token_ids=(1, 2, 3), request_id="r1"))
+    finally:
+        await client.aclose()
+    (request,) = seen
+    assert request.headers["content-type"] == "application/json" and request.headers["x-request-id"] == "r1"
+    assert json.loads(request.content)["prompt"] == [1, 2, 3]

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
 from kvferry.pd.chat import ChatRequest
 from kvferry.pd.engine_api import (
     DecodeChunk,
@@ -212,7 +213,9 @@ class VllmEngineClient:
         headers = _request_headers(request.request_id)
         self._require_open()
         try:
-            async with self._http.stream("POST", self._url(path), json=body, headers=headers) as response:
+            async with self._http.stream(
+                "POST", self._url(path), content=encode_body(body), headers=headers
+            ) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     _raise_for_status(self.base_url, response)
@@ -282,7 +285,10 @@ class VllmEngineClient:
         self._require_open()
         try:
             response = await self._http.post(
-                self._url(path), json=body, timeout=timeout, headers=_request_headers(request_id)
+                self._url(path),
+                content=encode_body(body),
+                timeout=timeout,
+                headers=_request_headers(request_id),
             )
         except httpx.HTTPError as error:
             raise EngineUnavailableError(self.base_url, error) from error
@@ -301,8 +307,23 @@ class VllmEngineClient:
 # ---------------------------------------------------------------------------------------------
 
 
+def encode_body(body: Mapping[str, Any]) -> bytes:
+    """A request body as JSON bytes. orjson: a turn's body carries the whole prompt's token ids twice (P's
+    and D's request), which the standard library encodes ten times slower (3.5 ms against 0.4 ms for
+    25,000 ids). The standard library only for what orjson refuses (integers beyond 64 bits, which a
+    client's tool schema may hold). Non-finite floats never get here: the router refuses them where
+    requests enter (orjson would write null)."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
 def _request_headers(request_id: str | None) -> dict[str, str]:
-    return {"X-Request-Id": request_id} if request_id else {}
+    headers = {"Content-Type": "application/json"}
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return headers
 
 
 def _raise_for_status(url: str, response: httpx.Response) -> None:
