@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -227,6 +228,17 @@ async def test_a_first_turn_recomputes_streams_and_is_published(cluster: Cluster
         prefill.request_id == f"{result.request_id}-1-p" and decode.request_id == f"{result.request_id}-1-d"
     )
     assert cluster.idle()
+
+
+async def test_the_turn_line_says_where_the_ttft_went(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="kvferry.router.turns"):
+        _, result = await cluster.turn(PROMPT)
+    [line] = [vars(r) for r in caplog.records if r.getMessage() == "turn done"]
+    parts = (line["before_prefill_ms"], line["prefill_ms"], line["after_prefill_ms"])
+    assert all(part >= 0 for part in parts) and line["ttft_ms"] == round(result.ttft_ms, 2)
+    assert sum(parts) == pytest.approx(line["ttft_ms"], abs=0.05)
 
 
 async def test_the_next_turn_pulls_the_proven_prefix_from_the_holder(cluster: Cluster) -> None:

@@ -685,6 +685,7 @@ class TurnRunner:
             decoded: Decoded | None = None
             emitted = False
             ttft_ms = 0.0
+            engines_started = time.perf_counter()
             try:
                 async with aclosing(
                     prefill_then_decode(
@@ -716,7 +717,8 @@ class TurnRunner:
                             else:
                                 yield TextOut(text=event.text, token_ids=event.token_ids)
                 assert prefilled is not None and decoded is not None
-                result = await self._finish(turn, plan, mark, prefilled, decoded, ttft_ms)
+                before_prefill_ms = (engines_started - turn.started) * 1000
+                result = await self._finish(turn, plan, mark, prefilled, decoded, ttft_ms, before_prefill_ms)
                 if turn.mark is not None:
                     # Before the client has the result: its next turn must find the conversation free.
                     await self._release(turn.mark)
@@ -754,8 +756,10 @@ class TurnRunner:
         prefilled: Prefilled,
         decoded: Decoded,
         ttft_ms: float,
+        before_prefill_ms: float,
     ) -> TurnResult:
-        """After the last token: wait for the new retention to show in the registry; the turn's result."""
+        """After the last token: wait for the new retention to show in the registry; the turn's result.
+        ``before_prefill_ms``: from the turn's start to P's request (lookups, mark, plan, failed attempts)."""
         retained_turn = 0
         finished = time.perf_counter()
         polls = 0
@@ -799,7 +803,13 @@ class TurnRunner:
                 "prefill_engine": plan.prefill.engine_id,
                 "decode_engine": plan.decode.engine_id,
                 "ttft_ms": round(ttft_ms, 2),
+                # Where the TTFT went: before P's request, P's request, and from P's answer to the first
+                # output (D's request, D's pull of the prompt from P and its first token, the relay).
+                "before_prefill_ms": round(before_prefill_ms, 2),
                 "prefill_ms": round(result.prefill_ms, 2),
+                "after_prefill_ms": (
+                    round(ttft_ms - before_prefill_ms - result.prefill_ms, 2) if ttft_ms else None
+                ),
                 "publish_wait_ms": round((time.perf_counter() - finished) * 1000, 2),
                 "publish_polls": polls,
             },
