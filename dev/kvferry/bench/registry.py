@@ -79,6 +79,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--conversations", type=int, default=2000, help="conversations lookups and renewals use"
     )
     parser.add_argument("--num-tokens", type=int, default=512, help="tokens per retention (sets record size)")
+    parser.add_argument(
+        "--etcd-history",
+        type=int,
+        default=600,
+        help="the started registry's --etcd-history: seconds of etcd history kept (each renewal's revision "
+        "stays that long; the DB levels off past it)",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block of the bench engine")
     parser.add_argument(
         "--paced-rate", type=float, default=1000.0, help="lookups per second in the paced phase"
@@ -226,7 +233,14 @@ async def deploy(args: argparse.Namespace) -> Deployment:
         if etcd.pid:
             pids["etcd"] = etcd.pid
     prefix = f"/kvferry-bench-{os.getpid()}-{int(time.time())}/"
-    ttl_flags = ["--max-engine-ttl", "600", "--max-retention-ttl", "3600"]
+    ttl_flags = [
+        "--max-engine-ttl",
+        "600",
+        "--max-retention-ttl",
+        "3600",
+        "--etcd-history",
+        str(args.etcd_history),
+    ]
     if args.registry_process == "inprocess":
         from kvferry.registry.config import RegistryConfig, TtlPolicy
         from kvferry.registry.server import create_registry
@@ -237,6 +251,7 @@ async def deploy(args: argparse.Namespace) -> Deployment:
                 etcd_endpoints=(endpoint,),
                 key_prefix=prefix,
                 ttl=TtlPolicy(max_engine_ttl_seconds=600, max_retention_ttl_seconds=3600),
+                history_seconds=args.etcd_history,
                 log_level="warning",
             )
         )
