@@ -118,7 +118,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--keep", type=Path, help="build here and leave it (default: a temporary directory)")
     args = parser.parse_args()
-    work = args.keep or Path(tempfile.mkdtemp(prefix="kvferry-packaging-"))
+    if args.keep:
+        return check(args.keep)
+    # Removed after: its wheels and one venv per distribution are ~0.7 GB a run.
+    with tempfile.TemporaryDirectory(prefix="kvferry-packaging-") as work:
+        return check(Path(work))
+
+
+def check(work: Path) -> int:
+    """Builds every wheel in ``work``, installs each alone in its own venv there, and checks them."""
     wheels_dir = work / "wheels"
     wheels_dir.mkdir(parents=True, exist_ok=True)
     errors: list[str] = engine_torch_problems()
