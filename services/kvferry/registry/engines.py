@@ -3,7 +3,8 @@
 ``RegisterEngine`` grants a fresh lease every time, so a re-registered engine is a new
 incarnation and the reaper ends what the old one retained; heartbeats keep the lease alive
 (only the incarnation they name, when they name one); when it ends, the key goes and the engine
-has left. A registration carrying evidence that etcd went back in time starts a new epoch first
+has left. A registration carrying evidence that etcd went back in time (a revision above etcd's, or a
+retention the engine ended stored as written before that end) starts a new epoch first
 (kvferry.registry.epochs). Plain Python over the etcd gateway; the gRPC handlers only translate
 messages.
 """
@@ -36,7 +37,7 @@ from kvferry.registry.etcd import (
 from kvferry.registry.keys import KeyLayout
 from kvferry.registry.metrics import RegistryMetrics
 from kvferry.registry.reaper import EngineReaper
-from kvferry.registry.records import decode_engine
+from kvferry.registry.records import decode_engine, decode_record
 from kvferry.runtime.backoff import Backoff
 from kvferry.runtime.clock import Clock, SystemClock
 from kvferry.runtime.errors import Aborted, NotFound, ServiceError
@@ -110,24 +111,25 @@ class EngineStore:
         self._metrics = metrics if metrics is not None else RegistryMetrics()
 
     async def register_engine(
-        self, engine: resources.Engine, ttl_seconds: int, *, seen_revision: int = 0, seen_epoch: str = ""
+        self,
+        engine: resources.Engine,
+        ttl_seconds: int,
+        *,
+        seen_revision: int = 0,
+        seen_epoch: str = "",
+        ended: registry.EndedRetention | None = None,
     ) -> RegisteredEngine:
         """Stores ``engine`` under a fresh lease; a previous incarnation's retentions end.
 
-        ``seen_revision`` above etcd's current revision means etcd went back in time since the
-        caller's previous registration (in ``seen_epoch``): a new epoch starts first.
+        Evidence that etcd went back in time since the caller's previous registration (in
+        ``seen_epoch``) starts a new epoch first: ``seen_revision`` above etcd's current revision, or
+        ``ended``, a retention of this engine that it ended, still stored as written before that end.
         """
         validation.validate_engine(engine)
         ttl = validation.engine_ttl(ttl_seconds, self.ttl)
-        if seen_revision > 0:
-            current = await self.etcd.current_revision()
-            if seen_revision > current:
-                known = Epoch.parse(seen_epoch) or NO_EPOCH
-                await self.epochs.restored(
-                    known,
-                    f"engine {engine.engine_id} saw revision {seen_revision} in epoch {seen_epoch or '?'}, "
-                    f"etcd is at {current}",
-                )
+        evidence = await self._restore_evidence(engine.engine_id, seen_revision, seen_epoch, ended)
+        if evidence:
+            await self.epochs.restored(Epoch.parse(seen_epoch) or NO_EPOCH, evidence)
         lease = await self.etcd.grant(ttl)
         stored = resources.Engine()
         stored.CopyFrom(engine)
@@ -160,6 +162,34 @@ class EngineStore:
                     extra={"engine_id": engine.engine_id, "error": str(error)},
                 )
         return RegisteredEngine(stored, lease.ttl_seconds, written.revision, lease.id, str(epoch))
+
+    async def _restore_evidence(
+        self, engine_id: str, seen_revision: int, seen_epoch: str, ended: registry.EndedRetention | None
+    ) -> str:
+        """Why etcd must have gone back in time, by what the caller saw; empty when nothing shows it."""
+        if seen_revision > 0:
+            current = await self.etcd.current_revision()
+            if seen_revision > current:
+                return (
+                    f"engine {engine_id} saw revision {seen_revision} in epoch {seen_epoch or '?'}, "
+                    f"etcd is at {current}"
+                )
+        if ended is None or ended.end_revision <= 0:
+            return ""
+        # Others' writes since the restore may have carried the revision past anything the caller saw;
+        # a record never changes while it lives, so one written before its confirmed end is a copy
+        # from before that end.
+        conversation = validation.conversation_key(ended.tenant, ended.conversation_id)
+        kv = await self.etcd.get(self.layout.live(conversation))
+        if kv is None or kv.mod_revision >= ended.end_revision:
+            return ""
+        record = decode_record(kv.value).retention
+        if record.engine_id != engine_id or record.engine_request_id != ended.engine_request_id:
+            return ""
+        return (
+            f"engine {engine_id} ended retention {ended.engine_request_id} at revision {ended.end_revision}; "
+            f"etcd holds it as written at revision {kv.mod_revision}"
+        )
 
     async def heartbeat_engine(
         self,

@@ -6,7 +6,10 @@ etcd itself cannot tell: its revision simply goes back. Whoever saw a later revi
 
 - a registry: its etcd gateway refuses an answer older than one it saw (kvferry.registry.etcd);
 - a sidecar: it registers again with the highest revision it saw (``seen_revision``) and the epoch
-  of its previous registration, and the registry compares that revision with etcd's.
+  of its previous registration, and the registry compares that revision with etcd's; or, when
+  others' writes carried etcd's revision past it, with a retention its engine ended that the registry
+  served again (``ended_retention``), and the registry finds that record stored as written before the
+  end.
 
 Either way the registry starts a new epoch: one etcd transaction writes ``{prefix}epoch`` and deletes
 every engine registration. Every engine then registers again (a new incarnation), and the retentions

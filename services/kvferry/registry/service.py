@@ -84,6 +84,7 @@ class RegistryServicer(registry_grpc.RegistryServiceServicer):
             request.ttl_seconds,
             seen_revision=request.seen_revision,
             seen_epoch=request.seen_epoch,
+            ended=request.ended_retention if request.HasField("ended_retention") else None,
         )
         return registry.RegisterEngineResponse(
             header=_header(result.revision),

@@ -31,6 +31,7 @@ from kvferry.runtime.errors import ErrorKind
 from kvferry.sidecar.engine import EngineFacts, EngineMonitor, EngineProbe, EngineProbeError, EngineState
 from kvferry.sidecar.metrics import SidecarMetrics
 from kvferry.sidecar.registry_link import RegistryApi, RegistryError
+from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
 
 log = logging.getLogger("kvferry.sidecar.registration")
@@ -163,6 +164,8 @@ class EngineRegistration:
         self.epoch = ""
         # The highest revision seen before the registry's revisions went back; 0: no rewind pending.
         self._rewind_evidence = 0
+        # A retention the engine ended that the registry served again; None: none pending.
+        self._ended_evidence: registry_pb2.EndedRetention | None = None
         self._stats: resources_pb2.EngineStats | None = None
         # The engine's release grace, as its connector said it (0: not yet); published with the
         # registration, or by the next heartbeat when it came (or changed) after it.
@@ -233,6 +236,21 @@ class EngineRegistration:
         self._rewind_evidence = max(self._rewind_evidence, seen_revision)
         self._wake.set()
 
+    def served_after_end(self, ended: registry_pb2.EndedRetention) -> None:
+        """The registry serves ``ended`` again after confirming its end: etcd went back in time (its
+        revision may be past all this sidecar saw: others wrote since). Registered again, with it."""
+        log.error(
+            "the registry serves a retention this engine ended (etcd restored from an older snapshot?); "
+            "registering again",
+            extra={
+                "engine_id": self.identity.engine_id,
+                "engine_request_id": ended.engine_request_id,
+                "end_revision": ended.end_revision,
+            },
+        )
+        self._ended_evidence = ended
+        self._wake.set()
+
     async def wait_registered(self) -> int:
         """Waits until the engine is registered; returns that registration's generation."""
         while True:
@@ -295,6 +313,7 @@ class EngineRegistration:
                     self._settings.ttl_seconds,
                     seen_revision=self._rewind_evidence,
                     seen_epoch=self.epoch,
+                    ended=self._ended_evidence,
                 )
             except RegistryError as err:
                 if err.kind in _REJECTING_KINDS:
@@ -312,6 +331,7 @@ class EngineRegistration:
             self.incarnation = response.incarnation
             self.epoch = response.epoch
             self._rewind_evidence = 0
+            self._ended_evidence = None
             is_first = self.generation == 0
             self.generation += 1
             self._metrics.registrations.inc()
@@ -347,6 +367,11 @@ class EngineRegistration:
             if self._rewind_evidence:
                 return self._lost(
                     f"etcd went back in time (this sidecar saw revision {self._rewind_evidence})"
+                )
+            if self._ended_evidence is not None:
+                return self._lost(
+                    f"etcd went back in time (the registry serves {self._ended_evidence.engine_request_id}, "
+                    "which this engine ended)"
                 )
             grace = self.release_grace_seconds if self._grace_unpublished else 0.0
             try:

@@ -78,7 +78,13 @@ class RegistryApi(Protocol):
         ...
 
     async def register_engine(
-        self, engine: resources_pb2.Engine, ttl_seconds: int, *, seen_revision: int = 0, seen_epoch: str = ""
+        self,
+        engine: resources_pb2.Engine,
+        ttl_seconds: int,
+        *,
+        seen_revision: int = 0,
+        seen_epoch: str = "",
+        ended: registry_pb2.EndedRetention | None = None,
     ) -> registry_pb2.RegisterEngineResponse: ...
 
     async def heartbeat_engine(
@@ -198,10 +204,20 @@ class GrpcRegistry:
         await self._channel.close()
 
     async def register_engine(
-        self, engine: resources_pb2.Engine, ttl_seconds: int, *, seen_revision: int = 0, seen_epoch: str = ""
+        self,
+        engine: resources_pb2.Engine,
+        ttl_seconds: int,
+        *,
+        seen_revision: int = 0,
+        seen_epoch: str = "",
+        ended: registry_pb2.EndedRetention | None = None,
     ) -> registry_pb2.RegisterEngineResponse:
         request = registry_pb2.RegisterEngineRequest(
-            engine=engine, ttl_seconds=ttl_seconds, seen_revision=seen_revision, seen_epoch=seen_epoch
+            engine=engine,
+            ttl_seconds=ttl_seconds,
+            seen_revision=seen_revision,
+            seen_epoch=seen_epoch,
+            ended_retention=ended,
         )
         response: registry_pb2.RegisterEngineResponse = await self._call(
             "register_engine", self._stub.RegisterEngine, request

@@ -58,12 +58,17 @@ class TrackedRetention:
 class RetentionBook:
     """Live retentions of one engine by engine request id, plus a memory of recent ends."""
 
-    def __init__(self, on_change: Callable[[], None] = lambda: None, ended_memory: int = 10_000) -> None:
+    def __init__(
+        self, on_change: Callable[[], None] = lambda: None, ended_memory: int = 10_000, witnesses: int = 16
+    ) -> None:
         self._entries: dict[str, TrackedRetention] = {}
         # Ends seen recently, with their revision: a late RENEWED must not bring one back, nor a
         # second ENDED repeat it.
         self._ended: OrderedDict[str, int] = OrderedDict()
         self._ended_memory = ended_memory
+        # The latest ends of tracked retentions, whole: after an outage the registry must not serve
+        # any of them again (etcd restored from an older snapshot would).
+        self._witnesses: deque[registry_pb2.EndedRetention] = deque(maxlen=witnesses)
         self._on_change = on_change
 
     def __len__(self) -> int:
@@ -148,8 +153,21 @@ class RetentionBook:
             self._ended.popitem(last=False)
         entry = self._entries.pop(engine_request_id, None)
         if entry is not None:
+            if revision > 0:
+                self._witnesses.append(
+                    registry_pb2.EndedRetention(
+                        tenant=entry.tenant,
+                        conversation_id=entry.conversation_id,
+                        engine_request_id=engine_request_id,
+                        end_revision=revision,
+                    )
+                )
             self._on_change()
         return entry
+
+    def recent_ends(self) -> list[registry_pb2.EndedRetention]:
+        """The latest ends of retentions this book tracked (at most ``witnesses``), newest last."""
+        return list(self._witnesses)
 
     def snapshot(self, revision: int) -> list[Event]:
         """SYNC with every live id (as of registry ``revision``), then a RENEWED per confirmed one
@@ -216,6 +234,9 @@ class RegistrationView(Protocol):
     async def wait_registered(self) -> int: ...
 
     async def wait_lapsed(self, generation: int) -> None: ...
+
+    def served_after_end(self, ended: registry_pb2.EndedRetention) -> None:
+        """The registry serves a retention the engine ended: etcd went back in time."""
 
 
 @dataclass(frozen=True)
@@ -346,6 +367,7 @@ class ReleaseFanout:
         # Verify only once the watch is in place, so no ending falls between the two.
         await stream.ready()
         await self.verify(self.book.entries(), announce=False)
+        await self._check_recent_ends()
         self.synced = True
         self._broadcast(self._snapshot())
         log.info(
@@ -442,6 +464,22 @@ class ReleaseFanout:
         else:
             self.book.end(entry.engine_request_id, revision)
             self._metrics.release(reason)
+
+    async def _check_recent_ends(self) -> None:
+        """After (re)connecting: asks for the latest retentions this engine ended. The registry serving
+        one again means etcd went back in time (restored), even where its revision has since moved
+        past everything this sidecar saw; the registration takes it from there (a new epoch)."""
+        for ended in self.book.recent_ends():
+            try:
+                found = await self._registry.get_retention(ended.tenant, ended.conversation_id)
+            except RegistryError as err:
+                if err.kind is not ErrorKind.NOT_FOUND:
+                    raise
+                continue
+            live = found.retention
+            if live.engine_id == self.engine_id and live.engine_request_id == ended.engine_request_id:
+                self._registration.served_after_end(ended)
+                return
 
     async def sweep_forever(self) -> None:
         while True:

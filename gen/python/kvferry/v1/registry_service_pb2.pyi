@@ -99,6 +99,7 @@ class RegisterEngineRequest(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     SEEN_REVISION_FIELD_NUMBER: _builtins.int
     SEEN_EPOCH_FIELD_NUMBER: _builtins.int
+    ENDED_RETENTION_FIELD_NUMBER: _builtins.int
     ttl_seconds: _builtins.int
     """Lease length; the caller heartbeats well within it. 0 takes the server default."""
     seen_revision: _builtins.int
@@ -112,6 +113,13 @@ class RegisterEngineRequest(_message.Message):
     def engine(self) -> _resources_pb2.Engine:
         """The engine; `name`, `register_time` are ignored."""
 
+    @_builtins.property
+    def ended_retention(self) -> Global___EndedRetention:
+        """A retention the caller's engine ended that the registry served again afterwards: evidence that
+        etcd went back in time even where its revision has since moved past `seen_revision` (others
+        wrote meanwhile). A registry finding the record written before `end_revision` starts a new epoch.
+        """
+
     def __init__(
         self,
         *,
@@ -119,14 +127,49 @@ class RegisterEngineRequest(_message.Message):
         ttl_seconds: _builtins.int = ...,
         seen_revision: _builtins.int = ...,
         seen_epoch: _builtins.str = ...,
+        ended_retention: Global___EndedRetention | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ended_retention", b"ended_retention", "engine", b"engine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "seen_epoch", b"seen_epoch", "seen_revision", b"seen_revision", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended_retention", b"ended_retention", "engine", b"engine", "seen_epoch", b"seen_epoch", "seen_revision", b"seen_revision", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterEngineRequest: _TypeAlias = RegisterEngineRequest  # noqa: Y015
+
+@_typing.final
+class EndedRetention(_message.Message):
+    """A retention an engine ended, and when (see RegisterEngineRequest.ended_retention)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_REQUEST_ID_FIELD_NUMBER: _builtins.int
+    END_REVISION_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """Tenant owning the conversation."""
+    conversation_id: _builtins.str
+    """The conversation."""
+    engine_request_id: _builtins.str
+    """The engine's request id of the retention that ended."""
+    end_revision: _builtins.int
+    """The `ResponseHeader.revision` that confirmed the end."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        engine_request_id: _builtins.str = ...,
+        end_revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "end_revision", b"end_revision", "engine_request_id", b"engine_request_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndedRetention: _TypeAlias = EndedRetention  # noqa: Y015
 
 @_typing.final
 class RegisterEngineResponse(_message.Message):

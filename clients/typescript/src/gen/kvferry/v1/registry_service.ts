@@ -168,6 +168,24 @@ export interface RegisterEngineRequest {
   seenRevision: bigint;
   /** The `epoch` of the caller's previous registration (with `seen_revision`). */
   seenEpoch: string;
+  /**
+   * A retention the caller's engine ended that the registry served again afterwards: evidence that
+   * etcd went back in time even where its revision has since moved past `seen_revision` (others
+   * wrote meanwhile). A registry finding the record written before `end_revision` starts a new epoch.
+   */
+  endedRetention?: EndedRetention | undefined;
+}
+
+/** A retention an engine ended, and when (see RegisterEngineRequest.ended_retention). */
+export interface EndedRetention {
+  /** Tenant owning the conversation. */
+  tenant: string;
+  /** The conversation. */
+  conversationId: string;
+  /** The engine's request id of the retention that ended. */
+  engineRequestId: string;
+  /** The `ResponseHeader.revision` that confirmed the end. */
+  endRevision: bigint;
 }
 
 /** Response for RegisterEngine. */
@@ -539,7 +557,7 @@ export interface EndTurnResponse {
 }
 
 function createBaseRegisterEngineRequest(): RegisterEngineRequest {
-  return { engine: undefined, ttlSeconds: 0n, seenRevision: 0n, seenEpoch: "" };
+  return { engine: undefined, ttlSeconds: 0n, seenRevision: 0n, seenEpoch: "", endedRetention: undefined };
 }
 
 export const RegisterEngineRequest: MessageFns<RegisterEngineRequest> = {
@@ -561,6 +579,9 @@ export const RegisterEngineRequest: MessageFns<RegisterEngineRequest> = {
     }
     if (message.seenEpoch !== "") {
       writer.uint32(34).string(message.seenEpoch);
+    }
+    if (message.endedRetention !== undefined) {
+      EndedRetention.encode(message.endedRetention, writer.uint32(42).fork()).join();
     }
     return writer;
   },
@@ -610,6 +631,14 @@ export const RegisterEngineRequest: MessageFns<RegisterEngineRequest> = {
             message.seenEpoch = reader.string();
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.endedRetention = EndedRetention.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -640,6 +669,11 @@ export const RegisterEngineRequest: MessageFns<RegisterEngineRequest> = {
         : isSet(object.seen_epoch)
         ? globalThis.String(object.seen_epoch)
         : "",
+      endedRetention: isSet(object.endedRetention)
+        ? EndedRetention.fromJSON(object.endedRetention)
+        : isSet(object.ended_retention)
+        ? EndedRetention.fromJSON(object.ended_retention)
+        : undefined,
     };
   },
 
@@ -656,6 +690,9 @@ export const RegisterEngineRequest: MessageFns<RegisterEngineRequest> = {
     }
     if (message.seenEpoch !== "") {
       obj.seenEpoch = message.seenEpoch;
+    }
+    if (message.endedRetention !== undefined) {
+      obj.endedRetention = EndedRetention.toJSON(message.endedRetention);
     }
     return obj;
   },
@@ -675,6 +712,143 @@ export const RegisterEngineRequest: MessageFns<RegisterEngineRequest> = {
       ? BigInt(object.seenRevision)
       : 0n;
     message.seenEpoch = object.seenEpoch ?? "";
+    message.endedRetention = (object.endedRetention !== undefined && object.endedRetention !== null)
+      ? EndedRetention.fromPartial(object.endedRetention)
+      : undefined;
+    return message;
+  },
+};
+
+function createBaseEndedRetention(): EndedRetention {
+  return { tenant: "", conversationId: "", engineRequestId: "", endRevision: 0n };
+}
+
+export const EndedRetention: MessageFns<EndedRetention> = {
+  encode(message: EndedRetention, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.tenant !== "") {
+      writer.uint32(10).string(message.tenant);
+    }
+    if (message.conversationId !== "") {
+      writer.uint32(18).string(message.conversationId);
+    }
+    if (message.engineRequestId !== "") {
+      writer.uint32(26).string(message.engineRequestId);
+    }
+    if (message.endRevision !== 0n) {
+      if (BigInt.asIntN(64, message.endRevision) !== message.endRevision) {
+        throw new globalThis.Error("value provided for field message.endRevision of type int64 too large");
+      }
+      writer.uint32(32).int64(message.endRevision);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): EndedRetention {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseEndedRetention();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.tenant = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.conversationId = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.engineRequestId = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.endRevision = reader.int64() as bigint;
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): EndedRetention {
+    return {
+      tenant: isSet(object.tenant) ? globalThis.String(object.tenant) : "",
+      conversationId: isSet(object.conversationId)
+        ? globalThis.String(object.conversationId)
+        : isSet(object.conversation_id)
+        ? globalThis.String(object.conversation_id)
+        : "",
+      engineRequestId: isSet(object.engineRequestId)
+        ? globalThis.String(object.engineRequestId)
+        : isSet(object.engine_request_id)
+        ? globalThis.String(object.engine_request_id)
+        : "",
+      endRevision: isSet(object.endRevision)
+        ? BigInt(object.endRevision)
+        : isSet(object.end_revision)
+        ? BigInt(object.end_revision)
+        : 0n,
+    };
+  },
+
+  toJSON(message: EndedRetention): unknown {
+    const obj: any = {};
+    if (message.tenant !== "") {
+      obj.tenant = message.tenant;
+    }
+    if (message.conversationId !== "") {
+      obj.conversationId = message.conversationId;
+    }
+    if (message.engineRequestId !== "") {
+      obj.engineRequestId = message.engineRequestId;
+    }
+    if (message.endRevision !== 0n) {
+      obj.endRevision = message.endRevision.toString();
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<EndedRetention>, I>>(base?: I): EndedRetention {
+    return EndedRetention.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<EndedRetention>, I>>(object: I): EndedRetention {
+    const message = createBaseEndedRetention();
+    message.tenant = object.tenant ?? "";
+    message.conversationId = object.conversationId ?? "";
+    message.engineRequestId = object.engineRequestId ?? "";
+    message.endRevision = (object.endRevision !== undefined && object.endRevision !== null)
+      ? BigInt(object.endRevision)
+      : 0n;
     return message;
   },
 };
