@@ -66,6 +66,8 @@ class FakeRegistry:
         self.calls: list[str] = []
         # Stores the publish, then fails it (an answer lost on the way back).
         self.lose_publish_answer = False
+        # Each registration's evidence that etcd went back: (seen_revision, ended_retention).
+        self.restore_evidence: list[tuple[int, registry_pb2.EndedRetention | None]] = []
 
     def script(self, op: str, *kinds: ErrorKind) -> None:
         self.scripted.setdefault(op, deque()).extend(kinds)
@@ -108,6 +110,7 @@ class FakeRegistry:
         ended: registry_pb2.EndedRetention | None = None,
     ) -> registry_pb2.RegisterEngineResponse:
         self._enter("register_engine")
+        self.restore_evidence.append((seen_revision, ended))
         self.engines[engine.engine_id] = engine
         self.incarnations[engine.engine_id] = self.incarnations.get(engine.engine_id, 0) + 1
         return registry_pb2.RegisterEngineResponse(

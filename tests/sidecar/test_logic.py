@@ -309,3 +309,43 @@ async def test_renewals_pass_through_and_late_renewals_of_ended_ones_do_not(
     assert [e async for e in subscription] == []
     assert stored.engine_request_id not in sidecar.book
     sidecar.fanout.unsubscribe(subscription)
+
+
+async def test_a_retention_it_ended_served_again_after_an_outage_registers_the_engine_again_with_it(
+    sidecar: Sidecar, fake: FakeRegistry
+) -> None:
+    """etcd restored from a snapshot older than the end, its revision already past the sidecar's (others
+    wrote first): only the record served again shows it."""
+    await eventually(lambda: sidecar.fanout.synced, what="synced")
+    stored = (await sidecar.publisher.report(retention("t", "c"))).retention
+    ended = await sidecar.publisher.end(
+        "t", "c", stored.engine_request_id, resources_pb2.RELEASE_REASON_EVICTED
+    )
+    assert ended.ended
+
+    # An outage that changes nothing: the stream resyncs, the engine stays registered as it was.
+    watches = fake.calls.count("watch_retentions")
+    fake.break_streams()
+    await eventually(
+        lambda: fake.calls.count("watch_retentions") > watches and sidecar.fanout.synced, what="synced again"
+    )
+    assert fake.calls.count("get_retention") >= 1  # it asked
+    assert sidecar.registration.generation == 1
+
+    # The restore brings the ended retention back; the revision moved on meanwhile.
+    fake.retentions[("t", "c")] = stored
+    fake.store_revision += 100
+    fake.break_streams()
+    await eventually(lambda: sidecar.registration.generation == 2, what="registered again")
+    seen_revision, evidence = fake.restore_evidence[-1]
+    assert seen_revision == 0
+    assert evidence is not None
+    assert (evidence.tenant, evidence.conversation_id, evidence.engine_request_id) == (
+        "t",
+        "c",
+        stored.engine_request_id,
+    )
+    assert evidence.end_revision == ended.revision
+    # Evidence once: the next resync (the new registration's) does not register the engine again.
+    await eventually(lambda: sidecar.fanout.synced, what="synced in the new registration")
+    assert sidecar.registration.generation == 2

@@ -169,6 +169,11 @@ class RetentionBook:
         """The latest ends of retentions this book tracked (at most ``witnesses``), newest last."""
         return list(self._witnesses)
 
+    def drop_recent_end(self, ended: registry_pb2.EndedRetention) -> None:
+        """Forgets ``ended`` as a witness: once used as evidence it is not used again."""
+        if ended in self._witnesses:
+            self._witnesses.remove(ended)
+
     def snapshot(self, revision: int) -> list[Event]:
         """SYNC with every live id (as of registry ``revision``), then a RENEWED per confirmed one
         carrying its expiry."""
@@ -478,6 +483,7 @@ class ReleaseFanout:
                 continue
             live = found.retention
             if live.engine_id == self.engine_id and live.engine_request_id == ended.engine_request_id:
+                self.book.drop_recent_end(ended)
                 self._registration.served_after_end(ended)
                 return
 
