@@ -43,15 +43,18 @@ def model_name(value: str) -> str:
 
 def token_ids(ids: Sequence[int], *, param: str) -> tuple[int, ...]:
     """A token-id prompt, checked before the digest or any engine sees it."""
-    if not ids:
+    # One pass over the caller's container (a protobuf repeated field converts each item), then C-speed
+    # min()/max() over the tuple: about a third less than iterating the field three times.
+    prompt = tuple(ids)
+    if not prompt:
         raise InvalidArgument(f"{param} is empty: send at least one token id", param=param)
-    if min(ids) < 0 or max(ids) > MAX_TOKEN_ID:  # min()/max(): C speed on long prompts
-        index, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t <= MAX_TOKEN_ID)
+    if min(prompt) < 0 or max(prompt) > MAX_TOKEN_ID:
+        index, token = next((i, t) for i, t in enumerate(prompt) if not 0 <= t <= MAX_TOKEN_ID)
         raise InvalidArgument(
             f"{param}[{index}] is {token}; token ids are non-negative and at most {MAX_TOKEN_ID}",
             param=param,
         )
-    return tuple(ids)
+    return prompt
 
 
 def sampling(
