@@ -13,8 +13,6 @@ Run under the engine lock: ``flock /tmp/kvferry-engines.lock pytest -m engines t
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import Sequence
@@ -23,7 +21,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from kvferry.connector.connector import BUMPED_LOG, FREED_LOG, RETAINED_LOG
+from kvferry.connector.connector import BUMPED_LOG, FREED_LOG
 from kvferry.connector.fence import PULL_FENCE_LOG, expand_block_runs
 from kvferry.pd.chat import ChatMessage, ChatRequest
 from kvferry.pd.engine_api import DecodeRequest, Sampling, prefill_transfer_params
@@ -35,12 +33,7 @@ from kvferry.stack.engine import DirectTurn, direct_turn
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
 
-from tests.fixtures.engines import (
-    TEST_READ_WINDOW_SECONDS,
-    UNMARKED_DECODE_TTL_SECONDS,
-    EngineHandle,
-    EnginePair,
-)
+from tests.fixtures.engines import TEST_READ_WINDOW_SECONDS, EngineHandle, EnginePair
 from tests.fixtures.registry import RegistryHandle, unique
 from tests.fixtures.sidecar import SidecarHandle
 from tests.sidecar.helpers import eventually, find_engine
@@ -146,37 +139,6 @@ def _fence_line(engine: EngineHandle, request_id: str) -> dict[str, Any]:
     return line
 
 
-def _held(engine: EngineHandle) -> dict[str, dict[str, Any]]:
-    """What ``engine`` retains now, by request id, from its connector's log: retained and not yet freed."""
-    freed = {e.get("request_id") for e in engine.connector_events(FREED_LOG)}
-    return {
-        str(e["request_id"]): e
-        for e in engine.connector_events(RETAINED_LOG)
-        if e.get("request_id") not in freed
-    }
-
-
-async def _drain(pair: EnginePair, stub: Any) -> None:
-    """Ends every retention D holds (earlier tests' on the shared engines) and waits for their frees and for
-    D's unmarked holds to lapse. vLLM hands the most recently freed unhashed blocks out first, so after this
-    nothing but the test's own requests frees blocks on D: the next request D serves after the test's free is
-    handed exactly the freed blocks."""
-    for held in _held(pair.decode).values():
-        with contextlib.suppress(grpc.aio.AioRpcError):  # NOT_FOUND: already ended, the free is on its way
-            await stub.ReleaseRetention(
-                registry_pb2.ReleaseRetentionRequest(
-                    tenant=held["tenant"], conversation_id=held["conversation_id"]
-                ),
-                timeout=5,
-            )
-    await eventually(
-        lambda: not _held(pair.decode),
-        within=pair.settings.release_grace_seconds + 30,
-        what=f"D freed every retention it held: {sorted(_held(pair.decode))}",
-    )
-    await asyncio.sleep(UNMARKED_DECODE_TTL_SECONDS + 1)
-
-
 async def test_a_reuse_whose_blocks_d_still_holds_passes_the_fence(engine_pair: EnginePair) -> None:
     conversation = f"fence-pass-{uuid.uuid4().hex[:8]}"
     history, first = await _turn_one(
@@ -210,9 +172,8 @@ async def test_a_pull_of_blocks_d_freed_is_fenced_and_recomputed(
     engine_pair: EnginePair, registry: RegistryHandle, engine_sidecars: tuple[SidecarHandle, SidecarHandle]
 ) -> None:
     tenant, conversation = unique("tenant"), unique("fence")
-    stub = registry.stub()
-    await _drain(engine_pair, stub)
     history, _ = await _turn_one(engine_pair, ConversationMark(tenant, conversation, 1), f"{conversation}-t1")
+    stub = registry.stub()
 
     async def published() -> resources_pb2.Retention | None:
         try:
@@ -266,17 +227,10 @@ async def test_a_pull_of_blocks_d_freed_is_fenced_and_recomputed(
     }
     assert bumped == set(record.block_ids)
 
-    # Another conversation on D is handed the freed blocks (D was drained first: they head its free
-    # queue). The fence's verdict rests on the generations D bumped at the free; this shows the blocks
-    # reused, so an unfenced pull would read another conversation's KV.
-    _, other = await _turn_one(
-        engine_pair, ConversationMark(tenant, unique("other"), 1), f"{conversation}-other"
-    )
-    assert other.retained is not None
-    assert set(other.retained.block_ids) & set(record.block_ids), (
-        f"the next conversation on D got blocks {list(other.retained.block_ids)}, none of the freed "
-        f"{list(record.block_ids)}"
-    )
+    # Whether another request has been handed these blocks yet is vLLM's choice, not the fence's: D keeps
+    # prefix caching on, so freed blocks that hold cached KV go to the back of its free queue and come out
+    # again after everything ahead of them. The verdict rests on the generations bumped at the free (above).
+    # Freed blocks handed out again and overwritten: tests/faults (the unsafe decode engine's control run).
 
     # A router that handed the record out before the release pulls it now (a timing bug upstream).
     prompt = await _next_prompt(engine_pair, history)

@@ -97,7 +97,6 @@ _MAX_PULL_OPTIONS = 1024
 # The decode engine's oracle lines (docs/connector.md#pull-time-fencing): a retention's blocks went back
 # to the pool; published blocks' generations changed. The prefill's is kvferry.connector.fence's.
 FREED_LOG = "freed retained blocks"
-RETAINED_LOG = "retained"
 BUMPED_LOG = "generations bumped"
 
 
@@ -456,7 +455,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self.accounting.set_retained_blocks(self.table.held_blocks())
         self._timer.poke()
         logger.info(
-            RETAINED_LOG,
+            "retained",
             extra={
                 "request_id": request_id,
                 "tenant": mark.tenant,
@@ -833,7 +832,6 @@ class KvferryConnector(NixlPullConnector):  # type: ignore[misc]
 __all__ = [
     "BUMPED_LOG",
     "FREED_LOG",
-    "RETAINED_LOG",
     "KvferryConnector",
     "KvferryConnectorMetadata",
     "KvferryHandshakePayload",
