@@ -212,6 +212,13 @@ class GrpcRegistry:
         seen_epoch: str = "",
         ended: registry_pb2.EndedRetention | None = None,
     ) -> registry_pb2.RegisterEngineResponse:
+        if ended is not None and self._offset:
+            # Back to etcd's own numbering, which the registry compares it with. Taking today's offset is
+            # safe: one raised after the end only lowers the revision, and then a new epoch already began.
+            raw = registry_pb2.EndedRetention()
+            raw.CopyFrom(ended)
+            raw.end_revision = max(0, ended.end_revision - self._offset)
+            ended = raw
         request = registry_pb2.RegisterEngineRequest(
             engine=engine,
             ttl_seconds=ttl_seconds,
