@@ -66,14 +66,17 @@ class Restorable:
         )
         return path
 
-    async def write(self, key: bytes) -> int:
-        """One put straight into etcd (outside every registry's prefix); returns its revision."""
+    async def write_until_past(self, revision: int) -> int:
+        """Puts straight into etcd (outside every registry's prefix) until its revision is past ``revision``
+        (0: one put); returns the last put's revision."""
         client = aetcd.Client(host="127.0.0.1", port=self.etcd.client_port)
         try:
-            put = await client.put(key, b"x")
+            while True:
+                written = int((await client.put(b"/restore-test/other", b"x")).header.revision)
+                if written > revision:
+                    return written
         finally:
             await client.close()
-        return int(put.header.revision)
 
     def restore(self, snapshot: Path) -> None:
         """Stops etcd, restores ``snapshot`` into a fresh data directory, starts etcd on it."""
@@ -178,15 +181,14 @@ async def _run_through_restore(
         other = retention(item.tenant, unique("conv"))
         await stub.ReportRetention(sidecar_pb2.ReportRetentionRequest(retention=other), timeout=5)
     await channel.close()
-    seen = await restorable.write(b"/restore-test/before")
+    seen = await restorable.write_until_past(0)
     if restarted_registry:
         await registry.stop(grace_seconds=0.2)
     await asyncio.to_thread(restorable.restore, snapshot)
     if restarted_registry:
         # Others (routers' turn marks) write before the sidecar's first call after the restore, so etcd's
         # revision is past all the sidecar saw: the revision alone no longer shows the restore.
-        while await restorable.write(b"/restore-test/after") <= seen:
-            pass
+        await restorable.write_until_past(seen)
         # On the same address: the sidecar reconnects by itself.
         registry = await _registry(restorable.etcd, registry.engines.layout.prefix, registry.port)
     channel = grpc.aio.insecure_channel(registry.address)

@@ -471,18 +471,26 @@ class ReleaseFanout:
             self._metrics.release(reason)
 
     async def _check_recent_ends(self) -> None:
-        """After (re)connecting: asks for the latest retentions this engine ended. The registry serving
-        one again means etcd went back in time (restored), even where its revision has since moved
-        past everything this sidecar saw; the registration takes it from there (a new epoch)."""
-        for ended in self.book.recent_ends():
-            try:
-                found = await self._registry.get_retention(ended.tenant, ended.conversation_id)
-            except RegistryError as err:
-                if err.kind is not ErrorKind.NOT_FOUND:
-                    raise
-                continue
+        """After (re)connecting: asks for the latest retentions this engine ended (at once, as ``verify``
+        does). The registry serving one again means etcd went back in time (restored), even where its
+        revision has since moved past everything this sidecar saw; the registration takes it from there."""
+        semaphore = asyncio.Semaphore(self._settings.verify_concurrency)
+
+        async def served_again(ended: registry_pb2.EndedRetention) -> bool:
+            async with semaphore:
+                try:
+                    found = await self._registry.get_retention(ended.tenant, ended.conversation_id)
+                except RegistryError as err:
+                    if err.kind is not ErrorKind.NOT_FOUND:
+                        raise
+                    return False
             live = found.retention
-            if live.engine_id == self.engine_id and live.engine_request_id == ended.engine_request_id:
+            return live.engine_id == self.engine_id and live.engine_request_id == ended.engine_request_id
+
+        recent = self.book.recent_ends()
+        answers = await asyncio.gather(*(served_again(ended) for ended in recent))
+        for ended, again in zip(recent, answers, strict=True):
+            if again:
                 self.book.drop_recent_end(ended)
                 self._registration.served_after_end(ended)
                 return
