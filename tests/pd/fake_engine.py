@@ -31,7 +31,8 @@ class FakeEngine:
     before any token; ``unreachable`` makes every call fail to connect; ``fail_after_tokens`` cuts streams
     after that many. ``pull_declined``: P computes everything (reports 0 cached tokens). ``stall``: streams
     wait for it after the first token. ``on_finished``: called when a decode ends normally (what the
-    connector and sidecar then do: retain and publish)."""
+    connector and sidecar then do: retain and publish). A prefill answers ``output``'s first token (its text
+    ``first_text``, else the token as a character), finished as a one-token ``output`` finishes."""
 
     engine_id: str = "fake"
     output: tuple[int, ...] = (101, 102, 103)
@@ -47,6 +48,7 @@ class FakeEngine:
     report_cached_tokens: bool = True
     stall: asyncio.Event | None = None
     on_finished: Callable[[FakeEngine, DecodeRequest], None] | None = None
+    first_text: str | None = None
     prefills: list[PrefillRequest] = field(default_factory=list)
     decodes: list[DecodeRequest] = field(default_factory=list)
     # Streams closed before their end (vLLM aborts those requests).
@@ -92,6 +94,8 @@ class FakeEngine:
             handoff=KvHandoff(do_remote_prefill=True, do_remote_decode=False, blocks=blocks),
             first_token_ids=self.output[:1],
             usage=Usage(len(request.token_ids), 1, cached if self.report_cached_tokens else None),
+            first_text=self.first_text if self.first_text is not None else chr(self.output[0]),
+            finish_reason=self.finish_reason if len(self.output) == 1 else "length",
         )
 
     async def decode_stream(self, request: DecodeRequest) -> AsyncGenerator[DecodeChunk, None]:

@@ -14,6 +14,7 @@ from kvferry.pd.sequence import (
     Decoded,
     EngineTurn,
     Prefilled,
+    PrefillToken,
     Pull,
     TurnEvent,
     prefill_then_decode,
@@ -178,3 +179,74 @@ async def test_closing_the_sequence_mid_stream_aborts_the_decode() -> None:
             if isinstance(event, DecodeChunk):
                 break
     assert d.aborted == ["r2-d"]
+
+
+# -- P's token as the turn's first output --------------------------------------------------------------
+
+
+def handing(**changes: object) -> EngineTurn:
+    # 40 prompt tokens in blocks of 16: the extra token does not start a new block.
+    return turn(first_token_block_size=16, **changes)
+
+
+async def test_p_s_token_comes_first_and_d_continues_after_it() -> None:
+    p, d = FakeEngine("p-0", output=(100,)), FakeEngine("d-0", output=(101, 102))
+    events = await events_of(p, d, handing())
+    prefilled, first, *chunks, decoded = events
+    assert isinstance(prefilled, Prefilled) and isinstance(decoded, Decoded)
+    assert first == PrefillToken((100,), "d", None)
+    assert [t for c in chunks if isinstance(c, DecodeChunk) for t in c.token_ids] == [101, 102]
+    # P sampled with the turn's settings; D's prompt has P's token, its budget one token less.
+    [sent_p] = p.prefills
+    assert sent_p.sampling == Sampling(max_tokens=3)
+    [sent_d] = d.decodes
+    assert sent_d.token_ids == (*PROMPT, 100) and sent_d.sampling == Sampling(max_tokens=2)
+    assert sent_d.handoff == prefilled.handoff and sent_d.mark == MARK
+    # The turn's figures are the client's: the prompt without P's token, the output with it.
+    assert (decoded.token_ids, decoded.text, decoded.finish_reason) == ((100, 101, 102), "def", "length")
+    assert decoded.usage is not None
+    assert (decoded.usage.prompt_tokens, decoded.completion_tokens) == (len(PROMPT), 3)
+
+
+@pytest.mark.parametrize(
+    ("changes", "stream"),
+    [
+        ({}, False),  # the whole answer at once: nothing to show early
+        ({"first_token_block_size": None}, True),
+        ({"first_token_block_size": 8}, True),  # 40 tokens fill their last block: P's would start one
+        ({"first_token_block_size": 16, "sampling": Sampling(max_tokens=1)}, True),
+        ({"first_token_block_size": 16, "sampling": Sampling(max_tokens=3, stop=("x",))}, True),
+    ],
+)
+async def test_d_decodes_every_token_when_p_s_cannot_be_handed_over(
+    changes: dict[str, object], stream: bool
+) -> None:
+    p, d = FakeEngine(output=(100,)), FakeEngine(output=(101, 102, 103))
+    events = [e async for e in prefill_then_decode(p, d, turn(**changes), stream=stream, clock=lambda: NOW)]
+    assert not any(isinstance(e, PrefillToken) for e in events)
+    assert p.prefills[0].sampling is None  # greedy: the token is only a by-product
+    assert d.decodes[0].token_ids == PROMPT
+    decoded = events[-1]
+    assert isinstance(decoded, Decoded) and decoded.token_ids == (101, 102, 103)
+
+
+async def test_a_p_token_without_whole_text_is_not_shown() -> None:
+    # Part of a character: shown alone it would garble the text; D decodes from the prompt instead.
+    p, d = FakeEngine(output=(100,), first_text="\ufffd"), FakeEngine(output=(101, 102, 103))
+    events = await events_of(p, d, handing())
+    assert not any(isinstance(e, PrefillToken) for e in events)
+    assert d.decodes[0].token_ids == PROMPT and d.decodes[0].sampling == Sampling(max_tokens=3)
+
+
+async def test_a_p_token_that_ends_the_answer_is_the_answer_and_d_still_retains() -> None:
+    p = FakeEngine(output=(0,), first_text="", finish_reason="stop")
+    d = FakeEngine(output=(101,))
+    events = await events_of(p, d, handing())
+    assert [type(e).__name__ for e in events] == ["Prefilled", "PrefillToken", "Decoded"]
+    assert events[1] == PrefillToken((0,), "", "stop")
+    # D decoded the prompt (one token, not shown) so that it retains the conversation.
+    [sent_d] = d.decodes
+    assert sent_d.token_ids == PROMPT and sent_d.sampling == Sampling(max_tokens=1) and sent_d.mark == MARK
+    decoded = events[-1]
+    assert isinstance(decoded, Decoded)
+    assert (decoded.token_ids, decoded.finish_reason, decoded.completion_tokens) == ((0,), "stop", 1)

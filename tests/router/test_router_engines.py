@@ -402,3 +402,58 @@ async def test_client_disconnect_aborts_the_engine_request(routed: Routed) -> No
             router_pb2.GetConversationRequest(conversation_id=conv), metadata=metadata()
         )
     assert nothing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def one_engine_completion(engine_url: str, model: str, prompt: list[int]) -> list[int]:
+    """The prompt decoded whole on one engine (no P/D): the reference a routed turn must equal."""
+    async with httpx.AsyncClient(base_url=engine_url, timeout=300) as http:
+        answer = await http.post(
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
+    answer.raise_for_status()
+    return [int(t) for t in answer.json()["choices"][0]["token_ids"]]
+
+
+async def test_a_streamed_token_turn_shows_p_s_token_first_and_equals_one_engine_s_decode(
+    routed: Routed,
+) -> None:
+    """P's token is the first output and D continues after it (D's prompt is one token longer), with
+    reuse; a prompt that fills its last block exactly is decoded whole by D. Either way the tokens equal
+    one engine's greedy decode."""
+    model, block = routed.pair.model, routed.pair.block_size
+    async with httpx.AsyncClient(base_url=routed.pair.prefill.http_url) as http:
+        tokenized = await http.post("/tokenize", json={"model": model, "prompt": SYSTEM})
+    system = [int(t) for t in tokenized.json()["tokens"]]
+    conv = f"tok-{uuid.uuid4().hex[:8]}"
+    prompt = system[: 4 * block + 5]
+    for turn in range(1, 4):
+        request = router_pb2.GenerateRequest(
+            conversation_id=conv,
+            model=model,
+            tokens=router_pb2.TokenPrompt(token_ids=prompt),
+            sampling=router_pb2.SamplingParams(max_tokens=MAX_TOKENS),
+        )
+        before = await routed.pair.decode.metrics()
+        _, tokens, summary = await generate(routed.stub(), request)
+        after = await routed.pair.decode.metrics()
+        handed_over = len(prompt) % block != 0
+        assert handed_over == (turn < 3)
+        # D's prompt: the turn's, plus P's token when it was handed over.
+        assert after.prompt_tokens_total - before.prompt_tokens_total == len(prompt) + handed_over
+        assert summary.turn == turn and summary.completion_tokens == MAX_TOKENS == len(tokens)
+        assert summary.prompt_tokens == len(prompt)
+        if turn > 1:
+            assert summary.reuse == router_pb2.REUSE_DECISION_PULL and summary.pulled_tokens >= block
+        assert tokens == await one_engine_completion(routed.pair.decode.http_url, model, prompt)
+        # The next prompt: this one, its answer and more: ending inside a block for turn 2, filling its
+        # last block exactly for turn 3.
+        prompt = prompt + tokens
+        more = (-len(prompt) % block or block) if turn == 2 else 7
+        prompt = prompt + system[1 : 1 + more]

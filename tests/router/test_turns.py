@@ -4,6 +4,7 @@ stand-in engines in test_router_standin.py and with real engines in test_router_
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import json
@@ -19,11 +20,13 @@ from kvferry.pd.engine_api import DecodeRequest, EngineApi
 from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
 from kvferry.pd.vllm_params import PROMPT_TOKEN_IDS
 from kvferry.router.calibration import CostProfile
+from kvferry.router.cli import config_from_args, configure
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.router.limits import TenantLimits, TenantLimitSettings
 from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
 from kvferry.router.retention_index import RetentionIndex
+from kvferry.router.server import RouterConfig
 from kvferry.router.tenants import Tenant
 from kvferry.router.turns import (
     ChatOut,
@@ -146,6 +149,7 @@ class Cluster:
     now: float = NOW
     # The router's retention index the runner reads first (None: lookups ask the registry).
     index: RetentionIndex | None = None
+    settings: TurnSettings = SETTINGS
 
     def __post_init__(self) -> None:
         for engine_id in ("p1", "p2", "d1", "d2"):
@@ -170,7 +174,7 @@ class Cluster:
             load=self.load,
             clients=self,
             registry=self.registry,
-            settings=SETTINGS,
+            settings=self.settings,
             clock=lambda: self.now,
             wall_clock=lambda: self.now,
             index=self.index,
@@ -332,6 +336,43 @@ async def test_a_failure_after_the_first_token_is_not_retried(cluster: Cluster) 
     assert raised.value.kind is ErrorKind.UNAVAILABLE
     assert [type(e) for e in seen] == [TextOut]
     assert len(cluster.fakes["d2"].decodes) == 0 and cluster.idle()
+
+
+# 41 tokens: P's token does not start a new block, so it is the turn's first output.
+HANDING = [*PROMPT, 7]
+
+
+async def test_p_s_token_is_the_first_output_and_d_continues_after_it(cluster: Cluster) -> None:
+    texts, result = await cluster.turn(HANDING)
+    [prefill] = cluster.fakes["p1"].prefills
+    [decode] = cluster.fakes["d1"].decodes
+    assert prefill.sampling is not None and prefill.sampling.max_tokens == decode.sampling.max_tokens + 1
+    assert decode.token_ids == (*HANDING, 101)
+    # P's token first, then D's (the stand-in D answers the same three whatever its prompt).
+    assert [t.token_ids for t in texts] == [(101,), (101,), (102,), (103,)]
+    assert result.prompt_tokens == 41 and result.completion_tokens == 4 and result.turn == 1
+    assert cluster.idle()
+
+
+async def test_a_decode_failing_after_p_s_token_is_continued_elsewhere(cluster: Cluster) -> None:
+    cluster.fakes["d1"].unreachable = True
+    texts, result = await cluster.turn(HANDING)
+    # The retry recomputes the prompt and P's token, and its decode goes on after that token.
+    assert result.decode_engine_id == "d2" and texts[0].token_ids == (101,)
+    [first_prefill, retry_prefill] = cluster.fakes["p1"].prefills
+    assert retry_prefill.token_ids == (*HANDING, 101) and retry_prefill.sampling is None
+    [decode] = cluster.fakes["d2"].decodes
+    assert decode.token_ids == (*HANDING, 101)
+    assert first_prefill.sampling is not None
+    assert decode.sampling.max_tokens == first_prefill.sampling.max_tokens - 1
+    assert [t.token_ids for t in texts[1:]] == [(101,), (102,), (103,)]
+    assert result.prompt_tokens == 41 and result.completion_tokens == 4 and cluster.idle()
+
+
+async def test_without_the_setting_d_decodes_every_token() -> None:
+    cluster = Cluster(settings=dataclasses.replace(SETTINGS, first_token_from_prefill=False))
+    texts, _ = await cluster.turn(HANDING)
+    assert cluster.fakes["d1"].decodes[0].token_ids == tuple(HANDING) and len(texts) == 3
 
 
 async def test_an_engine_s_4xx_is_the_request_s_fault(cluster: Cluster) -> None:
@@ -642,3 +683,14 @@ async def test_without_its_mark_a_turn_neither_reuses_nor_retains(cluster: Clust
     _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
     assert (second.reuse, second.turn, second.pulled_tokens) == (Reuse.NONE, 0, 0)
     assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark()
+
+
+def test_p_s_token_first_is_on_by_default_and_turned_off_by_flag_or_environment() -> None:
+    def config(argv: list[str], environ: dict[str, str]) -> RouterConfig:
+        parser = argparse.ArgumentParser()
+        configure(parser, environ)
+        return config_from_args(parser.parse_args(argv))
+
+    assert config([], {}).first_token_from_prefill
+    assert not config(["--first-token-from-prefill", "off"], {}).first_token_from_prefill
+    assert not config([], {"KVFERRY_ROUTER_FIRST_TOKEN_FROM_PREFILL": "off"}).first_token_from_prefill

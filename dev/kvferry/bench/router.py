@@ -324,6 +324,8 @@ class _DirectEngines:
     model: str
     prefill_url: str
     decode_url: str
+    # D's KV block size: the direct path shows P's token first as the router does.
+    decode_block_size: int
 
 
 async def _engines_for_direct_path(registry_address: str, model: str) -> list[_DirectEngines]:
@@ -344,7 +346,14 @@ async def _engines_for_direct_path(registry_address: str, model: str) -> list[_D
                 if e.role in (resources_pb2.ENGINE_ROLE_DECODE, resources_pb2.ENGINE_ROLE_BOTH)
             ]
             if prefill and decode:
-                return [_DirectEngines(prefill[0].model, prefill[0].http_endpoint, decode[0].http_endpoint)]
+                return [
+                    _DirectEngines(
+                        prefill[0].model,
+                        prefill[0].http_endpoint,
+                        decode[0].http_endpoint,
+                        decode[0].block_size,
+                    )
+                ]
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no prefill + decode engine pair registered in {registry_address}")
             await asyncio.sleep(0.5)
@@ -360,7 +369,7 @@ async def _run_level(
 ) -> LevelResult:
     from kvferry.pd.engine_api import DecodeChunk, Sampling
     from kvferry.pd.engine_client import VllmEngineClient
-    from kvferry.pd.sequence import EngineTurn, prefill_then_decode
+    from kvferry.pd.sequence import EngineTurn, PrefillToken, prefill_then_decode
     from kvferry.router.aiohttp_transport import AiohttpTransport
     from kvferry.v1 import router_service_pb2 as router_pb2
     from kvferry.v1 import router_service_pb2_grpc as router_grpc
@@ -408,10 +417,13 @@ async def _run_level(
         ttft = 0.0
         out: list[int] = []
         engine_turn = EngineTurn(
-            token_ids=tuple(tokens), sampling=Sampling(max_tokens=args.max_tokens, ignore_eos=True), mark=mark
+            token_ids=tuple(tokens),
+            sampling=Sampling(max_tokens=args.max_tokens, ignore_eos=True),
+            mark=mark,
+            first_token_block_size=pair.decode_block_size,
         )
         async for event in prefill_then_decode(prefill, decode, engine_turn):
-            if isinstance(event, DecodeChunk):
+            if isinstance(event, DecodeChunk | PrefillToken):
                 if event.token_ids and not ttft:
                     ttft = time.perf_counter() - started
                 out.extend(event.token_ids)

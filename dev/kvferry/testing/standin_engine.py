@@ -103,15 +103,18 @@ def standin_tool_call(body: Mapping[str, Any], output: Sequence[int]) -> dict[st
 
 
 def standin_generate(prompt_token_ids: Sequence[int], count: int) -> list[int]:
-    """Deterministic output (lowercase letters and spaces) from the prompt, like greedy decoding."""
-    seed = hashlib.sha256(
-        len(prompt_token_ids).to_bytes(8, "little") + bytes(t % 256 for t in prompt_token_ids[-256:])
-    ).digest()
+    """Deterministic output (lowercase letters and spaces), like greedy decoding: each token a function of
+    everything before it (its length and last 256 tokens), so a continuation of the prompt and the first
+    tokens equals the rest (what a decode after the prefill's token computes)."""
+    context = list(prompt_token_ids)
     out: list[int] = []
-    while len(out) < count:
-        seed = hashlib.sha256(seed).digest()
-        out.extend((97 + b % 27 if b % 27 < 26 else 32) + _TOKEN_OFFSET for b in seed)
-    return out[:count]
+    for _ in range(count):
+        digest = hashlib.sha256(len(context).to_bytes(8, "little") + bytes(t % 256 for t in context[-256:]))
+        b = digest.digest()[0]
+        token = (97 + b % 27 if b % 27 < 26 else 32) + _TOKEN_OFFSET
+        out.append(token)
+        context.append(token)
+    return out
 
 
 @dataclass

@@ -133,6 +133,9 @@ class PrefillRequest:
     generations: BlockGenerations | None = None
     # Served through the chat endpoint (kvferry.pd.chat) instead of as a token-id completion.
     chat: ChatRequest | None = None
+    # How P samples its one token: the turn's own settings when that token is the turn's first output
+    # (kvferry.pd.sequence hands it over); None: greedy (the token is only a by-product of the prefill).
+    sampling: Sampling | None = None
 
     def transfer_params(self) -> dict[str, Any]:
         if self.reuse is not None and self.mark is not None and self.read_ms is None:
@@ -178,6 +181,10 @@ class PrefillResult:
     handoff: KvHandoff
     first_token_ids: tuple[int, ...]
     usage: Usage | None
+    # P's one token as text, and why P stopped there ("length": the token budget of one; "stop": the
+    # token ends the answer, e.g. end of sequence).
+    first_text: str = ""
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)

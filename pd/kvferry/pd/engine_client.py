@@ -190,6 +190,9 @@ class VllmEngineClient:
                     "return_token_ids": True,
                 },
             )
+            if request.sampling is not None:
+                body.update(request.sampling.to_body())
+                body["max_tokens"] = 1
         body["kv_transfer_params"] = request.transfer_params()
         answer = await self._post_json(path, body, request_id=request.request_id)
         handoff = KvHandoff.from_params(answer.get("kv_transfer_params"))
@@ -204,6 +207,8 @@ class VllmEngineClient:
             handoff=handoff,
             first_token_ids=tuple(int(t) for t in choice.get("token_ids") or ()),
             usage=Usage.from_body(answer.get("usage")),
+            first_text=str(choice.get("text") or ""),
+            finish_reason=choice.get("finish_reason"),
         )
 
     async def decode_stream(self, request: DecodeRequest) -> AsyncGenerator[DecodeChunk, None]:

@@ -8,13 +8,27 @@
 3. Decode on D with P's handoff and the mark: streamed (tokens as they come; closing the stream aborts the
    request on D) or not (D's answer then names the blocks it retained).
 
-:func:`prefill_then_decode` yields :class:`Prefilled` once P answered, then the decode's
-:class:`~kvferry.pd.engine_api.DecodeChunk` s, then :class:`Decoded`. An engine error before
+P samples one token anyway. A streamed token-id turn that names D's block size
+(``EngineTurn.first_token_block_size``) makes it the turn's first output: P samples it with the turn's
+settings, the sequence yields it as soon as P answers (a :class:`PrefillToken`), and D continues after it (its
+prompt is the turn's plus that token, its budget one token less), so the time to the first token is P's alone,
+not P's plus D's pull of the prompt and D's first step. D still loads the prompt's KV from P: with one more
+prompt token, vLLM loads P's blocks and computes that last token itself, which holds while the extra token
+does not start a new block (so not when the prompt fills its last block exactly). Not with stop strings (one
+could span P's token and D's first, which D would not see), a budget of one token, or chat turns (the engines'
+tool and reasoning parsers must see every output token). A P token that ends the answer (end of sequence, a
+stop token) is the whole answer: D still decodes the prompt, one token it does not show, so that it retains
+the conversation. A P token with no complete text (part of a character) is not shown: D decodes from the
+prompt as usual.
+
+:func:`prefill_then_decode` yields :class:`Prefilled` once P answered, then P's token when handed over, then
+the decode's :class:`~kvferry.pd.engine_api.DecodeChunk` s, then :class:`Decoded`. An engine error before
 :class:`Prefilled` is P's, after it D's: the caller knows which engine failed by what it has seen.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
@@ -68,6 +82,22 @@ class EngineTurn:
     # Served through the engines' chat endpoint (kvferry.pd.chat): templates, tool and reasoning parsers and
     # structured outputs run in the engines.
     chat: ChatRequest | None = None
+    # D's KV block size: given, a streamed turn may take its first token from P (module docs). None: D
+    # generates every token.
+    first_token_block_size: int | None = None
+
+    def hands_first_token_over(self, *, stream: bool) -> bool:
+        """Whether P samples the turn's first output token, for D to continue after it (module docs)."""
+        block_size = self.first_token_block_size
+        return (
+            stream
+            and block_size is not None
+            and block_size > 0
+            and self.chat is None
+            and not self.sampling.stop
+            and self.sampling.max_tokens >= 2
+            and len(self.token_ids) % block_size != 0
+        )
 
     @property
     def offered_pull_tokens(self) -> int:
@@ -90,6 +120,16 @@ class Prefilled:
     @property
     def handoff(self) -> KvHandoff:
         return self.result.handoff
+
+
+@dataclass(frozen=True)
+class PrefillToken:
+    """P's token, handed over as the turn's first output (module docs); ``finish_reason`` set when it is the
+    whole answer."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
 
 
 @dataclass(frozen=True)
@@ -119,7 +159,7 @@ class FinishedTurn:
     decoded: Decoded
 
 
-TurnEvent = Prefilled | DecodeChunk | Decoded
+TurnEvent = Prefilled | PrefillToken | DecodeChunk | Decoded
 
 
 async def prefill_then_decode(
@@ -130,12 +170,72 @@ async def prefill_then_decode(
     stream: bool = True,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncGenerator[TurnEvent, None]:
-    """The turn's engine calls: :class:`Prefilled`, the decode's chunks, :class:`Decoded` (module docs)."""
-    prefilled = await prefill(prefill_engine, turn, clock=clock)
+    """The turn's engine calls: :class:`Prefilled`, P's token when handed over, the decode's chunks,
+    :class:`Decoded` (module docs)."""
+    hand_over = turn.hands_first_token_over(stream=stream)
+    prefilled = await prefill(prefill_engine, turn, clock=clock, sample=hand_over)
     yield prefilled
-    async with aclosing(decode(decode_engine, turn, prefilled, stream=stream)) as events:
+    first = _first_token(prefilled.result) if hand_over else None
+    if first is None:
+        async with aclosing(decode(decode_engine, turn, prefilled, stream=stream)) as events:
+            async for event in events:
+                yield event
+        return
+    yield first
+    if first.finish_reason is not None:
+        # P's token is the whole answer; D decodes the prompt only to retain the conversation (one token,
+        # not shown).
+        d_turn = dataclasses.replace(turn, sampling=dataclasses.replace(turn.sampling, max_tokens=1))
+    else:
+        d_turn = dataclasses.replace(
+            turn,
+            token_ids=turn.token_ids + first.token_ids,
+            sampling=dataclasses.replace(turn.sampling, max_tokens=turn.sampling.max_tokens - 1),
+        )
+    async with aclosing(decode(decode_engine, d_turn, prefilled, stream=stream)) as events:
         async for event in events:
-            yield event
+            if isinstance(event, Decoded):
+                yield with_first_token(first, event)
+            elif first.finish_reason is None:
+                yield event
+
+
+def _first_token(result: PrefillResult) -> PrefillToken | None:
+    """P's token as the turn's first output, or None when it cannot be shown on its own (not exactly one
+    token, no complete text, or P stopped for another reason than its budget or the answer's end)."""
+    text = result.first_text
+    if len(result.first_token_ids) != 1 or result.finish_reason not in ("length", "stop"):
+        return None
+    if result.finish_reason == "length" and (not text or "\ufffd" in text):
+        return None
+    finish = None if result.finish_reason == "length" else result.finish_reason
+    return PrefillToken(result.first_token_ids, text, finish)
+
+
+def with_first_token(first: PrefillToken, decoded: Decoded) -> Decoded:
+    """The turn's :class:`Decoded`: P's token followed by D's (or P's alone when it ended the answer)."""
+    if first.finish_reason is not None:
+        usage = decoded.usage
+        return dataclasses.replace(
+            decoded,
+            token_ids=first.token_ids,
+            text=first.text,
+            finish_reason=first.finish_reason,
+            usage=None if usage is None else dataclasses.replace(usage, completion_tokens=1),
+        )
+    usage = decoded.usage
+    return dataclasses.replace(
+        decoded,
+        token_ids=first.token_ids + decoded.token_ids,
+        text=first.text + decoded.text,
+        usage=None
+        if usage is None
+        else dataclasses.replace(
+            usage,
+            prompt_tokens=usage.prompt_tokens - len(first.token_ids),
+            completion_tokens=usage.completion_tokens + len(first.token_ids),
+        ),
+    )
 
 
 async def run_turn(
@@ -160,10 +260,15 @@ async def run_turn(
 
 
 async def prefill(
-    engine: EngineApi, turn: EngineTurn, *, clock: Callable[[], float] = time.monotonic
+    engine: EngineApi,
+    turn: EngineTurn,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sample: bool = False,
 ) -> Prefilled:
     """Step 1 and 2: P computes the prompt (pulling the offered prefix first), and what it pulled. ``clock``:
-    the monotonic clock the pull's read window was opened on."""
+    the monotonic clock the pull's read window was opened on; ``sample``: P samples its token with the turn's
+    settings (it is the turn's first output)."""
     pull = turn.pull
     read_ms = pull.window.ms_left(clock()) if pull is not None and pull.window is not None else None
     started = time.perf_counter()
@@ -177,6 +282,7 @@ async def prefill(
             pull_options=turn.pull_options,
             chat=turn.chat,
             generations=pull.generations if pull is not None else None,
+            sampling=turn.sampling if sample else None,
         )
     )
     seconds = time.perf_counter() - started

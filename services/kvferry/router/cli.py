@@ -78,7 +78,7 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
     flags.add(
         "--max-attempts",
         "KVFERRY_ROUTER_MAX_ATTEMPTS",
-        "engine attempts per turn (retries happen only before the first token, by recompute)",
+        "engine attempts per turn (retries happen only before the decode engine's first token, by recompute)",
         type=int,
         default=_DEFAULTS.max_attempts,
     )
@@ -195,6 +195,15 @@ def configure(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         default="on" if _DEFAULTS.retention_index else "off",
         choices=("on", "off"),
     )
+    flags.add(
+        "--first-token-from-prefill",
+        "KVFERRY_ROUTER_FIRST_TOKEN_FROM_PREFILL",
+        "on: a streamed token or text turn shows the prefill engine's token as soon as it answers and the "
+        "decode engine continues after it (the time to first token is the prefill's alone); off: the decode "
+        "engine generates every token",
+        default="on" if _DEFAULTS.first_token_from_prefill else "off",
+        choices=("on", "off"),
+    )
     add_log_level_flag(flags)
     flags.add(
         "--event-loop",
@@ -236,6 +245,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_concurrent_streams=args.max_concurrent_streams,
         max_http_connections=args.max_http_connections,
         retention_index=args.retention_index == "on",
+        first_token_from_prefill=args.first_token_from_prefill == "on",
         # The service starts even with the registry away and syncs when it comes.
         startup_sync_seconds=3.0,
         metrics_address=args.metrics_address or None,

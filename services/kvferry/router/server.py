@@ -108,6 +108,8 @@ class RouterConfig:
     # retentions up there first; the router reports ready only once it is synced. False: every lookup
     # asks the registry (GetRetention), and readiness does not wait for an index.
     retention_index: bool = True
+    # A streamed token or text turn shows P's token first and D continues after it (kvferry.pd.sequence).
+    first_token_from_prefill: bool = True
     # Prometheus /metrics on its own address (also always at the HTTP API's /metrics); None: off.
     metrics_address: str | None = None
     # OTLP/gRPC collector for traces; None: tracing off (trace context still passes through).
@@ -305,6 +307,7 @@ async def start_router(
                 read_window_seconds=config.read_window_seconds,
                 turn_mark_seconds=config.turn_mark_seconds,
                 holder=router_holder(),
+                first_token_from_prefill=config.first_token_from_prefill,
                 tenant_limits=TenantLimitSettings(
                     max_concurrent_turns=config.max_turns_per_tenant,
                     tokens_per_second=config.tokens_per_second_per_tenant,

@@ -11,13 +11,16 @@
   4-6. plan the attempt (:func:`kvferry.router.plan.plan_turn`: the proven prefix, pull or recompute,
   the engines); 7. run :func:`kvferry.pd.sequence.prefill_then_decode`: prefill with ``max_tokens=1``
   (pulling the prefix if chosen), then stream the decode, marked so its connector retains the
-  conversation for the next turn; 8. wait (bounded) until the registry shows the new retention (seen in
-  the router's retention index, else asked), so the next turn - on any router replica - finds it;
-  9. clear the turn's mark (renewed meanwhile), before the client has the result, so its next turn is
-  never refused.
+  conversation for the next turn (a streamed token-prompt turn shows P's token first and D continues
+  after it: ``TurnSettings.first_token_from_prefill``); 8. wait (bounded) until the registry shows the
+  new retention (seen in the router's retention index, else asked), so the next turn - on any router
+  replica - finds it; 9. clear the turn's mark (renewed meanwhile), before the client has the result,
+  so its next turn is never refused.
 An engine failing before the first token reaches the client is retried once on other engines by
-recompute; after the first token the client gets a clear error. The retention is renewed every turn.
-The engines and the registry come in through ports (:class:`EnginePort`, :class:`RetentionPort`).
+recompute, and so is a decode that fails before its own output after P's token was shown (the retry
+continues after that token); after the decode's output the client gets a clear error. The retention is
+renewed every turn. The engines and the registry come in through ports (:class:`EnginePort`,
+:class:`RetentionPort`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,14 @@ from kvferry.pd.engine_api import (
 )
 from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
 from kvferry.pd.reuse import DEFAULT_READ_WINDOW_SECONDS, ReadWindow
-from kvferry.pd.sequence import Decoded, EngineTurn, Prefilled, prefill_then_decode
+from kvferry.pd.sequence import (
+    Decoded,
+    EngineTurn,
+    Prefilled,
+    PrefillToken,
+    prefill_then_decode,
+    with_first_token,
+)
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.router.limits import TenantLimits, TenantLimitSettings, TurnSlot
@@ -211,6 +221,9 @@ class TurnSettings:
     holder: str = ""
     # Per-tenant caps (turns in flight, tokens per second).
     tenant_limits: TenantLimitSettings = field(default_factory=TenantLimitSettings)
+    # A streamed token-prompt turn shows P's token first and D continues after it (kvferry.pd.sequence):
+    # the time to the first token is P's alone.
+    first_token_from_prefill: bool = True
 
 
 class EnginePort(Protocol):
@@ -655,6 +668,9 @@ class TurnRunner:
         failed: set[str] = set()
         retention = turn.retention
         window = turn.read_window
+        # P's token already shown when the decode after it failed: the retry continues after it.
+        shown: PrefillToken | None = None
+        ttft_ms = 0.0
         for attempt in range(1, self._settings.max_attempts + 1):
             plan = plan_turn(
                 turn.token_ids,
@@ -668,13 +684,20 @@ class TurnRunner:
                 exclude=frozenset(failed),
             )
             engine_turn = EngineTurn(
-                token_ids=turn.token_ids,
-                sampling=turn.sampling,
+                token_ids=turn.token_ids if shown is None else turn.token_ids + shown.token_ids,
+                sampling=turn.sampling
+                if shown is None
+                else dataclasses.replace(
+                    turn.sampling, max_tokens=turn.sampling.max_tokens - len(shown.token_ids)
+                ),
                 # Unretained turns still get a mark: the engine frees their blocks at once.
                 mark=mark if mark is not None else ReleaseMark(),
                 pull=plan.pull,
                 request_id=f"{turn.request_id}-{attempt}",
                 chat=turn.chat,
+                first_token_block_size=plan.decode.block_size
+                if self._settings.first_token_from_prefill and shown is None
+                else None,
             )
             computed = len(turn.token_ids) - engine_turn.offered_pull_tokens
             # Counted from the plan on (no await in between), so turns planned meanwhile see this one: P's
@@ -682,9 +705,10 @@ class TurnRunner:
             self._load.add_decode(plan.decode.engine_id, 1)
             self._load.add_prefill(plan.prefill.engine_id, computed)
             prefilled: Prefilled | None = None
+            handed: PrefillToken | None = None
             decoded: Decoded | None = None
+            # Output of this attempt's decode engine reached the client.
             emitted = False
-            ttft_ms = 0.0
             engines_started = time.perf_counter()
             try:
                 async with aclosing(
@@ -700,8 +724,12 @@ class TurnRunner:
                         if isinstance(event, Prefilled):
                             prefilled = event
                             self._load.add_prefill(plan.prefill.engine_id, -computed)
+                        elif isinstance(event, PrefillToken):
+                            handed = event
+                            ttft_ms = (time.perf_counter() - turn.started) * 1000
+                            yield TextOut(text=event.text, token_ids=event.token_ids)
                         elif isinstance(event, Decoded):
-                            decoded = event
+                            decoded = event if shown is None else with_first_token(shown, event)
                         elif not turn.request.stream:
                             # The whole answer at once: it is the first output.
                             emitted = True
@@ -711,7 +739,8 @@ class TurnRunner:
                         elif event.raw or event.token_ids or event.text:
                             if not emitted:
                                 emitted = True
-                                ttft_ms = (time.perf_counter() - turn.started) * 1000
+                                if not ttft_ms:
+                                    ttft_ms = (time.perf_counter() - turn.started) * 1000
                             if event.raw:
                                 yield ChatOut(event.raw)
                             else:
@@ -728,6 +757,9 @@ class TurnRunner:
                 # Before P answered the error is P's, after it D's.
                 engine, role = (plan.prefill, "prefill") if prefilled is None else (plan.decode, "decode")
                 failure = _engine_failure(engine, role, error)
+                if handed is not None and handed.finish_reason is not None:
+                    # P's token was the whole answer: the client has it; only D's retention is lost.
+                    emitted = True
                 if emitted or attempt == self._settings.max_attempts:
                     raise Unavailable(
                         f"{failure}"
@@ -737,7 +769,8 @@ class TurnRunner:
                             else f"; gave up after {attempt} attempts"
                         ),
                     ) from None
-                self._log_retry(turn, failure)
+                shown = shown or handed
+                self._log_retry(turn, failure, shown)
                 failed.add(failure.engine_id)
                 if failure.role == "prefill" and plan.pull is not None and plan.holder is not None:
                     # A prefill that fails while pulling may be the holder's fault (gone, unreachable).
@@ -816,10 +849,12 @@ class TurnRunner:
         )
         return result
 
-    def _log_retry(self, turn: PreparedTurn, failure: _EngineFailure) -> None:
+    def _log_retry(self, turn: PreparedTurn, failure: _EngineFailure, shown: PrefillToken | None) -> None:
         log.warning(
-            "engine failed before the first token; retrying by recompute",
+            "engine failed before its output; retrying by recompute",
             extra={
+                # Tokens the client already has (P's, handed over): the retry continues after them.
+                "continues_after_tokens": len(shown.token_ids) if shown is not None else 0,
                 "request_id": turn.request_id,
                 "conversation_id": turn.request.conversation_id,
                 "engine_id": failure.engine_id,
