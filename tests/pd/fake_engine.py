@@ -98,18 +98,27 @@ class FakeEngine:
             finish_reason=self.finish_reason if len(self.output) == 1 else "length",
         )
 
+    def _answer(self, request: DecodeRequest) -> tuple[int, ...]:
+        """``output``, or its rest when the prompt already ends with its first tokens (a decode continuing
+        after P's token), as a model's greedy answer continues."""
+        for shown in range(min(len(self.output), len(request.token_ids)), 0, -1):
+            if request.token_ids[-shown:] == self.output[:shown]:
+                return self.output[shown:]
+        return self.output
+
     async def decode_stream(self, request: DecodeRequest) -> AsyncGenerator[DecodeChunk, None]:
         request.transfer_params()
         self.decodes.append(request)
         self._check("decode")
         finished = False
+        output = self._answer(request)
         try:
-            for index, token in enumerate(self.output):
+            for index, token in enumerate(output):
                 if self.fail_after_tokens is not None and index >= self.fail_after_tokens:
                     raise EngineUnavailableError(self.base_url, ConnectionResetError("cut mid-stream"))
                 if self.stall is not None and index == 1:
                     await self.stall.wait()
-                finish = self.finish_reason if index == len(self.output) - 1 else None
+                finish = self.finish_reason if index == len(output) - 1 else None
                 if request.chat is not None:
                     # As the HTTP client hands a chat stream on: the event as is, its end read.
                     event = {"id": f"chatcmpl-{request.request_id}", "object": "chat.completion.chunk",
@@ -169,8 +178,9 @@ class FakeEngine:
         )
 
     def _usage(self, request: DecodeRequest) -> Usage:
-        usage = {"prompt_tokens": len(request.token_ids), "completion_tokens": len(self.output)}
-        return Usage(len(request.token_ids), len(self.output), body=usage)
+        completion = len(self._answer(request))
+        usage = {"prompt_tokens": len(request.token_ids), "completion_tokens": completion}
+        return Usage(len(request.token_ids), completion, body=usage)
 
 
 def render(chat: ChatRequest) -> str:

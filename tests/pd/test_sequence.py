@@ -185,8 +185,7 @@ async def test_closing_the_sequence_mid_stream_aborts_the_decode() -> None:
 
 
 def handing(**changes: object) -> EngineTurn:
-    # 40 prompt tokens in blocks of 16: the extra token does not start a new block.
-    return turn(first_token_block_size=16, **changes)
+    return turn(first_token_from_prefill=True, **changes)
 
 
 async def test_p_s_token_comes_first_and_d_continues_after_it() -> None:
@@ -211,11 +210,10 @@ async def test_p_s_token_comes_first_and_d_continues_after_it() -> None:
 @pytest.mark.parametrize(
     ("changes", "stream"),
     [
-        ({}, False),  # the whole answer at once: nothing to show early
-        ({"first_token_block_size": None}, True),
-        ({"first_token_block_size": 8}, True),  # 40 tokens fill their last block: P's would start one
-        ({"first_token_block_size": 16, "sampling": Sampling(max_tokens=1)}, True),
-        ({"first_token_block_size": 16, "sampling": Sampling(max_tokens=3, stop=("x",))}, True),
+        ({"first_token_from_prefill": True}, False),  # the whole answer at once: nothing to show early
+        ({}, True),
+        ({"first_token_from_prefill": True, "sampling": Sampling(max_tokens=1)}, True),
+        ({"first_token_from_prefill": True, "sampling": Sampling(max_tokens=3, stop=("x",))}, True),
     ],
 )
 async def test_d_decodes_every_token_when_p_s_cannot_be_handed_over(

@@ -424,9 +424,9 @@ async def one_engine_completion(engine_url: str, model: str, prompt: list[int]) 
 async def test_a_streamed_token_turn_shows_p_s_token_first_and_equals_one_engine_s_decode(
     routed: Routed,
 ) -> None:
-    """P's token is the first output and D continues after it (D's prompt is one token longer), with
-    reuse; a prompt that fills its last block exactly is decoded whole by D. Either way the tokens equal
-    one engine's greedy decode."""
+    """P's token is the first output and D continues after it (D's prompt is one token longer, D loads what
+    P computed and computes P's token itself), with reuse, and with a prompt that fills its last block
+    exactly (P's token starts a block P never computed). The tokens equal one engine's greedy decode."""
     model, block = routed.pair.model, routed.pair.block_size
     async with httpx.AsyncClient(base_url=routed.pair.prefill.http_url) as http:
         tokenized = await http.post("/tokenize", json={"model": model, "prompt": SYSTEM})
@@ -443,10 +443,9 @@ async def test_a_streamed_token_turn_shows_p_s_token_first_and_equals_one_engine
         before = await routed.pair.decode.metrics()
         _, tokens, summary = await generate(routed.stub(), request)
         after = await routed.pair.decode.metrics()
-        handed_over = len(prompt) % block != 0
-        assert handed_over == (turn < 3)
-        # D's prompt: the turn's, plus P's token when it was handed over.
-        assert after.prompt_tokens_total - before.prompt_tokens_total == len(prompt) + handed_over
+        assert (len(prompt) % block == 0) == (turn == 3)
+        # D's prompt: the turn's plus P's token.
+        assert after.prompt_tokens_total - before.prompt_tokens_total == len(prompt) + 1
         assert summary.turn == turn and summary.completion_tokens == MAX_TOKENS == len(tokens)
         assert summary.prompt_tokens == len(prompt)
         if turn > 1:

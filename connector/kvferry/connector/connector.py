@@ -282,8 +282,23 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                     request, params, "declined a pull: unusable generations, recomputing", problem=problem
                 )
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if count > 0 and params and params.get(vllm_params.DO_REMOTE_PREFILL):
+            count = self._loadable_from_prefill(params, num_computed_tokens, count)
+            if count == 0:
+                is_async = False
         self.accounting.on_matched(request.request_id, request.num_prompt_tokens, num_computed_tokens)
         return count, is_async
+
+    def _loadable_from_prefill(self, params: dict[str, Any], num_computed_tokens: int, count: int) -> int:
+        """D side: at most the tokens P computed. A decode whose prompt goes on past them (P's token, shown to
+        the client first, then appended: kvferry.pd.sequence) loads those and computes the rest itself; vLLM
+        alone would load the whole prompt, and one more block than P has when P's token starts a block."""
+        prefilled = vllm_params.remote_num_tokens(params)
+        if not prefilled:
+            # A P that does not say: what its blocks can hold.
+            groups = vllm_params.block_id_groups(params)
+            prefilled = len(groups[0]) * self.block_size if groups else 0
+        return max(0, min(count, prefilled - num_computed_tokens))
 
     def _check_read_window(self, request: Request, params: dict[str, Any]) -> None:
         """Declines the pull (P recomputes) when its read window has less than ``min_read_seconds`` left;

@@ -324,8 +324,6 @@ class _DirectEngines:
     model: str
     prefill_url: str
     decode_url: str
-    # D's KV block size: the direct path shows P's token first as the router does.
-    decode_block_size: int
 
 
 async def _engines_for_direct_path(registry_address: str, model: str) -> list[_DirectEngines]:
@@ -346,14 +344,7 @@ async def _engines_for_direct_path(registry_address: str, model: str) -> list[_D
                 if e.role in (resources_pb2.ENGINE_ROLE_DECODE, resources_pb2.ENGINE_ROLE_BOTH)
             ]
             if prefill and decode:
-                return [
-                    _DirectEngines(
-                        prefill[0].model,
-                        prefill[0].http_endpoint,
-                        decode[0].http_endpoint,
-                        decode[0].block_size,
-                    )
-                ]
+                return [_DirectEngines(prefill[0].model, prefill[0].http_endpoint, decode[0].http_endpoint)]
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no prefill + decode engine pair registered in {registry_address}")
             await asyncio.sleep(0.5)
@@ -416,11 +407,12 @@ async def _run_level(
         started = time.perf_counter()
         ttft = 0.0
         out: list[int] = []
+        # P's token first, as the router shows it.
         engine_turn = EngineTurn(
             token_ids=tuple(tokens),
             sampling=Sampling(max_tokens=args.max_tokens, ignore_eos=True),
             mark=mark,
-            first_token_block_size=pair.decode_block_size,
+            first_token_from_prefill=True,
         )
         async for event in prefill_then_decode(prefill, decode, engine_turn):
             if isinstance(event, DecodeChunk | PrefillToken):

@@ -8,18 +8,17 @@
 3. Decode on D with P's handoff and the mark: streamed (tokens as they come; closing the stream aborts the
    request on D) or not (D's answer then names the blocks it retained).
 
-P samples one token anyway. A streamed token-id turn that names D's block size
-(``EngineTurn.first_token_block_size``) makes it the turn's first output: P samples it with the turn's
-settings, the sequence yields it as soon as P answers (a :class:`PrefillToken`), and D continues after it (its
-prompt is the turn's plus that token, its budget one token less), so the time to the first token is P's alone,
-not P's plus D's pull of the prompt and D's first step. D still loads the prompt's KV from P: with one more
-prompt token, vLLM loads P's blocks and computes that last token itself, which holds while the extra token
-does not start a new block (so not when the prompt fills its last block exactly). Not with stop strings (one
-could span P's token and D's first, which D would not see), a budget of one token, or chat turns (the engines'
-tool and reasoning parsers must see every output token). A P token that ends the answer (end of sequence, a
-stop token) is the whole answer: D still decodes the prompt, one token it does not show, so that it retains
-the conversation. A P token with no complete text (part of a character) is not shown: D decodes from the
-prompt as usual.
+P samples one token anyway. A streamed token-id turn with ``EngineTurn.first_token_from_prefill`` makes it
+the turn's first output: P samples it with the turn's settings, the sequence yields it as soon as P answers (a
+:class:`PrefillToken`), and D continues after it (its prompt is the turn's plus that token, its budget one
+token less), so the time to the first token is P's alone, not P's plus D's pull of the prompt and D's first
+step. D loads the KV P computed and computes that one token itself: kvferry's connector on D loads no more
+than P computed (vLLM alone would load the whole prompt, and one block more than P has when P's token starts
+a block). Not with stop strings (one could span P's token and D's first, which D would not see), a budget of
+one token, or chat turns (the engines' tool and reasoning parsers must see every output token). A P token
+that ends the answer (end of sequence, a stop token) is the whole answer: D still decodes the prompt, one
+token it does not show, so that it retains the conversation. A P token with no complete text (part of a
+character) is not shown: D decodes from the prompt as usual.
 
 :func:`prefill_then_decode` yields :class:`Prefilled` once P answered, then P's token when handed over, then
 the decode's :class:`~kvferry.pd.engine_api.DecodeChunk` s, then :class:`Decoded`. An engine error before
@@ -82,21 +81,17 @@ class EngineTurn:
     # Served through the engines' chat endpoint (kvferry.pd.chat): templates, tool and reasoning parsers and
     # structured outputs run in the engines.
     chat: ChatRequest | None = None
-    # D's KV block size: given, a streamed turn may take its first token from P (module docs). None: D
-    # generates every token.
-    first_token_block_size: int | None = None
+    # A streamed turn may take its first token from P (module docs); needs kvferry's connector on D.
+    first_token_from_prefill: bool = False
 
     def hands_first_token_over(self, *, stream: bool) -> bool:
         """Whether P samples the turn's first output token, for D to continue after it (module docs)."""
-        block_size = self.first_token_block_size
         return (
             stream
-            and block_size is not None
-            and block_size > 0
+            and self.first_token_from_prefill
             and self.chat is None
             and not self.sampling.stop
             and self.sampling.max_tokens >= 2
-            and len(self.token_ids) % block_size != 0
         )
 
     @property

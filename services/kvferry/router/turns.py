@@ -695,9 +695,7 @@ class TurnRunner:
                 pull=plan.pull,
                 request_id=f"{turn.request_id}-{attempt}",
                 chat=turn.chat,
-                first_token_block_size=plan.decode.block_size
-                if self._settings.first_token_from_prefill and shown is None
-                else None,
+                first_token_from_prefill=self._settings.first_token_from_prefill and shown is None,
             )
             computed = len(turn.token_ids) - engine_turn.offered_pull_tokens
             # Counted from the plan on (no await in between), so turns planned meanwhile see this one: P's
