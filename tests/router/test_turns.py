@@ -696,3 +696,14 @@ def test_p_s_token_first_is_on_by_default_and_turned_off_by_flag_or_environment(
     assert config([], {}).first_token_from_prefill
     assert not config(["--first-token-from-prefill", "off"], {}).first_token_from_prefill
     assert not config([], {"KVFERRY_ROUTER_FIRST_TOKEN_FROM_PREFILL": "off"}).first_token_from_prefill
+
+
+async def test_a_decode_failing_after_p_s_token_ended_the_answer_still_answers(cluster: Cluster) -> None:
+    cluster.fakes["p1"].output = (0,)
+    cluster.fakes["p1"].finish_reason = "stop"
+    cluster.fakes["d1"].unreachable = True
+    texts, result = await cluster.turn(HANDING)
+    # The client has the whole answer; only its retention is lost, and the turn says so.
+    assert [t.token_ids for t in texts] == [(0,)]
+    assert (result.finish_reason, result.completion_tokens, result.turn) == ("stop", 1, 0)
+    assert len(cluster.fakes["d2"].decodes) == 0 and cluster.idle()

@@ -755,9 +755,27 @@ class TurnRunner:
                 # Before P answered the error is P's, after it D's.
                 engine, role = (plan.prefill, "prefill") if prefilled is None else (plan.decode, "decode")
                 failure = _engine_failure(engine, role, error)
-                if handed is not None and handed.finish_reason is not None:
-                    # P's token was the whole answer: the client has it; only D's retention is lost.
-                    emitted = True
+                if prefilled is not None and handed is not None and handed.finish_reason is not None:
+                    # P's token was the whole answer and the client has it: the turn is done, only D's
+                    # retention of it is lost (the previous one is renewed).
+                    log.warning(
+                        "the decode engine failed after the prefill's token ended the answer; not retained",
+                        extra={
+                            "request_id": turn.request_id,
+                            "conversation_id": turn.request.conversation_id,
+                            "engine_id": failure.engine_id,
+                            "error": str(failure.cause),
+                        },
+                    )
+                    answer = Decoded(handed.token_ids, handed.text, handed.finish_reason, None, None, 0.0)
+                    before_prefill_ms = (engines_started - turn.started) * 1000
+                    result = await self._finish(
+                        turn, plan, None, prefilled, answer, ttft_ms, before_prefill_ms
+                    )
+                    if turn.mark is not None:
+                        await self._release(turn.mark)
+                    yield result
+                    return
                 if emitted or attempt == self._settings.max_attempts:
                     raise Unavailable(
                         f"{failure}"
