@@ -278,9 +278,16 @@ async def test_without_sidecar_blocks_are_freed_at_the_hard_cap_while_idle(engin
     (first,) = await _run(engine_pair, conversation, TEXTS[:1])
     assert first.retained is not None
     request_id = first.retained.engine_request_id
-    (retained_event,) = [
-        e for e in engine_pair.decode.connector_events("retained") if e["request_id"] == request_id
-    ]
+    # The connector's log lines reach the file from its logging thread, possibly after D's answer.
+    retained_events: list[dict[str, object]] = []
+    settle = time.monotonic() + 10
+    while not retained_events and time.monotonic() < settle:
+        retained_events = [
+            e for e in engine_pair.decode.connector_events("retained") if e["request_id"] == request_id
+        ]
+        if not retained_events:
+            await asyncio.sleep(0.1)
+    (retained_event,) = retained_events
     # Without the registry's word the hard cap begins the end, and the blocks go a grace later
     # unconfirmed (nothing could confirm it).
     cap = engine_pair.settings.max_retention_seconds + engine_pair.settings.release_grace_seconds
