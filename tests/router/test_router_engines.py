@@ -73,20 +73,28 @@ def chat(
     )
 
 
-async def generate(
+async def generate_deltas(
     stub: router_grpc.RouterServiceStub, request: router_pb2.GenerateRequest, key: str = ACME
-) -> tuple[str, list[int], router_pb2.TurnSummary]:
-    text: list[str] = []
+) -> tuple[list[str], list[int], router_pb2.TurnSummary]:
+    """The turn's delta texts one by one, its tokens and its summary."""
+    texts: list[str] = []
     tokens: list[int] = []
     summary = None
     async for event in stub.Generate(request, metadata=metadata(key), timeout=300):
         if event.HasField("delta"):
-            text.append(event.delta.text)
+            texts.append(event.delta.text)
             tokens.extend(event.delta.token_ids)
         else:
             summary = event.summary
     assert summary is not None
-    return "".join(text), tokens, summary
+    return texts, tokens, summary
+
+
+async def generate(
+    stub: router_grpc.RouterServiceStub, request: router_pb2.GenerateRequest, key: str = ACME
+) -> tuple[str, list[int], router_pb2.TurnSummary]:
+    texts, tokens, summary = await generate_deltas(stub, request, key)
+    return "".join(texts), tokens, summary
 
 
 async def until(condition: Callable[[], bool], within: float) -> None:
@@ -404,23 +412,6 @@ async def test_client_disconnect_aborts_the_engine_request(routed: Routed) -> No
     assert nothing.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def first_delta_and_generate(
-    stub: router_grpc.RouterServiceStub, request: router_pb2.GenerateRequest
-) -> tuple[str, list[int], router_pb2.TurnSummary]:
-    """The text of the turn's first delta, its tokens and its summary."""
-    first_text: str | None = None
-    tokens: list[int] = []
-    summary = None
-    async for event in stub.Generate(request, metadata=metadata(), timeout=300):
-        if event.HasField("delta"):
-            first_text = event.delta.text if first_text is None else first_text
-            tokens.extend(event.delta.token_ids)
-        else:
-            summary = event.summary
-    assert summary is not None and first_text is not None
-    return first_text, tokens, summary
-
-
 async def one_engine_completion(engine_url: str, model: str, prompt: list[int]) -> list[int]:
     """The prompt decoded whole on one engine (no P/D): the reference a routed turn must equal."""
     async with httpx.AsyncClient(base_url=engine_url, timeout=300) as http:
@@ -458,8 +449,9 @@ async def test_a_streamed_token_turn_shows_p_s_token_first_and_equals_one_engine
             sampling=router_pb2.SamplingParams(max_tokens=MAX_TOKENS),
         )
         before = await routed.pair.decode.metrics()
-        first_text, tokens, summary = await first_delta_and_generate(routed.stub(), request)
+        texts, tokens, summary = await generate_deltas(routed.stub(), request)
         after = await routed.pair.decode.metrics()
+        first_text = texts[0]
         assert (len(prompt) % block == 0) == (turn == 3)
         # D's prompt: the turn's plus P's token (unless that token has no whole text of its own, a piece of a
         # character, which is not shown alone: D then decodes every token).

@@ -209,8 +209,8 @@ def _first_token(result: PrefillResult) -> PrefillToken | None:
 
 def with_first_token(first: PrefillToken, decoded: Decoded) -> Decoded:
     """The turn's :class:`Decoded`: P's token followed by D's (or P's alone when it ended the answer)."""
+    usage = decoded.usage
     if first.finish_reason is not None:
-        usage = decoded.usage
         return dataclasses.replace(
             decoded,
             token_ids=first.token_ids,
@@ -218,7 +218,7 @@ def with_first_token(first: PrefillToken, decoded: Decoded) -> Decoded:
             finish_reason=first.finish_reason,
             usage=None if usage is None else dataclasses.replace(usage, completion_tokens=1),
         )
-    usage = decoded.usage
+    shown = len(first.token_ids)
     return dataclasses.replace(
         decoded,
         token_ids=first.token_ids + decoded.token_ids,
@@ -227,8 +227,8 @@ def with_first_token(first: PrefillToken, decoded: Decoded) -> Decoded:
         if usage is None
         else dataclasses.replace(
             usage,
-            prompt_tokens=usage.prompt_tokens - len(first.token_ids),
-            completion_tokens=usage.completion_tokens + len(first.token_ids),
+            prompt_tokens=usage.prompt_tokens - shown,
+            completion_tokens=usage.completion_tokens + shown,
         ),
     )
 
