@@ -4,8 +4,9 @@ ended requests), lookups, renewals, releases, ends by the engine, deregistration
 against a model of what must be live.
 
 What it checks after every call: a lookup returns exactly the model's live record or NOT_FOUND; a
-record that ended (released, superseded, ended by its engine, expired on the registry's clock, engine
-gone) is never served or renewed again; a request its engine ended is never published again.
+record that ended (released, superseded, ended by its engine, engine gone) is never served or renewed
+again; a request its engine ended is never published again; the registry's clock moving ends nothing
+(expiry is etcd's lease alone, and the real leases outlive an example).
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ class Served:
     engine: str
     request: str
     turn: int
-    expire_at: float
 
 
 @dataclass
@@ -110,13 +110,10 @@ class RetentionStoreMachine(RuleBasedStateMachine):
     def stub(self) -> registry_grpc.RegistryServiceStub:
         return self.under_test.stub
 
-    def _now(self) -> float:
-        return self.under_test.clock.time()
-
     def _live(self, conversation: str) -> Served | None:
-        """The model's live record: ends by expiry as the registry's clock passes it."""
+        """The model's live record while its engine is registered (the registry's clock plays no part)."""
         served = self.live.get(conversation)
-        if served is not None and (served.expire_at <= self._now() or served.engine not in self.registered):
+        if served is not None and served.engine not in self.registered:
             del self.live[conversation]
             return None
         return served
@@ -182,7 +179,7 @@ class RetentionStoreMachine(RuleBasedStateMachine):
             return
         assert code == grpc.StatusCode.OK, code
         if current is None or current.request != request:
-            self.live[conversation] = Served(engine_id, request, turn, self._now() + RETENTION_TTL)
+            self.live[conversation] = Served(engine_id, request, turn)
 
     @rule(conversation=st.sampled_from(CONVERSATIONS))
     def lookup(self, conversation: str) -> None:
@@ -216,7 +213,6 @@ class RetentionStoreMachine(RuleBasedStateMachine):
             assert code == grpc.StatusCode.NOT_FOUND, code
             return
         assert code == grpc.StatusCode.OK, code
-        expected.expire_at = self._now() + RETENTION_TTL
 
     @rule(conversation=st.sampled_from(CONVERSATIONS))
     def release(self, conversation: str) -> None:
@@ -263,6 +259,7 @@ class RetentionStoreMachine(RuleBasedStateMachine):
 
     @rule(seconds=st.sampled_from([RETENTION_TTL / 2, RETENTION_TTL + 1]))
     def time_passes(self, seconds: float) -> None:
+        """The registry's clock jumps, even past a whole TTL: no record may end by it."""
         self.under_test.clock.offset += seconds
 
 

@@ -91,6 +91,15 @@ async def get(
     return response
 
 
+def as_published(retention: resources.Retention) -> resources.Retention:
+    """``retention`` without its ``expire_time``: a lookup or renewal answers the lease's end as of then
+    (etcd's whole seconds left), a publish the first end; everything else is the record as published."""
+    copy = resources.Retention()
+    copy.CopyFrom(retention)
+    copy.ClearField("expire_time")
+    return copy
+
+
 async def status_of(call: Awaitable[Any]) -> grpc.StatusCode:
     """The status a call fails with (OK when it succeeds)."""
     try:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 import pytest_asyncio
-from kvferry.registry.batching import TxnBatcher
+from kvferry.registry.batching import ReadBatcher, TxnBatcher
 from kvferry.registry.etcd import (
     Compare,
     EtcdGateway,
@@ -106,3 +106,23 @@ async def test_large_writes_are_split_under_etcds_request_limit(gateway: Countin
     for key in keys:
         stored = await gateway.get(key)
         assert stored is not None and stored.value == value
+
+
+async def test_concurrent_reads_share_flat_read_only_calls(gateway: CountingGateway) -> None:
+    """Reads go out as one flat transaction of reads, which etcd serves without a raft entry (a nested
+    one would be written to its WAL like a write; test_renewal_cost.py measures the WAL): many reads,
+    each its own answer, one revision each."""
+    writes = TxnBatcher(gateway)
+    keys = [_key(f"r{index}") for index in range(150)]
+    await asyncio.gather(*(writes.txn([], [Put(key, key)]) for key in keys[::2]))
+    reads = ReadBatcher(gateway)
+    calls_before = gateway.calls
+    answers = await asyncio.gather(*(reads.read(Get(key), Get(keys[0], keys_only=True)) for key in keys))
+    # 150 callers of 2 gets each, the shared one sent once per call: at most 127 callers a call.
+    assert gateway.calls - calls_before <= 3
+    for index, (own, shared) in enumerate(answers):
+        found = own.first
+        assert (found.value if found is not None else None) == (keys[index] if index % 2 == 0 else None)
+        assert shared.first is not None and shared.first.value == b"" and own.revision == shared.revision
+    with pytest.raises(ValueError):
+        await reads.read()

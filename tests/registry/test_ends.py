@@ -1,10 +1,9 @@
-"""Ends the registry and the engines agree on (issue 13): one definition of "expired" for lookups,
-renewals and releases; an engine ending its own retention (EndEngineRetention) for good; a watch
-that lost history cutting its streams off so their clients resync.
+"""Ends the registry and the engines agree on (issue 13): expiry is etcd's lease alone, never a
+replica's clock, for lookups, renewals and releases; an engine ending its own retention
+(EndEngineRetention) for good; a watch that lost history cutting its streams off so their clients
+resync.
 
-Real etcd, real registries. Expiry tests drive the retention store with a clock of their own (the
-registry's clock passing a record's ``expire_time`` while its etcd lease is still alive, as after
-an etcd restart or leader change, which give leases a fresh TTL).
+Real etcd, real registries. Expiry tests drive the retention store with a clock of their own.
 """
 
 from __future__ import annotations
@@ -75,62 +74,53 @@ async def _published(replica: Replica, ttl_seconds: int = 60) -> resources.Reten
     return published.retention
 
 
-# --- one definition of "expired" ------------------------------------------------------------------
+# --- no clock judges expiry: the lease does -------------------------------------------------------
 
 
-async def test_a_record_past_its_expiry_is_not_renewed_though_its_lease_lives(
+async def test_a_registry_clock_far_ahead_neither_ends_nor_refuses_a_live_retention(
     replicas: tuple[Replica, Replica],
 ) -> None:
-    first, _ = replicas
-    stored = await _published(first)
-    first.clock.skew(stored.ttl_seconds + 1)  # the lease in etcd still has its whole TTL
-    with pytest.raises(NotFound):
-        await first.retentions.renew_retention(stored.tenant, stored.conversation_id)
-    # Ended in etcd, not only refused: a registry whose clock is behind does not bring it back.
-    first.clock.skew(-(stored.ttl_seconds + 1))
-    with pytest.raises(NotFound):
-        await first.retentions.renew_retention(stored.tenant, stored.conversation_id)
-    with pytest.raises(NotFound):
-        await first.retentions.get_retention(stored.tenant, stored.conversation_id)
-
-
-async def test_an_expiry_seen_by_a_lookup_holds_for_a_renewal_on_another_replica(
-    replicas: tuple[Replica, Replica],
-) -> None:
-    """The sidecar's sweep looks a retention up on one replica, finds it expired and tells its engine to
-    free the blocks; a client's renewal on another replica (whose clock lags) must not revive it."""
+    """The sidecar's sweep looks a retention up on one replica and a client renews it on another: both
+    ask etcd whether the lease still holds the record, so no replica's clock can end a retention the
+    other still renews (an engine then freeing blocks the registry serves) or revive one etcd ended."""
     sweeping, renewing = replicas
     stored = await _published(renewing)
-    # The renewing replica knows the record (its cache), so it would renew without reading etcd.
-    await renewing.retentions.get_retention(stored.tenant, stored.conversation_id)
+    await renewing.retentions.get_retention(stored.tenant, stored.conversation_id)  # now cached there
     sweeping.clock.skew(stored.ttl_seconds + 1)
-    with pytest.raises(NotFound):
-        await sweeping.retentions.get_retention(stored.tenant, stored.conversation_id)
-    renewing.clock.skew(stored.ttl_seconds - 1)  # not yet expired by this replica's clock
-    with pytest.raises(NotFound):
-        await renewing.retentions.renew_retention(stored.tenant, stored.conversation_id)
-    with pytest.raises(NotFound):
-        await renewing.retentions.get_retention(stored.tenant, stored.conversation_id)
+    found = await sweeping.retentions.get_retention(stored.tenant, stored.conversation_id)
+    assert found.retention.engine_request_id == stored.engine_request_id
+    renewing.clock.skew(-(stored.ttl_seconds + 1))
+    renewed = await renewing.retentions.renew_retention(stored.tenant, stored.conversation_id)
+    assert renewed.retention.engine_request_id == stored.engine_request_id
+    # Each answers the lease's end on its own clock: what etcd says is left, added to its own now.
+    left = found.retention.expire_time.ToNanoseconds() / 1e9 - sweeping.clock.time()
+    assert stored.ttl_seconds - 2 <= left <= stored.ttl_seconds
 
 
-async def test_releasing_an_expired_record_finds_nothing_and_watchers_hear_expired(
+async def test_a_lease_that_ran_out_is_gone_for_every_replica_and_no_renewal_revives_it(
     replicas: tuple[Replica, Replica],
 ) -> None:
-    first, _ = replicas
-    stored = await _published(first)
+    first, second = replicas
+    stored = await _published(first, ttl_seconds=2)  # etcd's shortest lease
+    # Both replicas know the record (their caches), so neither would read the record again.
+    await first.retentions.get_retention(stored.tenant, stored.conversation_id)
+    await second.retentions.get_retention(stored.tenant, stored.conversation_id)
     hub = RetentionEventHub(first.gateway, first.retentions.layout, first.clock)
     try:
         async with hub.subscribe(stored.engine_id) as subscription:
-            first.clock.skew(stored.ttl_seconds + 1)
-            with pytest.raises(NotFound):
-                await first.retentions.release_retention(
-                    stored.tenant, stored.conversation_id, resources.RELEASE_REASON_RELEASED
-                )
             event = await asyncio.wait_for(anext(aiter(subscription.events())), 10)
     finally:
         await hub.close()
     assert (event.type, event.reason) == (api.RETENTION_EVENT_TYPE_ENDED, resources.RELEASE_REASON_EXPIRED)
-    assert event.retention.engine_request_id == stored.engine_request_id
+    for replica in (first, second):
+        with pytest.raises(NotFound):
+            await replica.retentions.renew_retention(stored.tenant, stored.conversation_id)
+        with pytest.raises(NotFound):
+            await replica.retentions.get_retention(stored.tenant, stored.conversation_id)
+        with pytest.raises(NotFound):
+            await replica.retentions.release_retention(
+                stored.tenant, stored.conversation_id, resources.RELEASE_REASON_RELEASED
+            )
 
 
 # --- EndEngineRetention -------------------------------------------------------------------------

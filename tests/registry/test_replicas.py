@@ -56,9 +56,9 @@ async def test_lookups_on_one_replica_see_changes_made_through_the_other(
     before = found.retention.expire_time.ToNanoseconds()
     renewed = await second.retentions.renew_retention("t", "c")
     assert renewed.retention.expire_time.ToNanoseconds() >= before
-    assert (
-        await first.retentions.get_retention("t", "c")
-    ).retention.expire_time == renewed.retention.expire_time
+    # The renewal wrote nothing; the other replica reads the lease's end from etcd (whole seconds left).
+    seen = (await first.retentions.get_retention("t", "c")).retention.expire_time.ToNanoseconds()
+    assert abs(seen - renewed.retention.expire_time.ToNanoseconds()) <= 1.5e9
 
     # The first renews with a stale view of the lease: it still renews the live turn.
     await second.retentions.publish_retention(retention("t", "c", "e-2", turn=3))

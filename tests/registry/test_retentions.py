@@ -15,7 +15,17 @@ from kvferry.v1 import resources_pb2 as resources
 from kvferry.v1.registry_service_pb2_grpc import RegistryServiceStub
 
 from tests.fixtures.registry import RegistryHandle, unique
-from tests.registry.builders import EventStream, Stores, engine, get, publish, register, retention, status_of
+from tests.registry.builders import (
+    EventStream,
+    Stores,
+    as_published,
+    engine,
+    get,
+    publish,
+    register,
+    retention,
+    status_of,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,8 +57,10 @@ async def test_publish_then_get_returns_the_stored_retention(registry: RegistryH
 
     found = await get(stub, tenant, conversation)
     assert found.header.revision >= published.header.revision
-    assert found.retention == published.retention
-    assert found.retention.expire_time.seconds > found.retention.publish_time.seconds
+    assert as_published(found.retention) == as_published(published.retention)
+    # The lookup tells the lease's end as etcd counts it (whole seconds left): the first end or a little less.
+    first_end = published.retention.expire_time.ToNanoseconds() / 1e9
+    assert first_end - 2 <= found.retention.expire_time.ToNanoseconds() / 1e9 <= first_end + 0.5
 
 
 async def test_published_block_generations_come_back_as_published(registry: RegistryHandle) -> None:
@@ -130,12 +142,11 @@ async def test_renewal_keeps_a_retention_alive_past_its_first_ttl(registry: Regi
             assert renewed.ttl_seconds == SHORT_TTL
             assert renewed.header.revision > 0
         found = await get(stub, tenant, conversation)
-        event = await watch.next()
-    assert found.retention.expire_time.ToNanoseconds() > first_expiry
-    assert event.type == api.RETENTION_EVENT_TYPE_RENEWED
-    assert event.retention.expire_time.ToNanoseconds() > first_expiry
-    # Without renewals it now runs out.
-    await asyncio.sleep(SHORT_TTL + 1.5)
+        assert found.retention.expire_time.ToNanoseconds() > first_expiry
+        # Without renewals it now runs out. Watchers heard nothing of the renewals (they write nothing):
+        # the first event is the end.
+        event = await watch.next(within=SHORT_TTL + 5)
+    assert (event.type, event.reason) == (api.RETENTION_EVENT_TYPE_ENDED, resources.RELEASE_REASON_EXPIRED)
     await _expect_missing(stub, tenant, conversation)
 
 
@@ -175,7 +186,7 @@ async def test_a_turn_not_newer_than_the_live_one_is_refused_but_an_exact_retry_
     first = await publish(stub, retention(tenant, conversation, engine_id, turn=2))
 
     retry = await publish(stub, retention(tenant, conversation, engine_id, turn=2))
-    assert retry.retention == first.retention
+    assert retry.retention == first.retention  # the record as published, its first end included
     older = retention(tenant, conversation, engine_id, turn=1)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await publish(stub, older)
@@ -184,7 +195,7 @@ async def test_a_turn_not_newer_than_the_live_one_is_refused_but_an_exact_retry_
     same_turn_other_request = retention(tenant, conversation, engine_id, turn=2)
     same_turn_other_request.engine_request_id = "another-request"
     assert await status_of(publish(stub, same_turn_other_request)) == grpc.StatusCode.FAILED_PRECONDITION
-    assert (await get(stub, tenant, conversation)).retention == first.retention
+    assert as_published((await get(stub, tenant, conversation)).retention) == as_published(first.retention)
 
 
 async def test_publish_on_an_unregistered_engine_is_refused(registry: RegistryHandle) -> None:
@@ -269,7 +280,7 @@ async def test_no_tenant_reads_renews_or_releases_another_tenants_conversation(
     # The same conversation id under another tenant is another conversation.
     theirs = await publish(stub, retention(intruder, conversation, engine_id, turn=1))
     assert theirs.superseded_turn == 0
-    assert (await get(stub, owner, conversation)).retention == mine.retention
+    assert as_published((await get(stub, owner, conversation)).retention) == as_published(mine.retention)
     assert (await get(stub, intruder, conversation)).retention.tenant == intruder
 
 

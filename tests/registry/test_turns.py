@@ -269,7 +269,7 @@ async def test_the_mark_reads_after_itself_what_it_did_not_guess(
         assert await retained("kvf-b") == (4, f"req-{conv}-4")
         cached = records.get(live_key)
         assert cached is not None and cached.stored.retention.engine_id == second
-        await gateway.txn([], [Delete(layout.renewal(ConversationKey(tenant, conv)))])
+        await gateway.txn([], [Delete(layout.holder(ConversationKey(tenant, conv)))])
         assert await retained("kvf-c") == (4, f"req-{conv}-4")
         await register(stub, second, ttl_seconds=30)  # a new incarnation: the record counts as none
         assert await retained("kvf-d") == (0, "")

@@ -5,7 +5,6 @@ registry's snapshot after a router restart. The lookup rules themselves: test_re
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import grpc
@@ -36,7 +35,7 @@ def lookups(router: RunningRouter, path: str) -> float:
 
 def indexed_turn(router: RunningRouter, conversation_id: str) -> int:
     assert router.index is not None
-    found = router.index.find(TENANT, conversation_id, time.time())
+    found = router.index.find(TENANT, conversation_id)
     return found.turn if found is not None else 0
 
 

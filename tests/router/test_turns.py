@@ -176,7 +176,6 @@ class Cluster:
             registry=self.registry,
             settings=self.settings,
             clock=lambda: self.now,
-            wall_clock=lambda: self.now,
             index=self.index,
         )
 

@@ -32,6 +32,7 @@ from tests.fixtures.sidecar import (
     SidecarHandle,
     StandInEngineFactory,
 )
+from tests.registry.builders import as_published
 from tests.sidecar.conftest import RestartableRegistry
 from tests.sidecar.helpers import (
     RENEWED,
@@ -347,7 +348,7 @@ async def test_report_retention_publishes_with_the_engine_id_filled_in(
     found = await registry.stub().GetRetention(
         registry_pb2.GetRetentionRequest(tenant=tenant, conversation_id=conversation), timeout=5
     )
-    assert found.retention == stored
+    assert as_published(found.retention) == as_published(stored)
     status = sidecar.sidecar.status()
     assert (status.retentions, status.retained_blocks) == (1, len(reported.block_ids))
     assert _sample(sidecar, "kvferry_retained_blocks", engine=sidecar.engine_id) == len(reported.block_ids)
@@ -424,13 +425,20 @@ async def test_watch_releases_sync_then_renewed_then_ended(
             sync.live_engine_request_ids
         )
 
-        renewed = await registry.stub().RenewRetention(
-            registry_pb2.RenewRetentionRequest(tenant=tenant, conversation_id=first), timeout=5
-        )
+        # Renewals write nothing, so the registry's stream never tells of them: once the short one's first
+        # lease end has passed, the sidecar's sweep asks the registry and passes the renewed end on.
+        async def keep_renewing(seconds: float) -> None:
+            renewal = registry_pb2.RenewRetentionRequest(tenant=tenant, conversation_id=short)
+            for _ in range(int(seconds / 0.5)):
+                await registry.stub().RenewRetention(renewal, timeout=5)
+                await asyncio.sleep(0.5)
+
+        renewing = asyncio.create_task(keep_renewing(4.0))
         event = await releases.next_matching(
-            lambda e: e.type == RENEWED and e.engine_request_id == kept.engine_request_id
+            lambda e: e.type == RENEWED and e.engine_request_id == expiring.engine_request_id, within=10
         )
-        assert event.expire_time == renewed.expire_time
+        assert event.expire_time.ToNanoseconds() > expiring.expire_time.ToNanoseconds()
+        await renewing
 
         await registry.stub().ReleaseRetention(
             registry_pb2.ReleaseRetentionRequest(tenant=tenant, conversation_id=second), timeout=5

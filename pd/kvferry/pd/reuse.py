@@ -53,9 +53,13 @@ class ReadWindow:
     closes_at: float
 
     @classmethod
-    def opened(cls, looked_up_at: float, window_seconds: float, lease_seconds_left: float) -> ReadWindow:
+    def opened(
+        cls, looked_up_at: float, window_seconds: float, lease_seconds_left: float = math.inf
+    ) -> ReadWindow:
         """The window of a retention looked up at ``looked_up_at`` (monotonic, taken *before* asking): the
-        read window, or less when the lease ends sooner."""
+        read window, or less when the holder's lease ends sooner (a holder that frees at its lease's end
+        on its own; a registry-governed retention is freed only after the registry ended it, plus a grace
+        longer than any read window, so its window needs no lease bound)."""
         return cls(looked_up_at + max(0.0, min(window_seconds, lease_seconds_left)))
 
     def seconds_left(self, now: float) -> float:

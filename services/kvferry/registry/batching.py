@@ -1,6 +1,10 @@
-"""Concurrent transactions sent to etcd as one: fewer client calls when the registry is busy.
+"""Concurrent etcd calls sent as one: fewer client calls when the registry is busy.
 
-Each call is a transaction of its own (compares, then success or failure operations). While
+``ReadBatcher``: concurrent reads go out as one flat transaction of reads. etcd serves a transaction
+whose operations are all reads like a read (linearizable, no raft entry, nothing in its WAL); one
+that nests other transactions goes through raft like a write, so reads are never nested.
+
+``TxnBatcher``: each call is a transaction of its own (compares, then success or failure operations). While
 one batch is in flight, new calls queue; the next batch carries them all as nested
 transactions of one etcd transaction, each still judged by its own compares. A lone call goes
 out at once, unchanged, so an idle registry pays no delay. A gRPC call from Python costs about
@@ -19,10 +23,11 @@ import asyncio
 from collections.abc import Sequence
 
 from kvferry.registry.errors import EtcdFailure
-from kvferry.registry.etcd import Compare, EtcdGateway, LeaseNotFound, Op, Txn, TxnResult
+from kvferry.registry.etcd import Compare, EtcdGateway, Get, LeaseNotFound, Op, RangeResult, Txn, TxnResult
 
 # Operations at one level of an etcd transaction are capped (--max-txn-ops, default 128).
 MAX_BATCH = 100
+MAX_TXN_OPS = 128
 # Bytes of keys and values in one batch; a single larger call still goes out, alone.
 MAX_BATCH_BYTES = 1024 * 1024
 
@@ -105,3 +110,54 @@ class TxnBatcher:
             return
         if not future.done():
             future.set_result(result)
+
+
+class ReadBatcher:
+    """Concurrent reads sent as one flat read-only transaction (at most ``max_ops`` reads, a repeated read
+    sent once); a lone read goes out at once. Every read of one batch is of the same revision."""
+
+    def __init__(self, etcd: EtcdGateway, max_ops: int = MAX_TXN_OPS) -> None:
+        self._etcd = etcd
+        self._max_ops = max_ops
+        self._pending: list[tuple[Sequence[Get], asyncio.Future[list[RangeResult]]]] = []
+        self._drainer: asyncio.Task[None] | None = None
+
+    async def read(self, *gets: Get) -> list[RangeResult]:
+        """What each of ``gets`` found, in order, all at one revision (``RangeResult.revision``)."""
+        if not 0 < len(gets) <= self._max_ops:
+            raise ValueError(f"a read takes 1 to {self._max_ops} gets, not {len(gets)}")
+        future: asyncio.Future[list[RangeResult]] = asyncio.get_running_loop().create_future()
+        self._pending.append((gets, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain(), name="etcd-read-batcher")
+        return await future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch: list[tuple[Sequence[Get], asyncio.Future[list[RangeResult]]]] = []
+            positions: dict[Get, int] = {}
+            while self._pending:
+                gets = self._pending[0][0]
+                fresh = {get for get in gets if get not in positions}
+                if batch and len(positions) + len(fresh) > self._max_ops:
+                    break
+                for get in gets:
+                    positions.setdefault(get, len(positions))
+                batch.append(self._pending.pop(0))
+            await self._send(batch, positions)
+
+    async def _send(
+        self, batch: list[tuple[Sequence[Get], asyncio.Future[list[RangeResult]]]], positions: dict[Get, int]
+    ) -> None:
+        try:
+            response = await self._etcd.txn([], list(positions))
+        except BaseException as error:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            if isinstance(error, asyncio.CancelledError):
+                raise
+            return
+        for gets, future in batch:
+            if not future.done():
+                future.set_result([response.range(positions[get]) for get in gets])

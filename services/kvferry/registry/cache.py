@@ -1,18 +1,16 @@
 """What this registry last read or wrote for each conversation, to spare etcd round trips.
 
-Never trusted on its own: every use sends an etcd compare (the key's mod revision or lease and
-the engine's lease) in the same transaction as the read or write, so a stale entry only costs
-the round trip it was meant to save.
+Never trusted on its own: every use checks, in the same etcd read or transaction, that the key
+was not written since (its mod revision or lease) and that the engine's lease is the same, so a
+stale entry only costs the round trip it was meant to save.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvferry.registry.records import StoredRetention
-from kvferry.v1 import resources_pb2 as resources
 
 # Per-entry bookkeeping beyond the record bytes (dict slot, key, small objects).
 _OVERHEAD_BYTES = 256
@@ -25,8 +23,6 @@ class CachedRetention:
     lease: int
     mod_revision: int
     size: int
-    # The renewal summary this registry last wrote (the latest expiry it knows); None: never renewed here.
-    renewal: resources.Retention | None = None
 
 
 class RetentionCache:
@@ -62,12 +58,6 @@ class RetentionCache:
         while self._bytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.size
-
-    def renewed(self, key: bytes, renewal: resources.Retention) -> None:
-        """Remembers the renewal written for a cached record (the record itself never changes)."""
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries[key] = dataclasses.replace(entry, renewal=renewal)
 
     def drop(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)

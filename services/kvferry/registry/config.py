@@ -45,7 +45,7 @@ class RegistryConfig:
     ttl: TtlPolicy = field(default_factory=TtlPolicy)
     log_level: str = "info"
     # etcd history kept for watches to resume after an outage; older revisions are compacted
-    # (every renewal writes a revision: without compaction etcd fills its quota). 0: never.
+    # (every publish, end and turn mark writes revisions: without compaction etcd fills its quota). 0: never.
     history_seconds: int = 600
     # Prometheus /metrics on this host:port (port 0: any free one); None: not served.
     metrics_address: str | None = None

@@ -146,7 +146,7 @@ Compare = ModRevisionIs | LeaseIs
 # --- operations -------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Get:
     """Reads ``key``, or ``[key, range_end)`` when ``range_end`` is given (at most ``limit``, 0: all)."""
 
@@ -785,6 +785,18 @@ class EtcdGateway:
         if response.TTL <= 0:
             raise LeaseNotFound(f"lease {lease_id:x} not found")
         return LeaseRenewal(int(response.TTL), int(response.header.revision))
+
+    async def time_to_live(self, lease_id: int) -> int:
+        """Seconds the lease has left (a read: etcd writes nothing). Raises LeaseNotFound when it is gone."""
+        response = await self._call(
+            "lease_time_to_live",
+            "a lease time-to-live query",
+            self._lease.LeaseTimeToLive,
+            rpc.LeaseTimeToLiveRequest(ID=lease_id),
+        )
+        if response.TTL <= 0:
+            raise LeaseNotFound(f"lease {lease_id:x} not found")
+        return int(response.TTL)
 
     # --- watch ------------------------------------------------------------------------------
 

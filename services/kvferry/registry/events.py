@@ -1,15 +1,14 @@
 """Retention events per engine: one etcd watch, fanned out to every WatchRetentions stream.
 
-The watch covers ``retention/`` (live records, renewals and tombstones) with previous values, so
-each event explains itself:
+The watch covers ``retention/`` (live records and tombstones) with previous values, so each event
+explains itself:
 
 - DELETE of a live key, with a tombstone PUT in the same revision: ENDED with the tombstone's
   reason (RELEASED, EVICTED, ENGINE_GONE);
 - DELETE of a live key without one: the lease ran out, ENDED with EXPIRED;
 - PUT over a live key held by another lease: the older turn ENDED with SUPERSEDED;
-- PUT of a renewal key: RENEWED, with the new expiry (the retention without its blocks: a
-  renewal ships the same few bytes whatever the conversation's length);
 - PUT over a live key under the same lease (a registry from before immutable records): RENEWED;
+  renewals now write nothing (a lease keep-alive), so watchers never hear of them;
 - PUT of a live key: PUBLISHED, the whole record, to streams of every engine only
   (WatchAllRetentions, which starts with a snapshot of every live retention).
 
@@ -224,20 +223,6 @@ class RetentionEventHub:
             if event.type is EventType.PUT:
                 tombstones[(layout.conversation_of_tombstone(key), revision)] = decode_tombstone(kv.value)
             return
-        if key.startswith(layout.renewals):
-            # Written under the record's own lease by a publish (no previous value, or the older
-            # turn's under another lease) and rewritten by each renewal (same lease): RENEWED.
-            if event.type is EventType.PUT and prev_kv is not None and prev_kv.lease == kv.lease:
-                renewed = decode_record(kv.value).retention
-                conversation = layout.conversation_of_renewal(key)
-                renewed.tenant = conversation.tenant
-                renewed.conversation_id = conversation.conversation_id
-                renewed.name = conversation.name
-                unspecified = resources.RELEASE_REASON_UNSPECIFIED
-                self._publish(
-                    RetentionEvent(registry.RETENTION_EVENT_TYPE_RENEWED, renewed, unspecified, 0.0, revision)
-                )
-            return  # its deletion goes with the record's, which says why
         if not key.startswith(layout.live_retentions):
             return
         if event.type is EventType.PUT and ALL_ENGINES in self._subscribers:

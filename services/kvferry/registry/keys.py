@@ -3,7 +3,7 @@
     {prefix}engines/{engine_id}                              Engine          engine lease
     {prefix}retention/live/{tenant}/{conversation_id}        stored record   the retention's lease
     {prefix}retention/ended/{tenant}/{conversation_id}       tombstone       the retention's lease
-    {prefix}retention/renewed/{tenant}/{conversation_id}     renewal         the retention's lease
+    {prefix}retention-holders/{tenant}/{conversation_id}     holder          the retention's lease
     {prefix}engine-retentions/{engine_id}/{tenant}/{conversation_id}
                                                              incarnation     the retention's lease
     {prefix}ended-requests/{engine_id}/{engine_request_id}   tombstone       a lease of its own
@@ -12,12 +12,12 @@
 
 Ids are restricted to ``[A-Za-z0-9._:-]`` (kvferry.runtime.ids), so ``/`` separates fields
 unambiguously. The tenant is part of every retention key: no request names another tenant's
-conversation. ``live``, ``ended`` and ``renewed`` share the ``retention/`` prefix so one watch
-sees a deletion and its tombstone in the same revision, and every renewal.
+conversation. ``live`` and ``ended`` share the ``retention/`` prefix so one watch sees a deletion
+and its tombstone in the same revision.
 
-A live record is written once (publish) and never rewritten: a renewal keeps its lease alive and
-writes only the small ``renewed`` key (the new expiry and the record's identity, no blocks), so
-what a renewal writes to etcd and ships on the watch does not grow with the conversation.
+A live record and its holder (the record's identity without its blocks, read by renewals) are
+written once, by the publish, and deleted together. A renewal only keeps their lease alive: it
+writes nothing to etcd and ships nothing on a watch, whatever the conversation's length.
 """
 
 from __future__ import annotations
@@ -80,11 +80,11 @@ class KeyLayout:
         return self.tombstones + f"{conversation.tenant}/{conversation.conversation_id}".encode()
 
     @property
-    def renewals(self) -> bytes:
-        return self.retention_events + b"renewed/"
+    def holders(self) -> bytes:
+        return f"{self.prefix}retention-holders/".encode()
 
-    def renewal(self, conversation: ConversationKey) -> bytes:
-        return self.renewals + f"{conversation.tenant}/{conversation.conversation_id}".encode()
+    def holder(self, conversation: ConversationKey) -> bytes:
+        return self.holders + f"{conversation.tenant}/{conversation.conversation_id}".encode()
 
     @staticmethod
     def _conversation(tail: bytes) -> ConversationKey:
@@ -96,9 +96,6 @@ class KeyLayout:
 
     def conversation_of_tombstone(self, key: bytes) -> ConversationKey:
         return self._conversation(key[len(self.tombstones) :])
-
-    def conversation_of_renewal(self, key: bytes) -> ConversationKey:
-        return self._conversation(key[len(self.renewals) :])
 
     # per-engine index
     @property

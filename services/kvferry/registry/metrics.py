@@ -23,7 +23,16 @@ from kvferry.v1 import resources_pb2 as resources
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 # The etcd calls the gateway makes, as ``op`` labels of kvferry_etcd_errors_total (etcd's RPC names).
-ETCD_OPS = ("range", "txn", "compact", "lease_grant", "lease_revoke", "lease_keepalive", "watch")
+ETCD_OPS = (
+    "range",
+    "txn",
+    "compact",
+    "lease_grant",
+    "lease_revoke",
+    "lease_keepalive",
+    "lease_time_to_live",
+    "watch",
+)
 
 
 class RegistryMetrics:

@@ -6,9 +6,9 @@ published). A lookup accepts the record only while that same incarnation is regi
 re-registered engine (a restart, whose KV blocks are gone) never serves retentions from before
 (rule 3 of docs/design.md).
 
-A record is immutable; a renewal writes a renewal value instead: the same header and a summary
-of the record (``renewal_summary``: holder, turn, TTL, the new ``expire_time``), a size bounded by
-the ids, whatever the number of blocks.
+A record is immutable. Beside it the publish writes its holder: the same header and a summary of
+the record (``holder_summary``: engine, request, turn, size, TTL, no blocks), which renewals read
+instead of the record, a size bounded by the ids whatever the number of blocks.
 """
 
 from __future__ import annotations
@@ -43,15 +43,15 @@ def decode_record(value: bytes) -> StoredRetention:
     return StoredRetention(retention=retention, engine_incarnation=incarnation)
 
 
-def encode_renewal(retention: resources.Retention, engine_incarnation: int) -> bytes:
-    """A renewal value: the new ``expire_time`` and what names the retention's holder, no blocks."""
-    return encode_record(renewal_summary(retention), engine_incarnation)
+def encode_holder(retention: resources.Retention, engine_incarnation: int) -> bytes:
+    """A holder value: what names the retention's holder and its lease's TTL, no blocks."""
+    return encode_record(holder_summary(retention), engine_incarnation)
 
 
-def renewal_summary(retention: resources.Retention) -> resources.Retention:
-    """What a renewal writes and watchers see: the holder (engine, request, turn), the size in
-    tokens, TTL and expiry. Tenant, conversation and name are in the key (``KeyLayout.renewal``);
-    a few dozen bytes whatever the number of blocks."""
+def holder_summary(retention: resources.Retention) -> resources.Retention:
+    """What a renewal needs and answers: the holder (engine, request, turn), the size in tokens, the
+    TTL and the first expiry. Tenant, conversation and name are in the key (``KeyLayout.holder``); a
+    few dozen bytes whatever the number of blocks."""
     return resources.Retention(
         engine_id=retention.engine_id,
         engine_request_id=retention.engine_request_id,

@@ -6,15 +6,17 @@ etcd transaction guarded by compares, so a concurrent change is never overwritte
 - publishing turn N+1 writes the record and its engine-index entry and drops the older engine's
   entry, guarded by the record's revision and the engine's lease (its incarnation);
 - a lookup or renewal holds only while the engine incarnation that published it is registered
-  (rule 3), checked in the same transaction, so correctness never depends on the reaper;
+  (rule 3), checked in the same read, so correctness never depends on the reaper;
 - ending a retention writes a tombstone with the reason under the retention's lease and deletes
-  the record and its index entry (``end_operations``, shared with the reaper);
-- a record is written once and never rewritten: a renewal keeps its lease alive and writes the
-  new expiry to the record's small renewal key (``records.encode_renewal``, no blocks), so its
-  cost in etcd bytes and watch traffic does not grow with the conversation;
-- a record is expired when its ``expire_time`` (the later of the record's and its renewal's) has
-  passed (``is_expired``, the one definition); whichever call finds it so first ends it in etcd,
-  so nothing renews it back to life;
+  the record, its holder and its index entry (``end_operations``, shared with the reaper);
+- a record and its holder (``records.encode_holder``: the record without its blocks) are written
+  once and never rewritten. A renewal is a lease keep-alive plus a read that the lease still holds
+  the record: etcd writes nothing (neither is a raft entry), watchers see nothing, whatever the
+  conversation's length;
+- a retention lives exactly as long as its record: the lease running out is etcd deleting the
+  record (watchers see ENDED, EXPIRED). No clock judges expiry; ``expire_time`` in an answer is when
+  the lease runs out unless renewed (etcd's count), a figure for clients. An etcd leader change or
+  restart gives leases a fresh TTL: retentions then live longer, never again once deleted;
 - an engine ending its own retention (``end_engine_retention``) also leaves a marker that refuses
   any later publish of that engine request, so a publish still in flight cannot bring it back.
 
@@ -30,21 +32,20 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from kvferry.registry import validation
-from kvferry.registry.batching import TxnBatcher
+from kvferry.registry.batching import ReadBatcher, TxnBatcher
 from kvferry.registry.cache import RetentionCache
 from kvferry.registry.config import TtlPolicy
 from kvferry.registry.etcd import (
     Delete,
     EtcdGateway,
     Get,
-    KeyValue,
     Lease,
     LeaseIs,
     LeaseNotFound,
+    LeaseRenewal,
     ModRevisionIs,
     Op,
     Put,
-    TxnResult,
     prefix_end,
 )
 from kvferry.registry.keys import ConversationKey, KeyLayout
@@ -53,11 +54,11 @@ from kvferry.registry.records import (
     StoredRetention,
     decode_engine,
     decode_record,
+    encode_holder,
     encode_incarnation,
     encode_record,
-    encode_renewal,
     encode_tombstone,
-    renewal_summary,
+    holder_summary,
 )
 from kvferry.registry.txn_retry import TXN_ATTEMPTS as _TXN_ATTEMPTS
 from kvferry.registry.txn_retry import until_settled
@@ -103,40 +104,12 @@ class EngineEnd:
 
 @dataclass(frozen=True)
 class _LiveRecord:
-    """A live record as read (with its latest expiry): its lease, the revisions that wrote it and
-    its renewal (0: never renewed), and the revision of the read."""
+    """A live record as read: its lease, the revision that wrote it, and the revision of the read."""
 
     stored: StoredRetention
     lease: int
     mod_revision: int
-    renewal_revision: int
     revision: int
-
-
-def with_renewal(stored: StoredRetention, lease: int, renewal: KeyValue | None) -> StoredRetention:
-    """The record with the expiry its renewal key holds (a renewal of this record: same lease)."""
-    if renewal is None or renewal.lease != lease:
-        return stored
-    renewed = decode_record(renewal.value).retention
-    if renewed.expire_time.ToNanoseconds() <= stored.retention.expire_time.ToNanoseconds():
-        return stored
-    retention = resources.Retention()
-    retention.CopyFrom(stored.retention)
-    retention.expire_time.CopyFrom(renewed.expire_time)
-    return StoredRetention(retention, stored.engine_incarnation)
-
-
-def is_expired(retention: resources.Retention, now: float) -> bool:
-    """The one definition of an expired retention: its ``expire_time`` has passed on the registry's clock.
-
-    ``retention`` is the record as read with its renewal key (``with_renewal``): the latest expiry.
-
-    The lease alone does not say it: etcd deletes an expired lease's keys up to ~0.5 s late, and an
-    etcd restart or leader change restores leases with a fresh TTL. Lookups, renewals, releases and
-    the sidecar's sweep (a lookup) all judge a record by this, and whichever finds it expired first
-    ends it in etcd (EXPIRED): no later renewal brings it back.
-    """
-    return retention.expire_time.ToNanoseconds() <= now * 1e9
 
 
 def end_operations(
@@ -154,7 +127,7 @@ def end_operations(
     return [
         Put(layout.tombstone(conversation), encode_tombstone(reason, end_time), lease),
         Delete(layout.live(conversation)),
-        Delete(layout.renewal(conversation)),
+        Delete(layout.holder(conversation)),
         Delete(layout.engine_index(engine_id, conversation)),
     ]
 
@@ -212,7 +185,7 @@ class RetentionStore:
         self._metrics = metrics if metrics is not None else RegistryMetrics()
         self._cache = RetentionCache(cache_bytes)
         # The hot paths (publish, lookup, renew) share etcd calls when they arrive together.
-        self._reads = TxnBatcher(etcd)
+        self._reads = ReadBatcher(etcd)
         self._writes = TxnBatcher(etcd)
 
     @property
@@ -270,17 +243,16 @@ class RetentionStore:
         engine_key = self.layout.engine(retention.engine_id)
         live_key = self.layout.live(conversation)
         ended_key = self.layout.ended_request(retention.engine_id, retention.engine_request_id)
-        renewal_key = self.layout.renewal(conversation)
-        snapshot = await self._reads.txn(
-            [], [Get(engine_key), Get(live_key), Get(ended_key), Get(renewal_key)]
+        engine_read, live_read, ended_read = await self._reads.read(
+            Get(engine_key), Get(live_key), Get(ended_key, keys_only=True)
         )
-        engine_kv, live_kv = snapshot.range(0).first, snapshot.range(1).first
+        engine_kv, live_kv = engine_read.first, live_read.first
         if engine_kv is None:
             raise FailedPrecondition(
                 f"engine {retention.engine_id} is not registered; register it (RegisterEngine) before "
                 "publishing its retentions"
             )
-        if snapshot.range(2).first is not None:
+        if ended_read.first is not None:
             raise _ended_by_engine(retention)
         incarnation = engine_kv.lease
         if expected_incarnation and expected_incarnation != incarnation:
@@ -294,18 +266,13 @@ class RetentionStore:
         live_revision = 0
         if live_kv is not None:
             live_revision = live_kv.mod_revision
-            current = with_renewal(decode_record(live_kv.value), live_kv.lease, snapshot.range(3).first)
-            # An expired record is not live (is_expired: the one definition), though etcd may keep it a
-            # while: a new request replaces it whatever its turn. Its own retry does not revive it.
-            replaceable = is_expired(current.retention, self._clock.time()) and not _is_same_publish(
-                current.retention, retention
-            )
-            if current.retention.turn >= retention.turn and not replaceable:
+            current = decode_record(live_kv.value)
+            if current.retention.turn >= retention.turn:
                 if (
                     _is_same_publish(current.retention, retention)
                     and current.engine_incarnation == incarnation
                 ):
-                    return PublishedRetention(current.retention, 0, snapshot.revision)
+                    return PublishedRetention(current.retention, 0, live_read.revision)
                 raise FailedPrecondition(
                     f"conversation {conversation.conversation_id} of tenant {conversation.tenant} "
                     f"already retains turn {current.retention.turn} "
@@ -330,8 +297,8 @@ class RetentionStore:
             Put(live_key, record, lease.id),
             Put(index_key, encode_incarnation(incarnation), lease.id),
         ]
-        # The renewal key starts with the record (replacing an older turn's): renewals read it alone.
-        operations.append(Put(renewal_key, encode_renewal(stored, incarnation), lease.id))
+        # The holder goes with the record (replacing an older turn's): renewals read it alone.
+        operations.append(Put(self.layout.holder(conversation), encode_holder(stored, incarnation), lease.id))
         committed = await self._writes.txn(
             [
                 LeaseIs(engine_key, incarnation),
@@ -351,157 +318,113 @@ class RetentionStore:
     # --- lookup ---------------------------------------------------------------------------
 
     async def get_retention(self, tenant: str, conversation_id: str) -> FoundRetention:
-        """The conversation's live retention; NOT_FOUND unless its lease and its engine are both alive
-        and it has not expired (an expired record found here is ended in etcd).
+        """The conversation's live retention, its ``expire_time`` when its lease runs out unless renewed;
+        NOT_FOUND unless its record exists (its lease alive) and its engine incarnation is registered.
 
-        One round trip when this registry knows the record: a transaction compares the record's
-        revision and the engine's lease, and reads both only when either changed.
+        Reads only (etcd writes nothing): the record's and engine's keys in one read when this registry
+        knows the record, sent with a query of the lease's time to live.
         """
         conversation = validation.conversation_key(tenant, conversation_id)
-        for _ in range(_TXN_ATTEMPTS):
+        cached = self._cache.get(self.layout.live(conversation))
+        cached_lease = cached.lease if cached is not None else 0
+        asked = asyncio.ensure_future(self._seconds_left(cached_lease)) if cached_lease else None
+        try:
             record = await self._read_live(conversation)
-            if not is_expired(record.stored.retention, self._clock.time()):
-                retention = resources.Retention()
-                retention.CopyFrom(record.stored.retention)
-                return FoundRetention(retention, record.revision)
-            if await self._end_expired(conversation, record):
-                raise _no_retention(conversation)
-        raise Aborted(f"conversation {conversation_id} changed concurrently while looking it up; retry")
+            if asked is not None and record.lease == cached_lease:
+                seconds_left = await asked
+            else:
+                seconds_left = await self._seconds_left(record.lease)
+        finally:
+            if asked is not None and not asked.done():
+                asked.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ServiceError):
+                    await asked
+        if seconds_left is None:
+            # The lease ran out after the read: etcd is deleting the record (watchers see EXPIRED).
+            self._cache.drop(self.layout.live(conversation))
+            raise _no_retention(conversation)
+        retention = resources.Retention()
+        retention.CopyFrom(record.stored.retention)
+        retention.expire_time.CopyFrom(to_timestamp(self._clock.time() + seconds_left))
+        return FoundRetention(retention, record.revision)
+
+    async def _seconds_left(self, lease: int) -> int | None:
+        """The lease's time to live; None once it is gone."""
+        try:
+            return await self.etcd.time_to_live(lease)
+        except LeaseNotFound:
+            return None
 
     async def _read_live(self, conversation: ConversationKey) -> _LiveRecord:
         """The live record while its engine incarnation is registered; NotFound otherwise."""
         live_key = self.layout.live(conversation)
-        renewal_key = self.layout.renewal(conversation)
         cached = self._cache.get(live_key)
-        engine_kv: KeyValue | None = None
         if cached is not None:
-            # The record never changes while it lives: only its (small) renewal is read.
+            # The record never changes while it lives: its revision and the engine's lease are read alone.
             engine_key = self.layout.engine(cached.stored.retention.engine_id)
-            checked = await self._reads.txn(
-                [
-                    ModRevisionIs(live_key, cached.mod_revision),
-                    LeaseIs(engine_key, cached.stored.engine_incarnation),
-                ],
-                [Get(renewal_key)],
-                [Get(live_key), Get(engine_key), Get(renewal_key)],
+            live_read, engine_read = await self._reads.read(
+                Get(live_key, keys_only=True), Get(engine_key, keys_only=True)
             )
-            if checked.succeeded:
-                renewal = checked.range(0).first
-                return _LiveRecord(
-                    with_renewal(cached.stored, cached.lease, renewal),
-                    cached.lease,
-                    cached.mod_revision,
-                    renewal.mod_revision if renewal is not None else 0,
-                    checked.revision,
-                )
-            live_kv, engine_kv, revision = checked.range(0).first, checked.range(1).first, checked.revision
-            renewal = checked.range(2).first
-        else:
-            read = await self._reads.txn([], [Get(live_key), Get(renewal_key)])
-            live_kv, renewal, revision = read.range(0).first, read.range(1).first, read.revision
+            live_kv, engine_kv = live_read.first, engine_read.first
+            if (
+                live_kv is not None
+                and live_kv.mod_revision == cached.mod_revision
+                and engine_kv is not None
+                and engine_kv.lease == cached.stored.engine_incarnation
+            ):
+                return _LiveRecord(cached.stored, cached.lease, cached.mod_revision, live_read.revision)
+        (live_read,) = await self._reads.read(Get(live_key))
+        live_kv = live_read.first
         if live_kv is None:
             self._cache.drop(live_key)
             raise _no_retention(conversation)
-        record = decode_record(live_kv.value)
-        self._cache.put(live_key, record, live_kv.lease, live_kv.mod_revision, len(live_kv.value))
-        stored = with_renewal(record, live_kv.lease, renewal)
-        if cached is None or cached.stored.retention.engine_id != stored.retention.engine_id:
-            # The engine this record names was not read yet.
-            engine = await self._reads.txn([], [Get(self.layout.engine(stored.retention.engine_id))])
-            engine_kv, revision = engine.range(0).first, engine.revision
+        stored = decode_record(live_kv.value)
+        self._cache.put(live_key, stored, live_kv.lease, live_kv.mod_revision, len(live_kv.value))
+        (engine_read,) = await self._reads.read(
+            Get(self.layout.engine(stored.retention.engine_id), keys_only=True)
+        )
+        engine_kv = engine_read.first
         if engine_kv is None or engine_kv.lease != stored.engine_incarnation:
             raise NotFound(
                 f"conversation {conversation.conversation_id} of tenant {conversation.tenant} was retained "
                 f"on engine {stored.retention.engine_id}, which left the registry; recompute"
             )
-        renewal_revision = renewal.mod_revision if renewal is not None else 0
-        return _LiveRecord(stored, live_kv.lease, live_kv.mod_revision, renewal_revision, revision)
-
-    async def _end_expired(self, conversation: ConversationKey, record: _LiveRecord) -> bool:
-        """Ends a record found expired (EXPIRED), guarded by the revisions of the record and its
-        renewal as read: a renewal that landed meanwhile (judged unexpired elsewhere) stands.
-
-        True when the record is gone now; False when it changed since the read (judge it again).
-        """
-        live_key = self.layout.live(conversation)
-        self._cache.drop(live_key)
-        retention = record.stored.retention
-        ending = end_operations(
-            self.layout,
-            conversation,
-            retention.engine_id,
-            record.lease,
-            resources.RELEASE_REASON_EXPIRED,
-            self._clock.time(),
-        )
-        try:
-            committed = await self.etcd.txn(
-                [
-                    ModRevisionIs(live_key, record.mod_revision),
-                    ModRevisionIs(self.layout.renewal(conversation), record.renewal_revision),
-                ],
-                ending,
-            )
-        except LeaseNotFound:
-            return True  # its lease ran out meanwhile, and etcd deleted it
-        if not committed.succeeded:
-            return False
-        self._metrics.released(resources.RELEASE_REASON_EXPIRED)
-        log.info(
-            "expired retention ended",
-            extra={
-                "tenant": conversation.tenant,
-                "conversation_id": conversation.conversation_id,
-                "engine_id": retention.engine_id,
-                "engine_request_id": retention.engine_request_id,
-            },
-        )
-        await self.etcd.revoke_quietly(record.lease, "expired retention")
-        return True
+        return _LiveRecord(stored, live_kv.lease, live_kv.mod_revision, engine_read.revision)
 
     # --- renewal ----------------------------------------------------------------------------
 
     async def renew_retention(self, tenant: str, conversation_id: str) -> FoundRetention:
-        """Extends the retention's lease and records the new expiry (watchers see RENEWED).
+        """Keeps the retention's lease alive; the answer's ``expire_time`` is when it runs out now.
 
-        The record itself is never read nor rewritten: a renewal reads and writes the record's
-        small renewal key (holder, turn, expiry; no blocks), guarded by the record's lease, so it
-        costs the same whatever the conversation's length. An expired record is not renewed
-        (NOT_FOUND) but ended. One round trip (a keep-alive and a guarded put, sent together) when
-        this registry knows the retention; a small read first otherwise.
+        Nothing is written to etcd nor shipped to watchers, whatever the conversation's length: a
+        lease keep-alive (not a raft entry) sent with a read that the lease still holds the record and
+        that the engine incarnation which published it is registered; NOT_FOUND otherwise. One round
+        trip when this registry knows the record; a small read of its holder first otherwise.
         """
         conversation = validation.conversation_key(tenant, conversation_id)
         live_key = self.layout.live(conversation)
         cached = self._cache.get(live_key)
         if cached is not None:
-            current = (
-                cached.renewal if cached.renewal is not None else renewal_summary(cached.stored.retention)
-            )
-            # A renewal elsewhere only moves the expiry later: unexpired here is unexpired in etcd.
-            if not is_expired(current, self._clock.time()):
-                state = StoredRetention(current, cached.stored.engine_incarnation)
-                renewed = await self._renew_once(conversation, state, cached.lease)
-                if renewed is not None:
-                    return renewed
-        self._cache.drop(live_key)
+            state = StoredRetention(holder_summary(cached.stored.retention), cached.stored.engine_incarnation)
+            renewed = await self._renew_once(conversation, state, cached.lease)
+            if renewed is not None:
+                return renewed
+            self._cache.drop(live_key)
         for _ in range(_TXN_ATTEMPTS):
-            live, renewal = await self._renewal_state(conversation)
+            live_read, holder_read = await self._reads.read(
+                Get(live_key, keys_only=True), Get(self.layout.holder(conversation))
+            )
+            live, holder = live_read.first, holder_read.first
             if live is None:
                 raise _no_retention(conversation)
-            if renewal is not None and renewal.lease == live.lease:
-                state = decode_record(renewal.value)
-            else:  # a record from before renewal keys were written at publish: read it once
+            if holder is not None and holder.lease == live.lease:
+                state = decode_record(holder.value)
+            else:  # a record published by a registry from before holders: read it once
                 record_kv = await self.etcd.get(live_key)
                 if record_kv is None or record_kv.lease != live.lease:
                     continue
                 record = decode_record(record_kv.value)
-                state = StoredRetention(renewal_summary(record.retention), record.engine_incarnation)
-            if is_expired(state.retention, self._clock.time()):
-                renewal_revision = renewal.mod_revision if renewal is not None else 0
-                expired = _LiveRecord(state, live.lease, live.mod_revision, renewal_revision, 0)
-                if await self._end_expired(conversation, expired):
-                    raise _no_retention(conversation)
-                continue
+                state = StoredRetention(holder_summary(record.retention), record.engine_incarnation)
             renewed = await self._renew_once(conversation, state, live.lease)
             if renewed is None:
                 raise NotFound(
@@ -515,7 +438,7 @@ class RetentionStore:
         self, conversations: Sequence[tuple[str, str]]
     ) -> list[FoundRetention | ServiceError]:
         """Renews many conversations at once (one client's batch): each as ``renew_retention``, the
-        etcd calls shared (keep-alives on one stream, the puts batched into few transactions).
+        etcd calls shared (keep-alives on few streams, the reads batched into few read-only calls).
 
         Answers in order, a failure per conversation as its error (the others still renew).
         """
@@ -531,63 +454,36 @@ class RetentionStore:
                 raise outcome
         return answers
 
-    async def _get_live(self, conversation: ConversationKey) -> tuple[KeyValue | None, KeyValue | None]:
-        """The record and its renewal, read together."""
-        read = await self._reads.txn(
-            [], [Get(self.layout.live(conversation)), Get(self.layout.renewal(conversation))]
-        )
-        return read.range(0).first, read.range(1).first
-
-    async def _renewal_state(self, conversation: ConversationKey) -> tuple[KeyValue | None, KeyValue | None]:
-        """The record's key (its lease and revision, not its value) and its renewal, read together."""
-        read = await self._reads.txn(
-            [], [Get(self.layout.live(conversation), keys_only=True), Get(self.layout.renewal(conversation))]
-        )
-        return read.range(0).first, read.range(1).first
-
     async def _renew_once(
         self, conversation: ConversationKey, state: StoredRetention, lease: int
     ) -> FoundRetention | None:
-        """Renews ``lease`` and writes the new expiry to the renewal key if the record still holds
-        the conversation; else None. ``state`` is the renewal summary (``records.renewal_summary``).
-
-        The guard is the record's lease: whoever ended the record (expiry included) deleted it first.
-        """
+        """Renews ``lease`` if it still holds the conversation's record and the engine incarnation of
+        ``state`` (the holder) is registered; else None."""
         live_key = self.layout.live(conversation)
-        summary = resources.Retention()
-        summary.CopyFrom(state.retention)
-        # A keep-alive restores the granted TTL; the renewal says so.
-        summary.expire_time.CopyFrom(to_timestamp(self._clock.time() + summary.ttl_seconds))
-        engine_key = self.layout.engine(summary.engine_id)
-        renewal, update = await asyncio.gather(
+        engine_key = self.layout.engine(state.retention.engine_id)
+        kept, read = await asyncio.gather(
             self.etcd.keep_alive_once(lease),
-            self._writes.txn(
-                [LeaseIs(live_key, lease), LeaseIs(engine_key, state.engine_incarnation)],
-                [
-                    Put(
-                        self.layout.renewal(conversation),
-                        encode_renewal(summary, state.engine_incarnation),
-                        lease,
-                    )
-                ],
-            ),
+            self._reads.read(Get(live_key, keys_only=True), Get(engine_key, keys_only=True)),
             return_exceptions=True,
         )
-        for outcome in (renewal, update):
+        for outcome in (kept, read):
             if isinstance(outcome, LeaseNotFound):
                 return None
             if isinstance(outcome, BaseException):
                 raise outcome
-        assert isinstance(update, TxnResult)  # failures were raised above
-        if not update.succeeded:
+        assert isinstance(kept, LeaseRenewal) and isinstance(read, list)  # failures were raised above
+        live_kv, engine_kv = read[0].first, read[1].first
+        if live_kv is None or live_kv.lease != lease:
+            return None
+        if engine_kv is None or engine_kv.lease != state.engine_incarnation:
             return None
         self._metrics.lease_renewed(LEASE_RETENTION)
-        self._cache.renewed(live_key, summary)
         answer = resources.Retention()
-        answer.CopyFrom(summary)
+        answer.CopyFrom(state.retention)
+        answer.expire_time.CopyFrom(to_timestamp(self._clock.time() + kept.ttl_seconds))
         answer.tenant, answer.conversation_id = conversation.tenant, conversation.conversation_id
         answer.name = conversation.name
-        return FoundRetention(answer, update.revision)
+        return FoundRetention(answer, read[0].revision)
 
     # --- release ----------------------------------------------------------------------------
 
@@ -602,26 +498,19 @@ class RetentionStore:
 
         With ``engine_request_id``, only if the live record is that request (else FailedPrecondition):
         the record is checked here and the deletion is guarded by that record's revision, so a turn
-        published after the check fails the transaction and is checked again, never released. An
-        expired record is ended as EXPIRED and answers NOT_FOUND, as a lookup would.
+        published after the check fails the transaction and is checked again, never released.
         """
         reason = validation.release_reason(reason)
         conversation = validation.conversation_key(tenant, conversation_id)
         if engine_request_id:
             validation.require_id("engine_request_id", engine_request_id)
         live_key = self.layout.live(conversation)
-        kv, renewal = await self._get_live(conversation)
+        (live_read,) = await self._reads.read(Get(live_key))
+        kv = live_read.first
         for _ in range(_TXN_ATTEMPTS):
             if kv is None:
                 raise _no_retention(conversation)
-            stored = with_renewal(decode_record(kv.value), kv.lease, renewal)
-            if is_expired(stored.retention, self._clock.time()):
-                renewal_revision = renewal.mod_revision if renewal is not None else 0
-                record = _LiveRecord(stored, kv.lease, kv.mod_revision, renewal_revision, 0)
-                if await self._end_expired(conversation, record):
-                    raise _no_retention(conversation)
-                kv, renewal = await self._get_live(conversation)
-                continue
+            stored = decode_record(kv.value)
             if engine_request_id and stored.retention.engine_request_id != engine_request_id:
                 raise _other_request_live(conversation, stored.retention, engine_request_id)
             ending = end_operations(
@@ -632,7 +521,7 @@ class RetentionStore:
                     [ModRevisionIs(live_key, kv.mod_revision)],
                     ending,
                     # Lost the race (a newer turn): judge the record that won, no extra read.
-                    [Get(live_key), Get(self.layout.renewal(conversation))],
+                    [Get(live_key)],
                 )
             except LeaseNotFound:
                 raise _no_retention(conversation) from None
@@ -642,7 +531,7 @@ class RetentionStore:
                 # The lease now holds only the tombstone; revoking it drops the tombstone too.
                 await self.etcd.revoke_quietly(kv.lease, "released retention")
                 return committed.revision
-            kv, renewal = committed.range(0).first, committed.range(1).first
+            kv = committed.range(0).first
         raise Aborted(f"conversation {conversation_id} changed concurrently while releasing; retry")
 
     # --- every live retention ---------------------------------------------------------------
@@ -650,16 +539,12 @@ class RetentionStore:
     async def snapshot(
         self, page_size: int = SNAPSHOT_PAGE
     ) -> AsyncIterator[tuple[list[resources.Retention], int]]:
-        """Every live record with its latest expiry, in pages, each with the revision it was read at.
+        """Every live record as published (``expire_time``: its lease's first end; renewals do not
+        change records), in pages, each with the revision it was read at.
 
         Pages are separate reads: a change meanwhile may or may not show; a watch opened before the
         snapshot tells what changed since (WatchAllRetentions).
         """
-        expiries: dict[bytes, KeyValue] = {}
-        renewals = self.layout.renewals
-        async for page in self.etcd.scan(renewals, prefix_end(renewals), page_size=SNAPSHOT_PAGE * 10):
-            for kv in page.kvs:
-                expiries[kv.key[len(renewals) :]] = kv
         live = self.layout.live_retentions
         async for page in self.etcd.scan(live, prefix_end(live), page_size=page_size):
             retentions = []
@@ -669,8 +554,7 @@ class RetentionStore:
                 except ValueError as error:  # includes protobuf's DecodeError
                     log.error("undecodable retention record skipped", extra={"error": str(error)})
                     continue
-                renewal = expiries.get(kv.key[len(live) :])
-                retentions.append(with_renewal(stored, kv.lease, renewal).retention)
+                retentions.append(stored.retention)
             yield retentions, page.revision
 
     # --- an engine ending its own retention ----------------------------------------------------

@@ -8,7 +8,7 @@ router that dies stops renewing, and etcd drops the mark within the lease.
 
 Taking a mark is one transaction that writes the mark only if no mark exists, under a lease granted ahead
 (:class:`LeasePool`: a grant is an etcd write of its own, which would double the time a turn waits), and
-reads the conversation's retention record (its renewal key: engine, incarnation, turn and request in a
+reads the conversation's retention record (its holder: engine, incarnation, turn and request in a
 few dozen bytes, not the record's blocks) and its engine's registration at the same revision: the
 record's turn and request (``retained_turn``, ``retained_request_id``) tell the caller whether a lookup it
 made concurrently is still current. A record counts only while the engine incarnation that published it
@@ -208,9 +208,9 @@ class TurnStore:
         )
         cached = self._records.get(self.layout.live(conversation))
         engine_guess = cached.stored.retention.engine_id if cached is not None else None
-        # The record's key without its value (up to ~170 KB at 128k tokens) and its renewal key, which holds
+        # The record's key without its value (up to ~170 KB at 128k tokens) and its holder, which holds
         # all the answer needs (engine, incarnation, turn, request) in a few dozen bytes.
-        reads = [Get(self.layout.live(conversation), keys_only=True), Get(self.layout.renewal(conversation))]
+        reads = [Get(self.layout.live(conversation), keys_only=True), Get(self.layout.holder(conversation))]
         if engine_guess is not None:
             reads.append(Get(self.layout.engine(engine_guess)))
         try:
@@ -252,17 +252,15 @@ class TurnStore:
     async def _servable_record(
         self, conversation: ConversationKey, written: TxnResult, engine_guess: str | None, request_id: str
     ) -> resources.Retention | None:
-        """The conversation's record as the mark's transaction saw it (its renewal summary: engine, turn,
+        """The conversation's record as the mark's transaction saw it (its holder: engine, turn,
         request), or None: no record, its engine incarnation not registered (rule 3), or what the
         transaction did not read cannot be read now."""
         live = written.range(1).first
         if live is None:
             return None
-        renewal = written.range(2).first
-        # Written with the record, under its lease; a record from before renewal keys were has none.
-        summary = (
-            decode_record(renewal.value) if renewal is not None and renewal.lease == live.lease else None
-        )
+        holder = written.range(2).first
+        # Written with the record, under its lease; a record from before holders were has none.
+        summary = decode_record(holder.value) if holder is not None and holder.lease == live.lease else None
         if summary is not None and summary.retention.engine_id == engine_guess:
             engine = written.range(3).first
         else:
@@ -288,7 +286,7 @@ class TurnStore:
 
         Read after the mark: an incarnation registered now was registered at the mark's revision too (one that
         ended never comes back; an etcd gone back in time is refused by the gateway). Without ``summary`` (a
-        record with no renewal key), the record read now stands for it if it is the one the mark saw (same
+        record with no holder), the record read now stands for it if it is the one the mark saw (same
         revision: a record is never rewritten), and its engine is read next.
         """
         live_key = self.layout.live(conversation)

@@ -1,11 +1,13 @@
 """The router's local retention index: every live retention, fed by one registry watch.
 
 ``WatchAllRetentions`` sends a snapshot (one PUBLISHED per live retention, then SYNCED), then every
-publish, renewal and end. The index answers a lookup in process (a dict read); it is a hint, never
-the authority: the registry stays authoritative and the pull-time generation fence catches a stale
-record (a stale miss costs a recompute). Each router replica keeps its own; ``ready`` is set once the
-first snapshot is complete (report ready only then), and a broken stream is opened again, its
-snapshot replacing the index when complete. While the stream is broken (until the new snapshot is
+publish and end. A retention lives until its end (its lease running out is one: ENDED, EXPIRED);
+renewals write nothing and send nothing, so the index keeps no expiry of its own. The index answers
+a lookup in process (a dict read); it is a hint, never the authority: the registry stays
+authoritative and the pull-time generation fence catches a stale record (a stale miss costs a
+recompute). Each router replica keeps its own; ``ready`` is set once the first snapshot is complete
+(report ready only then), and a broken stream is opened again, its snapshot replacing the index when
+complete. While the stream is broken (until the new snapshot is
 complete) the index is not ``serving``: lookups go to the registry.
 
 :class:`RetentionLookups` is a turn's lookup: the index when it is serving and holds the conversation,
@@ -19,7 +21,6 @@ below it is old news (the snapshot is read after the watch starts, so some event
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -39,11 +40,11 @@ RESYNC_BACKOFF = BackoffPolicy(initial_seconds=0.2, max_seconds=5.0)
 @dataclass(slots=True)
 class IndexEntry:
     # The whole record, converted when it arrives (off the turn's path: converting a 128k-token record's
-    # block ids and digests takes around a millisecond), its lease end moved by renewals.
+    # block ids and digests takes around a millisecond).
     record: RetentionRecord
     # The registry revision this entry reflects.
     revision: int
-    # The revision of the event that published it (renewals leave it).
+    # The revision of the event that published it.
     published: int
 
 
@@ -76,10 +77,7 @@ def apply_event(
     if entry is None or entry.record.engine_request_id != retention.engine_request_id:
         return  # not the turn the index holds (an older one, or one it never saw)
     if event.type == registry_pb2.RETENTION_EVENT_TYPE_RENEWED:
-        expire_time = retention.expire_time.seconds + retention.expire_time.nanos / 1e9
-        if expire_time > entry.record.expire_time:
-            entry.record = dataclasses.replace(entry.record, expire_time=expire_time)
-        entry.revision = revision
+        entry.revision = revision  # from a registry that still wrote renewals: nothing to change
     elif event.type == registry_pb2.RETENTION_EVENT_TYPE_ENDED:
         del entries[key]
 
@@ -99,19 +97,17 @@ class RetentionIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def find(self, tenant: str, conversation_id: str, now: float) -> RetentionRecord | None:
-        """The live retention the index knows for the conversation (unexpired at ``now``, Unix seconds),
-        with the latest lease end it has seen; None when it knows none."""
+    def find(self, tenant: str, conversation_id: str) -> RetentionRecord | None:
+        """The live retention the index knows for the conversation (its record as published: its
+        ``expire_time`` is the lease's first end, not moved by renewals); None when it knows none."""
         entry = self._entries.get((tenant, conversation_id))
-        if entry is None or entry.record.expire_time <= now:
-            return None
-        return entry.record
+        return entry.record if entry is not None else None
 
-    def turn_since(self, tenant: str, conversation_id: str, after_revision: int, now: float) -> int:
+    def turn_since(self, tenant: str, conversation_id: str, after_revision: int) -> int:
         """The conversation's live turn if it was published after registry revision ``after_revision``
         (as the index saw it), else 0."""
         entry = self._entries.get((tenant, conversation_id))
-        if entry is None or entry.published <= after_revision or entry.record.expire_time <= now:
+        if entry is None or entry.published <= after_revision:
             return 0
         return entry.record.turn
 
@@ -194,16 +190,9 @@ class RetentionLookups:
     asks the registry, which may hold a record newer than the index. ``index`` None: always the registry.
     """
 
-    def __init__(
-        self,
-        registry: RetentionSource,
-        index: RetentionIndex | None,
-        *,
-        wall_clock: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, registry: RetentionSource, index: RetentionIndex | None) -> None:
         self._registry = registry
         self.index = index
-        self._wall_clock = wall_clock
 
     async def lookup(self, tenant: str, conversation_id: str, *, from_registry: bool = False) -> Lookup:
         """The conversation's retention; ``from_registry``: skip the index. Raises what the registry
@@ -216,7 +205,7 @@ class RetentionLookups:
         elif not self.index.serving:
             path = "not_synced"
         else:
-            found = self.index.find(tenant, conversation_id, self._wall_clock())
+            found = self.index.find(tenant, conversation_id)
             if found is not None:
                 return Lookup(found, "index")
             path = "miss"
@@ -227,4 +216,4 @@ class RetentionLookups:
         0); None when the index is off or not serving."""
         if self.index is None or not self.index.serving:
             return None
-        return self.index.turn_since(tenant, conversation_id, after_revision, self._wall_clock())
+        return self.index.turn_since(tenant, conversation_id, after_revision)

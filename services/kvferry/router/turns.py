@@ -279,7 +279,6 @@ class TurnRunner:
         settings: TurnSettings,
         telemetry: TurnTelemetry | None = None,
         clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
         index: RetentionIndex | None = None,
     ) -> None:
         """``index``: the router's retention index, read first by lookups (None: every lookup asks the
@@ -291,11 +290,9 @@ class TurnRunner:
         self._registry = registry
         self._settings = settings
         self._plan_settings = PlanSettings(settings.cost, settings.read_window_seconds)
-        # Read windows are measured on the monotonic clock; only the lease end (unix seconds, the registry's
-        # clock) is compared with the wall clock, and only to shorten a window.
+        # Read windows are measured on the monotonic clock, never compared with another machine's.
         self._clock = clock
-        self._wall_clock = wall_clock
-        self._lookups = RetentionLookups(registry, index, wall_clock=wall_clock)
+        self._lookups = RetentionLookups(registry, index)
         self._background: set[asyncio.Task[None]] = set()
         self.tenant_limits = TenantLimits(settings.tenant_limits, clock=clock)
 
@@ -499,11 +496,9 @@ class TurnRunner:
         retention = found.retention
         if retention is None:
             return None, None, True
-        window = ReadWindow.opened(
-            looked_up_at,
-            self._settings.read_window_seconds,
-            lease_seconds_left=retention.expire_time - self._wall_clock(),
-        )
+        # D frees a retention only after the registry ended it, plus a grace of at least twice the window
+        # (rule 1): the window needs no bound from the lease, which renewals move without telling anyone.
+        window = ReadWindow.opened(looked_up_at, self._settings.read_window_seconds)
         return retention, window, True
 
     async def _renew(self, tenant: str, conversation_id: str) -> None:

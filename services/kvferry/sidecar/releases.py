@@ -12,8 +12,11 @@ when it is built; a retention is in the book from before its publish is sent, so
 that committed at or below that revision is listed unless it ended since. The connector therefore
 never ends a retention acknowledged at a later revision because an older SYNC lacks it.
 
-A sweep re-checks retentions whose expiry passed without news (an event missed while the stream
-was being reopened), so the book never keeps a retention the registry dropped.
+Renewals write nothing in the registry, so its stream never tells of them: a sweep re-checks each
+retention once its lease's end as last known has passed. One still live comes back with its current
+end (RENEWED to the connectors: the engine keeps its blocks and hears from the registry at least once
+a lease); one gone is ENDED (an event missed while the stream was being reopened). So the book never
+keeps a retention the registry dropped.
 """
 
 from __future__ import annotations

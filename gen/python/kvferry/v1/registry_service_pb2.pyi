@@ -58,7 +58,9 @@ class _RetentionEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Re
     RETENTION_EVENT_TYPE_UNSPECIFIED: _RetentionEventType.ValueType  # 0
     """Not set."""
     RETENTION_EVENT_TYPE_RENEWED: _RetentionEventType.ValueType  # 1
-    """The retention's lease was renewed; `retention.expire_time` is the new end."""
+    """The retention's lease was renewed; `retention.expire_time` is the new end. Sent only by registries
+    that wrote renewals to etcd (before renewals became lease keep-alives); kept for them.
+    """
     RETENTION_EVENT_TYPE_ENDED: _RetentionEventType.ValueType  # 2
     """The retention ended; free its blocks after the grace period."""
     RETENTION_EVENT_TYPE_PUBLISHED: _RetentionEventType.ValueType  # 3
@@ -76,7 +78,9 @@ class RetentionEventType(_RetentionEventType, metaclass=_RetentionEventTypeEnumT
 RETENTION_EVENT_TYPE_UNSPECIFIED: RetentionEventType.ValueType  # 0
 """Not set."""
 RETENTION_EVENT_TYPE_RENEWED: RetentionEventType.ValueType  # 1
-"""The retention's lease was renewed; `retention.expire_time` is the new end."""
+"""The retention's lease was renewed; `retention.expire_time` is the new end. Sent only by registries
+that wrote renewals to etcd (before renewals became lease keep-alives); kept for them.
+"""
 RETENTION_EVENT_TYPE_ENDED: RetentionEventType.ValueType  # 2
 """The retention ended; free its blocks after the grace period."""
 RETENTION_EVENT_TYPE_PUBLISHED: RetentionEventType.ValueType  # 3

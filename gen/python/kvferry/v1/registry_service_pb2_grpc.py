@@ -168,7 +168,8 @@ class RegistryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RenewRetention(self, request, context):
-        """Extends a retention's lease (heartbeat while the agent is busy).
+        """Extends a retention's lease (heartbeat while the agent is busy). A renewal writes nothing to etcd
+        and sends no event to watchers, whatever the conversation's length.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -200,7 +201,8 @@ class RegistryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchRetentions(self, request, context):
-        """Streams every retention of one engine that ends, and why, and renewals of live ones.
+        """Streams every retention of one engine that ends, and why. Renewals are not streamed (they write
+        nothing): GetRetention tells a live retention's current lease end.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -225,8 +227,8 @@ class RegistryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchAllRetentions(self, request, context):
-        """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
-        and end of any engine: what a router keeps its local retention index from. A stream cut off
+        """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish and end of
+        any engine: what a router keeps its local retention index from. A stream cut off
         (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

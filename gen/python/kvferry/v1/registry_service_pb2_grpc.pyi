@@ -50,7 +50,9 @@ class RegistryServiceStub:
     GetRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.GetRetentionRequest, _registry_service_pb2.GetRetentionResponse]
     """Looks up a conversation's live retention."""
     RenewRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionRequest, _registry_service_pb2.RenewRetentionResponse]
-    """Extends a retention's lease (heartbeat while the agent is busy)."""
+    """Extends a retention's lease (heartbeat while the agent is busy). A renewal writes nothing to etcd
+    and sends no event to watchers, whatever the conversation's length.
+    """
     RenewRetentions: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionsRequest, _registry_service_pb2.RenewRetentionsResponse]
     """Renews many retentions in one call (a client keeping several conversations alive); each
     renewal succeeds or fails on its own.
@@ -64,7 +66,9 @@ class RegistryServiceStub:
     way no one is handed it afterwards, which is what the engine waits for before freeing its blocks.
     """
     WatchRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]
-    """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+    """Streams every retention of one engine that ends, and why. Renewals are not streamed (they write
+    nothing): GetRetention tells a live retention's current lease end.
+    """
     BeginTurn: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.BeginTurnRequest, _registry_service_pb2.BeginTurnResponse]
     """Marks a turn of a conversation in flight, so that no other turn of it runs meanwhile, whichever
     router serves it; the same `request_id` again keeps the mark alive. The mark lives under a short
@@ -76,8 +80,8 @@ class RegistryServiceStub:
     whether or not it was held.
     """
     WatchAllRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchAllRetentionsResponse]
-    """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
-    and end of any engine: what a router keeps its local retention index from. A stream cut off
+    """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish and end of
+    any engine: what a router keeps its local retention index from. A stream cut off
     (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
     """
 
@@ -103,7 +107,9 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     GetRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.GetRetentionRequest, _registry_service_pb2.GetRetentionResponse]  # type: ignore[assignment]
     """Looks up a conversation's live retention."""
     RenewRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionRequest, _registry_service_pb2.RenewRetentionResponse]  # type: ignore[assignment]
-    """Extends a retention's lease (heartbeat while the agent is busy)."""
+    """Extends a retention's lease (heartbeat while the agent is busy). A renewal writes nothing to etcd
+    and sends no event to watchers, whatever the conversation's length.
+    """
     RenewRetentions: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.RenewRetentionsRequest, _registry_service_pb2.RenewRetentionsResponse]  # type: ignore[assignment]
     """Renews many retentions in one call (a client keeping several conversations alive); each
     renewal succeeds or fails on its own.
@@ -117,7 +123,9 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     way no one is handed it afterwards, which is what the engine waits for before freeing its blocks.
     """
     WatchRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]  # type: ignore[assignment]
-    """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+    """Streams every retention of one engine that ends, and why. Renewals are not streamed (they write
+    nothing): GetRetention tells a live retention's current lease end.
+    """
     BeginTurn: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.BeginTurnRequest, _registry_service_pb2.BeginTurnResponse]  # type: ignore[assignment]
     """Marks a turn of a conversation in flight, so that no other turn of it runs meanwhile, whichever
     router serves it; the same `request_id` again keeps the mark alive. The mark lives under a short
@@ -129,8 +137,8 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     whether or not it was held.
     """
     WatchAllRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchAllRetentionsRequest, _registry_service_pb2.WatchAllRetentionsResponse]  # type: ignore[assignment]
-    """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
-    and end of any engine: what a router keeps its local retention index from. A stream cut off
+    """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish and end of
+    any engine: what a router keeps its local retention index from. A stream cut off
     (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
     """
 
@@ -201,7 +209,9 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_service_pb2.RenewRetentionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_registry_service_pb2.RenewRetentionResponse, _abc.Awaitable[_registry_service_pb2.RenewRetentionResponse]]:
-        """Extends a retention's lease (heartbeat while the agent is busy)."""
+        """Extends a retention's lease (heartbeat while the agent is busy). A renewal writes nothing to etcd
+        and sends no event to watchers, whatever the conversation's length.
+        """
 
     @_abc_1.abstractmethod
     def RenewRetentions(
@@ -239,7 +249,9 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_service_pb2.WatchRetentionsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_registry_service_pb2.WatchRetentionsResponse], _abc.AsyncIterator[_registry_service_pb2.WatchRetentionsResponse]]:
-        """Streams every retention of one engine that ends, and why, and renewals of live ones."""
+        """Streams every retention of one engine that ends, and why. Renewals are not streamed (they write
+        nothing): GetRetention tells a live retention's current lease end.
+        """
 
     @_abc_1.abstractmethod
     def BeginTurn(
@@ -269,8 +281,8 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_service_pb2.WatchAllRetentionsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_registry_service_pb2.WatchAllRetentionsResponse], _abc.AsyncIterator[_registry_service_pb2.WatchAllRetentionsResponse]]:
-        """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
-        and end of any engine: what a router keeps its local retention index from. A stream cut off
+        """Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish and end of
+        any engine: what a router keeps its local retention index from. A stream cut off
         (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
         """
 

@@ -313,7 +313,10 @@ class Retention(_message.Message):
 
     @_builtins.property
     def expire_time(self) -> _timestamp_pb2.Timestamp:
-        """When the lease ends unless renewed. Output only."""
+        """When the lease ends unless renewed, as of the answer (GetRetention, RenewRetention). In a record as
+        published (PublishRetention's answer, WatchAllRetentions) it is the lease's first end: renewals
+        extend the lease without rewriting the record. Output only.
+        """
 
     @_builtins.property
     def publish_time(self) -> _timestamp_pb2.Timestamp:

@@ -93,7 +93,10 @@ export function engineEventTypeToJSON(object: EngineEventType): string {
 export enum RetentionEventType {
   /** RETENTION_EVENT_TYPE_UNSPECIFIED - Not set. */
   RETENTION_EVENT_TYPE_UNSPECIFIED = 0,
-  /** RETENTION_EVENT_TYPE_RENEWED - The retention's lease was renewed; `retention.expire_time` is the new end. */
+  /**
+   * RETENTION_EVENT_TYPE_RENEWED - The retention's lease was renewed; `retention.expire_time` is the new end. Sent only by registries
+   * that wrote renewals to etcd (before renewals became lease keep-alives); kept for them.
+   */
   RETENTION_EVENT_TYPE_RENEWED = 1,
   /** RETENTION_EVENT_TYPE_ENDED - The retention ended; free its blocks after the grace period. */
   RETENTION_EVENT_TYPE_ENDED = 2,
@@ -4086,7 +4089,10 @@ export const RegistryServiceService = {
       Buffer.from(GetRetentionResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): GetRetentionResponse => GetRetentionResponse.decode(value),
   },
-  /** Extends a retention's lease (heartbeat while the agent is busy). */
+  /**
+   * Extends a retention's lease (heartbeat while the agent is busy). A renewal writes nothing to etcd
+   * and sends no event to watchers, whatever the conversation's length.
+   */
   renewRetention: {
     path: "/kvferry.v1.RegistryService/RenewRetention" as const,
     requestStream: false as const,
@@ -4142,7 +4148,10 @@ export const RegistryServiceService = {
       Buffer.from(EndEngineRetentionResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): EndEngineRetentionResponse => EndEngineRetentionResponse.decode(value),
   },
-  /** Streams every retention of one engine that ends, and why, and renewals of live ones. */
+  /**
+   * Streams every retention of one engine that ends, and why. Renewals are not streamed (they write
+   * nothing): GetRetention tells a live retention's current lease end.
+   */
   watchRetentions: {
     path: "/kvferry.v1.RegistryService/WatchRetentions" as const,
     requestStream: false as const,
@@ -4183,8 +4192,8 @@ export const RegistryServiceService = {
     responseDeserialize: (value: Buffer): EndTurnResponse => EndTurnResponse.decode(value),
   },
   /**
-   * Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
-   * and end of any engine: what a router keeps its local retention index from. A stream cut off
+   * Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish and end of
+   * any engine: what a router keeps its local retention index from. A stream cut off
    * (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
    */
   watchAllRetentions: {
@@ -4215,7 +4224,10 @@ export interface RegistryServiceServer extends UntypedServiceImplementation {
   publishRetention: handleUnaryCall<PublishRetentionRequest, PublishRetentionResponse>;
   /** Looks up a conversation's live retention. */
   getRetention: handleUnaryCall<GetRetentionRequest, GetRetentionResponse>;
-  /** Extends a retention's lease (heartbeat while the agent is busy). */
+  /**
+   * Extends a retention's lease (heartbeat while the agent is busy). A renewal writes nothing to etcd
+   * and sends no event to watchers, whatever the conversation's length.
+   */
   renewRetention: handleUnaryCall<RenewRetentionRequest, RenewRetentionResponse>;
   /**
    * Renews many retentions in one call (a client keeping several conversations alive); each
@@ -4231,7 +4243,10 @@ export interface RegistryServiceServer extends UntypedServiceImplementation {
    * way no one is handed it afterwards, which is what the engine waits for before freeing its blocks.
    */
   endEngineRetention: handleUnaryCall<EndEngineRetentionRequest, EndEngineRetentionResponse>;
-  /** Streams every retention of one engine that ends, and why, and renewals of live ones. */
+  /**
+   * Streams every retention of one engine that ends, and why. Renewals are not streamed (they write
+   * nothing): GetRetention tells a live retention's current lease end.
+   */
   watchRetentions: handleServerStreamingCall<WatchRetentionsRequest, WatchRetentionsResponse>;
   /**
    * Marks a turn of a conversation in flight, so that no other turn of it runs meanwhile, whichever
@@ -4246,8 +4261,8 @@ export interface RegistryServiceServer extends UntypedServiceImplementation {
    */
   endTurn: handleUnaryCall<EndTurnRequest, EndTurnResponse>;
   /**
-   * Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
-   * and end of any engine: what a router keeps its local retention index from. A stream cut off
+   * Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish and end of
+   * any engine: what a router keeps its local retention index from. A stream cut off
    * (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
    */
   watchAllRetentions: handleServerStreamingCall<WatchAllRetentionsRequest, WatchAllRetentionsResponse>;
@@ -4360,7 +4375,10 @@ export interface RegistryServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: GetRetentionResponse) => void,
   ): ClientUnaryCall;
-  /** Extends a retention's lease (heartbeat while the agent is busy). */
+  /**
+   * Extends a retention's lease (heartbeat while the agent is busy). A renewal writes nothing to etcd
+   * and sends no event to watchers, whatever the conversation's length.
+   */
   renewRetention(
     request: RenewRetentionRequest,
     callback: (error: ServiceError | null, response: RenewRetentionResponse) => void,
@@ -4432,7 +4450,10 @@ export interface RegistryServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: EndEngineRetentionResponse) => void,
   ): ClientUnaryCall;
-  /** Streams every retention of one engine that ends, and why, and renewals of live ones. */
+  /**
+   * Streams every retention of one engine that ends, and why. Renewals are not streamed (they write
+   * nothing): GetRetention tells a live retention's current lease end.
+   */
   watchRetentions(
     request: WatchRetentionsRequest,
     options?: Partial<CallOptions>,
@@ -4483,8 +4504,8 @@ export interface RegistryServiceClient extends Client {
     callback: (error: ServiceError | null, response: EndTurnResponse) => void,
   ): ClientUnaryCall;
   /**
-   * Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish, renewal
-   * and end of any engine: what a router keeps its local retention index from. A stream cut off
+   * Streams every live retention (PUBLISHED, a snapshot), then SYNCED, then every publish and end of
+   * any engine: what a router keeps its local retention index from. A stream cut off
    * (ABORTED: history lost; RESOURCE_EXHAUSTED: too slow) is opened again, snapshot included.
    */
   watchAllRetentions(

@@ -242,7 +242,11 @@ export interface Retention {
   turn: bigint;
   /** Lease length asked for (publish) or granted (responses), in seconds. */
   ttlSeconds: bigint;
-  /** When the lease ends unless renewed. Output only. */
+  /**
+   * When the lease ends unless renewed, as of the answer (GetRetention, RenewRetention). In a record as
+   * published (PublishRetention's answer, WatchAllRetentions) it is the lease's first end: renewals
+   * extend the lease without rewriting the record. Output only.
+   */
   expireTime?:
     | Date
     | undefined;
