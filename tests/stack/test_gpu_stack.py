@@ -112,3 +112,19 @@ def test_the_demo_says_what_the_model_is() -> None:
     assert "noise" in TEST_MODEL and "noise" in GPU_MODEL
     own = up.model_note(_config("--model-dir", "/models/qwen3-8b"))
     assert own == "The model is the one in /models/qwen3-8b." and "noise" not in own
+
+
+def test_the_conversation_table_shows_a_turn_an_arm_has_no_sample_of() -> None:
+    """A turn that one arm did not reach (the run's time ran out) is a '-' in the table, not a crash that
+    loses the run's files."""
+    from tools.gpu.stack_conversation import Sample, table
+
+    samples = [
+        Sample(run=0, turn=1, arm="reuse", prompt_tokens=2000, client_ttft_ms=60.0, client_e2e_ms=90.0),
+        Sample(run=0, turn=1, arm="vllm", prompt_tokens=2000, client_ttft_ms=70.0, client_e2e_ms=95.0),
+        Sample(run=0, turn=2, arm="off", prompt_tokens=4064, client_ttft_ms=120.0, client_e2e_ms=150.0),
+    ]
+    rows = table(samples).splitlines()
+    assert rows[2].startswith("| 1 | 2,000 | 60 | - |")
+    assert rows[3].startswith("| 2 | - | - | 120 |")
+    assert any(row.startswith("| 2 | - | - / 120 / - |") for row in rows)

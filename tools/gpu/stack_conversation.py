@@ -278,8 +278,9 @@ def table(samples: list[Sample]) -> str:
         over_r = median([o for s in reuse if (o := s.router_overhead_ms) is not None])
         over_o = median([o for s in off if (o := s.router_overhead_ms) is not None])
         ratio = None if not r_ttft or not o_ttft else r_ttft / o_ttft
+        tokens = show(reuse[0].prompt_tokens if reuse else None)
         rows.append(
-            f"| {turn} | {reuse[0].prompt_tokens if reuse else '-':,} | {show(r_ttft)} | {show(o_ttft)} | "
+            f"| {turn} | {tokens} | {show(r_ttft)} | {show(o_ttft)} | "
             f"{show(ratio, 2)} | {'/'.join(decisions)} | {show(pulled)} | {show(rates)} | {show(prefill)} | "
             f"{show(over_r, 1)} / {show(over_o, 1)} | "
             f"{show(median([s.client_e2e_ms for s in reuse]))} / "
@@ -316,7 +317,7 @@ def table(samples: list[Sample]) -> str:
             [float(f["pull_bytes"]) / float(f["pull_ms"]) / 1e6 for f in figures if f.get("pull_ms")]
         )
         rows.append(
-            f"| {turn} | {vllm[0].prompt_tokens if vllm else '-':,} | "
+            f"| {turn} | {show(vllm[0].prompt_tokens if vllm else None)} | "
             f"{' / '.join(show(t) for t in ttfts)} | {show(ratio, 2)} | "
             f"{show(median([float(s.usage.get('pulled_tokens', 0)) for s in vllm]))} | {show(pull_ms, 1)} | "
             f"{show(gbps, 1)} | {' / '.join(show(prefill_ms(arm)) for arm in (reuse, off, vllm))} | "
