@@ -9,6 +9,7 @@ Rewrite it with ``KVFERRY_WRITE_DOCS=1 .venv/bin/python -m pytest tests/router/t
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from pathlib import Path
@@ -17,9 +18,10 @@ from typing import Any
 import httpx
 import pytest
 from kvferry.pd import vllm_params
-from kvferry.router.openai_chat import FIELDS, ChatBody, Support, parse_chat
+from kvferry.router.openai_chat import FIELDS, ChatBody, Support, load_json_object, parse_chat
 from kvferry.router.openai_completions import parse_completion
 from kvferry.router.openai_responses import parse_responses
+from kvferry.router.turns import TextPrompt, TokenPrompt
 from kvferry.router.validation import MAX_TOKEN_ID, MAX_TOKENS
 from kvferry.runtime.errors import InvalidArgument
 from openai.types.chat import completion_create_params
@@ -179,3 +181,43 @@ def test_a_token_id_past_the_engines_range_is_refused_alike_on_both_apis(
             parse({**body, field: [1, wrong]})
         assert refused.value.param is not None and refused.value.param.startswith(field), refused.value
         assert str(MAX_TOKEN_ID) in refused.value.message or wrong < 0, refused.value.message
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": [1, 2, 3], "temperature": 0.5, "stop": ["\\n"]}',
+        b'{"seed": 123456789012345678901234567890}',  # past 64 bits: still an integer, never a float
+        b'{"seed": -9223372036854775809, "text": "id 12345678901234567890"}',
+        b'{"x": 1e400}',
+        b'{"s": "\\ud800", "k": 1, "k": 2}',
+    ],
+)
+def test_a_body_reads_the_same_as_the_standard_library_reads_it(raw: bytes) -> None:
+    """The fast parser (orjson) must not change what validation sees: an integer beyond 64 bits stays an
+    integer (orjson alone would make it a float), duplicate keys keep the last, what orjson refuses is read
+    as before."""
+    assert repr(load_json_object(raw)) == repr(json.loads(raw))
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"a": NaN}', b'{"a": Infinity}', b"[" * 5000 + b"]" * 5000])
+def test_a_body_that_is_not_json_is_refused_alike(raw: bytes) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        load_json_object(raw)
+    assert "not valid JSON" in refused.value.message
+
+
+def test_a_token_id_prompt_checked_apart_is_what_the_model_would_accept() -> None:
+    """A flat list of integers is checked at C speed outside the body's model; anything else in a prompt
+    still goes through the model and is refused or taken as before."""
+    assert parse_completion({"prompt": [5, 0, MAX_TOKEN_ID]}).prompt == TokenPrompt((5, 0, MAX_TOKEN_ID))
+    assert parse_completion({"prompt": [[5, 6]]}).prompt == TokenPrompt((5, 6))
+    assert parse_completion({"prompt": ["text"]}).prompt == TextPrompt("text")
+    for wrong in ([1, True], [1, 2.0], [1, "2"], [1, None], [], [1, [2]]):
+        with pytest.raises(InvalidArgument) as refused:
+            parse_completion({"prompt": wrong})
+        assert refused.value.param is not None and refused.value.param.startswith("prompt"), wrong
+    # The other fields are still the model's to judge.
+    with pytest.raises(InvalidArgument) as refused:
+        parse_completion({"prompt": [1, 2], "temperature": "hot"})
+    assert refused.value.param == "temperature"

@@ -143,12 +143,18 @@ def complete(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    headers = {"authorization": f"Bearer {API_KEY}", "x-conversation-id": conversation}
+    headers = {
+        "authorization": f"Bearer {API_KEY}",
+        "x-conversation-id": conversation,
+        "content-type": "application/json",
+    }
+    # Encoded before the clock starts: the client's own JSON (~2.6 ms for 25,000 ids) is no one's TTFT.
+    content = json.dumps(body).encode()
     started = time.perf_counter()
     ttft = None
     usage: dict[str, Any] = {}
     response_id = ""
-    with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as answer:
+    with client.stream("POST", f"{base_url}/v1/completions", content=content, headers=headers) as answer:
         if answer.status_code != 200:
             raise RuntimeError(f"{base_url}: {answer.status_code} {answer.read().decode(errors='replace')}")
         for line in answer.iter_lines():

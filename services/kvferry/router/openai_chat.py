@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
+import orjson
 from kvferry.pd.chat import ChatRequest
 from kvferry.router.validation import MAX_TOKENS, Int64, TokenId
 from kvferry.runtime.errors import InvalidArgument
@@ -367,16 +368,35 @@ class ChatCall:
 
 
 def load_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object (NaN and Infinity are not JSON)."""
+    """The request body as a JSON object (NaN and Infinity are not JSON).
+
+    orjson parses a turn's body (25,000 token ids: ~0.6 ms against ~2 ms) unless it holds a run of 19 digits
+    or more: orjson reads an integer beyond 64 bits as a float, which would change what validation says of
+    it. The standard library parses those, and what orjson refuses, so errors read the same either way.
+    """
     if not raw:
         raise InvalidArgument("the request body is empty: send a JSON object")
     try:
-        data = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as error:
-        raise InvalidArgument(f"the request body is not valid JSON: {error}") from None
+        long_number = _LONG_DIGIT_RUN in raw.translate(_DIGITS_AS_ONES)
+        data = _standard_loads(raw) if long_number else orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        data = _standard_loads(raw)
     if not isinstance(data, dict):
         raise InvalidArgument(f"the request body must be a JSON object, not {type(data).__name__}")
     return data
+
+
+# Digits enough to pass 64 bits, either sign (2**63 has 19), found at C speed (a regular expression
+# takes ~10x as long over a body of digits).
+_DIGITS_AS_ONES = bytes.maketrans(b"0123456789", b"1" * 10)
+_LONG_DIGIT_RUN = b"1" * 19
+
+
+def _standard_loads(raw: bytes) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as error:
+        raise InvalidArgument(f"the request body is not valid JSON: {error}") from None
 
 
 def _no_constant(name: str) -> None:
