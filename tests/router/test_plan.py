@@ -12,7 +12,8 @@ from kvferry.pd.reuse import ReadWindow
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineStats, EngineTable, LoadTracker
-from kvferry.router.plan import PlanSettings, TurnPlan, plan_turn
+from kvferry.router.plan import PlanSettings, TurnPlan, hash_ahead, plan_turn
+from kvferry.router.prefix import PromptDigests
 from kvferry.router.registry_client import RetentionRecord
 from kvferry.runtime.errors import ErrorKind, ServiceError
 from kvferry.v1 import resources_pb2
@@ -282,6 +283,65 @@ def test_plan_turn(case: Case) -> None:
     assert plan.match.tokens == case.matched
     assert plan.choice.pull_tokens == case.pulled
     assert (plan.pull is not None) == (case.reuse is Reuse.PULL)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_a_plan_from_digests_hashed_ahead_is_the_same_plan(case: Case) -> None:
+    """The turn hashes the prompt while its mark is in flight (for the record its lookup found); the plan
+    then takes those digests and decides exactly as if it had hashed them itself."""
+    engines = EngineTable(case.engines)
+
+    def plan(hashed: PromptDigests | None) -> TurnPlan:
+        return plan_turn(
+            case.prompt,
+            case.retention,
+            model="m",
+            engines=engines,
+            load=LoadTracker(),
+            settings=SETTINGS,
+            window=window_of(case.retention),
+            now=NOW,
+            exclude=case.exclude,
+            hashed=hashed,
+        )
+
+    assert plan(hash_ahead(case.prompt, case.retention, model="m", engines=engines)) == plan(None)
+
+
+def test_digests_hashed_ahead_for_one_record_serve_another_only_as_far_as_they_fit() -> None:
+    engines = EngineTable([engine("p1", P), engine("d1", D)])
+    short = retention(history=HISTORY[:32])
+    ahead = hash_ahead(PROMPT, short, model="m", engines=engines)
+    assert ahead is not None and len(ahead.digests) == 2
+    # A longer record (the mark found a newer turn): the two digests do not reach; the plan hashes again.
+    longer = retention()
+    plan = plan_turn(
+        PROMPT,
+        longer,
+        model="m",
+        engines=engines,
+        load=LoadTracker(),
+        settings=SETTINGS,
+        window=window_of(longer),
+        now=NOW,
+        hashed=ahead,
+    )
+    assert plan.match.tokens == len(HISTORY) // BS * BS
+    # Digests of another salt (another holder's KV layout) are never taken for this one's.
+    wrong = PromptDigests("other-salt", BS, block_digests(PROMPT[: len(HISTORY)], BS, salt="other-salt"))
+    plan = plan_turn(
+        PROMPT,
+        longer,
+        model="m",
+        engines=engines,
+        load=LoadTracker(),
+        settings=SETTINGS,
+        window=window_of(longer),
+        now=NOW,
+        hashed=wrong,
+    )
+    assert plan.match.tokens == len(HISTORY) // BS * BS
+    assert hash_ahead(PROMPT, None, model="m", engines=engines) is None
 
 
 def test_a_pull_names_exactly_the_holder_s_blocks_of_the_prefix() -> None:

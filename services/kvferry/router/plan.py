@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvferry.pd.block_runs import mean_run_blocks
+from kvferry.pd.digest import block_digests
 from kvferry.pd.reuse import ReadWindow, RetainedKv, max_read_window, read_window_fits
 from kvferry.pd.sequence import Pull
 from kvferry.router.cost import CostSettings, RateInputs, Reuse, ReuseChoice, choose_reuse
@@ -32,7 +33,13 @@ from kvferry.router.engines import (
     pick_decode_engine,
     pick_prefill_engine,
 )
-from kvferry.router.prefix import NO_MATCH, PrefixMatch, match_retained_prefix
+from kvferry.router.prefix import (
+    NO_MATCH,
+    PrefixMatch,
+    PromptDigests,
+    comparable_blocks,
+    match_retained_prefix,
+)
 from kvferry.router.registry_client import RetentionRecord
 from kvferry.runtime.errors import Unavailable
 
@@ -68,12 +75,14 @@ def plan_turn(
     window: ReadWindow | None,
     now: float,
     exclude: frozenset[str] = frozenset(),
+    hashed: PromptDigests | None = None,
 ) -> TurnPlan:
     """The plan of one attempt of a turn (module docs). ``retention`` None: recompute (nothing retained, or
     a retry). ``window``: the retention's read window (opened at its lookup); ``now``: the monotonic time it
-    is measured on. Raises ``Unavailable`` when no engine of the model can take a role."""
+    is measured on; ``hashed``: the prompt's digests if hashed ahead (``hash_ahead``). Raises ``Unavailable``
+    when no engine of the model can take a role."""
     holder = _holder(engines, retention, model)
-    match = _proven_prefix(token_ids, retention, holder)
+    match = _proven_prefix(token_ids, retention, holder, hashed)
     compatible = None
     if holder is not None and match.tokens:
         compatible = pick_prefill_engine(
@@ -126,8 +135,34 @@ def _holder(engines: EngineTable, retention: RetentionRecord | None, model: str)
     return holder if holder is not None and holder.model == model else None
 
 
+def hash_ahead(
+    token_ids: Sequence[int], retention: RetentionRecord | None, *, model: str, engines: EngineTable
+) -> PromptDigests | None:
+    """The prompt's digests the plan's prefix check will need for ``retention`` (None: it needs none),
+    hashed now, while the turn waits for its mark rather than after."""
+    holder = _holder(engines, retention, model)
+    if retention is None or holder is None:
+        return None
+    blocks = comparable_blocks(
+        len(token_ids),
+        retained_digests=retention.block_digests,
+        retained_num_tokens=retention.num_tokens,
+        retained_num_blocks=len(retention.block_ids),
+        block_size=holder.block_size,
+    )
+    if not blocks:
+        return None
+    salt, block_size = holder.kv_compatibility_hash, holder.block_size
+    return PromptDigests(
+        salt, block_size, block_digests(token_ids[: blocks * block_size], block_size, salt=salt)
+    )
+
+
 def _proven_prefix(
-    token_ids: Sequence[int], retention: RetentionRecord | None, holder: EngineInfo | None
+    token_ids: Sequence[int],
+    retention: RetentionRecord | None,
+    holder: EngineInfo | None,
+    hashed: PromptDigests | None,
 ) -> PrefixMatch:
     if retention is None or holder is None:
         return NO_MATCH
@@ -138,6 +173,7 @@ def _proven_prefix(
         retained_num_blocks=len(retention.block_ids),
         block_size=holder.block_size,
         salt=holder.kv_compatibility_hash,
+        hashed=hashed,
     )
 
 

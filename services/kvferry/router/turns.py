@@ -58,7 +58,8 @@ from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.router.limits import TenantLimits, TenantLimitSettings, TurnSlot
 from kvferry.router.observe import TurnTelemetry
-from kvferry.router.plan import PlanSettings, TurnPlan, plan_turn
+from kvferry.router.plan import PlanSettings, TurnPlan, hash_ahead, plan_turn
+from kvferry.router.prefix import PromptDigests
 from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
 from kvferry.router.retention_index import RetentionIndex, RetentionLookups
 from kvferry.router.summary import summary_proto
@@ -200,6 +201,8 @@ class PreparedTurn:
     slot: TurnSlot | None = None
     # The router's retention index's revision before the turn ran (0: no index).
     index_revision: int = 0
+    # The prompt's digests for the prefix check, hashed while the mark was in flight (None: not hashed).
+    prompt_digests: PromptDigests | None = None
 
 
 @dataclass(frozen=True)
@@ -366,6 +369,10 @@ class TurnRunner:
                 if marking.done():
                     marking.result()
             token_ids = await tokenizing
+            hashed = None
+            if marking is not None and not marking.done() and lookup is not None and lookup.done():
+                # The mark is still in flight: hash the prompt for the prefix check now, not after it.
+                hashed = self._hash_ahead(model, token_ids, lookup)
             mark = await marking if marking is not None else None
             retention, window, registry_ok = await lookup if lookup is not None else (None, None, True)
             if conversation_id and mark is not None and registry_ok:
@@ -418,7 +425,19 @@ class TurnRunner:
             read_window=window,
             mark=held_mark,
             index_revision=index_revision,
+            prompt_digests=hashed,
         )
+
+    def _hash_ahead(
+        self,
+        model: str,
+        token_ids: tuple[int, ...],
+        lookup: asyncio.Future[tuple[RetentionRecord | None, ReadWindow | None, bool]],
+    ) -> PromptDigests | None:
+        if lookup.cancelled() or lookup.exception() is not None:
+            return None
+        retention = lookup.result()[0]
+        return hash_ahead(token_ids, retention, model=model, engines=self._engines)
 
     def _model_engines(self, model: str) -> list[EngineInfo]:
         return [e for e in self._engines.all() if e.model == model]
@@ -677,6 +696,7 @@ class TurnRunner:
                 window=window,
                 now=self._clock(),
                 exclude=frozenset(failed),
+                hashed=turn.prompt_digests,
             )
             engine_turn = EngineTurn(
                 token_ids=turn.token_ids if shown is None else turn.token_ids + shown.token_ids,
