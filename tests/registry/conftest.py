@@ -1,9 +1,12 @@
-"""Registry tests that need a key space of their own (listings, watches of every engine)."""
+"""Registry tests that need a key space of their own (listings, watches of every engine), or an etcd of their
+own (outages, compaction, measuring what etcd writes)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest_asyncio
 from kvferry.registry.config import RegistryConfig
@@ -24,3 +27,14 @@ async def isolated_registry(etcd: EtcdProcess) -> AsyncIterator[RegistryHandle]:
     )
     async with running_registry(config) as handle:
         yield handle
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def own_etcd(tmp_path: Path) -> AsyncIterator[EtcdProcess]:
+    """An etcd of the test's own (one member, a fresh data directory), stopped after it."""
+    server = EtcdProcess(data_dir=tmp_path / "data", log_path=tmp_path / "etcd.log")
+    await asyncio.to_thread(server.start)
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(server.stop)

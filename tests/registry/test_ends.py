@@ -12,7 +12,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from pathlib import Path
 
 import grpc
 import pytest
@@ -254,16 +253,6 @@ async def test_an_engine_end_racing_a_newer_publish_never_ends_the_newer_turn(
 
 
 # --- a watch that lost history -------------------------------------------------------------------
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def own_etcd(tmp_path: Path) -> AsyncIterator[EtcdProcess]:
-    server = EtcdProcess(data_dir=tmp_path / "data", log_path=tmp_path / "etcd.log")
-    await asyncio.to_thread(server.start)
-    try:
-        yield server
-    finally:
-        await asyncio.to_thread(server.stop)
 
 
 async def test_a_watch_resumed_past_compacted_history_cuts_its_streams_off(own_etcd: EtcdProcess) -> None:

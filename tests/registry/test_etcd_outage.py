@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -26,16 +25,6 @@ from tests.fixtures.registry import TEST_TTLS, RegistryHandle, running_registry,
 from tests.registry.builders import EventStream, get, publish, register, retention
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def own_etcd(tmp_path: Path) -> AsyncIterator[EtcdProcess]:
-    server = EtcdProcess(data_dir=tmp_path / "data", log_path=tmp_path / "etcd.log")
-    await asyncio.to_thread(server.start)
-    try:
-        yield server
-    finally:
-        await asyncio.to_thread(server.stop)
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -12,7 +12,6 @@ import contextlib
 import re
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -34,16 +33,6 @@ LONG_BLOCKS = 10_000
 RENEWALS = 20
 # The target for etcd bytes written per renewal; a renewal writes none.
 MAX_WAL_BYTES_PER_RENEWAL = 200
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def own_etcd(tmp_path: Path) -> AsyncIterator[EtcdProcess]:
-    server = EtcdProcess(data_dir=tmp_path / "data", log_path=tmp_path / "etcd.log")
-    await asyncio.to_thread(server.start)
-    try:
-        yield server
-    finally:
-        await asyncio.to_thread(server.stop)
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -313,34 +313,23 @@ def test_digests_hashed_ahead_for_one_record_serve_another_only_as_far_as_they_f
     short = retention(history=HISTORY[:32])
     ahead = hash_ahead(PROMPT, short, model="m", engines=engines)
     assert ahead is not None and len(ahead.digests) == 2
-    # A longer record (the mark found a newer turn): the two digests do not reach; the plan hashes again.
     longer = retention()
-    plan = plan_turn(
-        PROMPT,
-        longer,
-        model="m",
-        engines=engines,
-        load=LoadTracker(),
-        settings=SETTINGS,
-        window=window_of(longer),
-        now=NOW,
-        hashed=ahead,
-    )
-    assert plan.match.tokens == len(HISTORY) // BS * BS
     # Digests of another salt (another holder's KV layout) are never taken for this one's.
     wrong = PromptDigests("other-salt", BS, block_digests(PROMPT[: len(HISTORY)], BS, salt="other-salt"))
-    plan = plan_turn(
-        PROMPT,
-        longer,
-        model="m",
-        engines=engines,
-        load=LoadTracker(),
-        settings=SETTINGS,
-        window=window_of(longer),
-        now=NOW,
-        hashed=wrong,
-    )
-    assert plan.match.tokens == len(HISTORY) // BS * BS
+    # A longer record (the mark found a newer turn): the two digests do not reach; the plan hashes again.
+    for hashed in (ahead, wrong):
+        plan = plan_turn(
+            PROMPT,
+            longer,
+            model="m",
+            engines=engines,
+            load=LoadTracker(),
+            settings=SETTINGS,
+            window=window_of(longer),
+            now=NOW,
+            hashed=hashed,
+        )
+        assert plan.match.tokens == len(HISTORY) // BS * BS
     assert hash_ahead(PROMPT, None, model="m", engines=engines) is None
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from kvferry.registry.errors import EtcdFailure
 from kvferry.registry.etcd import Compare, EtcdGateway, Get, LeaseNotFound, Op, RangeResult, Txn, TxnResult
@@ -89,11 +90,7 @@ class TxnBatcher:
             await asyncio.gather(*(self._send_alone(call, future) for call, future in batch))
             return
         except BaseException as error:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(error)
-            if isinstance(error, asyncio.CancelledError):
-                raise
+            _fail([future for _, future in batch], error)
             return
         for index, (_, future) in enumerate(batch):
             if not future.done():
@@ -103,10 +100,7 @@ class TxnBatcher:
         try:
             result = await self._etcd.txn(call.compare, call.success, call.failure)
         except BaseException as error:
-            if not future.done():
-                future.set_exception(error)
-            if isinstance(error, asyncio.CancelledError):
-                raise
+            _fail([future], error)
             return
         if not future.done():
             future.set_result(result)
@@ -152,12 +146,17 @@ class ReadBatcher:
         try:
             response = await self._etcd.txn([], list(positions))
         except BaseException as error:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(error)
-            if isinstance(error, asyncio.CancelledError):
-                raise
+            _fail([future for _, future in batch], error)
             return
         for gets, future in batch:
             if not future.done():
                 future.set_result([response.range(positions[get]) for get in gets])
+
+
+def _fail(futures: Sequence[asyncio.Future[Any]], error: BaseException) -> None:
+    """Hands ``error`` to every caller still waiting; a cancellation of the sender goes on up."""
+    for future in futures:
+        if not future.done():
+            future.set_exception(error)
+    if isinstance(error, asyncio.CancelledError):
+        raise error
