@@ -339,6 +339,8 @@ class RetentionStore:
                 asked.cancel()
                 with contextlib.suppress(asyncio.CancelledError, ServiceError):
                     await asked
+            elif asked is not None and not asked.cancelled():
+                asked.exception()  # seen: a failed query of a lease the answer did not need is no error
         if seconds_left is None:
             # The lease ran out after the read: etcd is deleting the record (watchers see EXPIRED).
             self._cache.drop(self.layout.live(conversation))
