@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from kvferry.pd.vllm_params import KvHandoff
 from kvferry.stack.engine import DirectTurn, direct_turn
 
 from tests.fixtures.engines import EnginePair
+from tests.sidecar.helpers import eventually
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
@@ -278,29 +278,21 @@ async def test_without_sidecar_blocks_are_freed_at_the_hard_cap_while_idle(engin
     (first,) = await _run(engine_pair, conversation, TEXTS[:1])
     assert first.retained is not None
     request_id = first.retained.engine_request_id
+    decode = engine_pair.decode
+
+    def events(kind: str) -> list[dict[str, object]]:
+        return [e for e in decode.connector_events(kind) if e["request_id"] == request_id]
+
     # The connector's log lines reach the file from its logging thread, possibly after D's answer.
-    retained_events: list[dict[str, object]] = []
-    settle = time.monotonic() + 10
-    while not retained_events and time.monotonic() < settle:
-        retained_events = [
-            e for e in engine_pair.decode.connector_events("retained") if e["request_id"] == request_id
-        ]
-        if not retained_events:
-            await asyncio.sleep(0.1)
-    (retained_event,) = retained_events
+    (retained_event,) = await eventually(lambda: events("retained"), within=10, what="the retained line")
     # Without the registry's word the hard cap begins the end, and the blocks go a grace later
     # unconfirmed (nothing could confirm it).
     cap = engine_pair.settings.max_retention_seconds + engine_pair.settings.release_grace_seconds
-    deadline = time.monotonic() + cap + 10
-    freed: list[dict[str, object]] = []
-    while time.monotonic() < deadline and not freed:
-        await asyncio.sleep(0.5)
-        freed = [
-            e
-            for e in engine_pair.decode.connector_events("freed retained blocks")
-            if e["request_id"] == request_id
-        ]
-    assert freed, f"blocks of {request_id} not freed within the hard cap ({cap} s) + 10 s"
+    freed = await eventually(
+        lambda: events("freed retained blocks"),
+        within=cap + 10,
+        what=f"blocks of {request_id} freed within the hard cap ({cap} s) + 10 s",
+    )
     assert (freed[0]["reason"], freed[0]["confirmed"]) == ("hard_cap", False)
     assert freed[0]["block_ids"] == list(first.retained.block_ids)
     held_for = _ts(freed[0]) - _ts(retained_event)

@@ -326,21 +326,16 @@ class RetentionStore:
         """
         conversation = validation.conversation_key(tenant, conversation_id)
         cached = self._cache.get(self.layout.live(conversation))
-        cached_lease = cached.lease if cached is not None else 0
-        asked = asyncio.ensure_future(self._seconds_left(cached_lease)) if cached_lease else None
-        try:
-            record = await self._read_live(conversation)
-            if asked is not None and record.lease == cached_lease:
-                seconds_left = await asked
-            else:
+        if cached is not None:
+            # The lease this registry knows is asked about with the read; again if the read found another.
+            record, seconds_left = await asyncio.gather(
+                self._read_live(conversation), self._seconds_left(cached.lease)
+            )
+            if record.lease != cached.lease:
                 seconds_left = await self._seconds_left(record.lease)
-        finally:
-            if asked is not None and not asked.done():
-                asked.cancel()
-                with contextlib.suppress(asyncio.CancelledError, ServiceError):
-                    await asked
-            elif asked is not None and not asked.cancelled():
-                asked.exception()  # seen: a failed query of a lease the answer did not need is no error
+        else:
+            record = await self._read_live(conversation)
+            seconds_left = await self._seconds_left(record.lease)
         if seconds_left is None:
             # The lease ran out after the read: etcd is deleting the record (watchers see EXPIRED).
             self._cache.drop(self.layout.live(conversation))
