@@ -90,6 +90,30 @@ RELEASE_REASON_HARD_CAP: ReleaseReason.ValueType  # 6
 """The engine let it go at its hard cap (no word from the registry for too long)."""
 Global___ReleaseReason: _TypeAlias = ReleaseReason  # noqa: Y015
 
+class _MemoryTier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MemoryTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MemoryTier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MEMORY_TIER_UNSPECIFIED: _MemoryTier.ValueType  # 0
+    """Not set: the engine's KV cache (what engines that know no tiers publish)."""
+    MEMORY_TIER_DEVICE: _MemoryTier.ValueType  # 1
+    """The engine's KV cache (HBM on a GPU)."""
+    MEMORY_TIER_HOST: _MemoryTier.ValueType  # 2
+    """The engine's host pool: an idle retention moved out of the KV cache, pulled from there."""
+
+class MemoryTier(_MemoryTier, metaclass=_MemoryTierEnumTypeWrapper):
+    """Where a retention's blocks live on the holding engine."""
+
+MEMORY_TIER_UNSPECIFIED: MemoryTier.ValueType  # 0
+"""Not set: the engine's KV cache (what engines that know no tiers publish)."""
+MEMORY_TIER_DEVICE: MemoryTier.ValueType  # 1
+"""The engine's KV cache (HBM on a GPU)."""
+MEMORY_TIER_HOST: MemoryTier.ValueType  # 2
+"""The engine's host pool: an idle retention moved out of the KV cache, pulled from there."""
+Global___MemoryTier: _TypeAlias = MemoryTier  # noqa: Y015
+
 @_typing.final
 class EngineStats(_message.Message):
     """Rates an engine measured from its own work; the router's cost model reads them."""
@@ -287,6 +311,8 @@ class Retention(_message.Message):
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     PUBLISH_TIME_FIELD_NUMBER: _builtins.int
     BLOCK_GENERATIONS_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    RELOCATES_ENGINE_REQUEST_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name, `tenants/{tenant}/conversations/{conversation_id}/retention`. Output only."""
     tenant: _builtins.str
@@ -303,6 +329,15 @@ class Retention(_message.Message):
     """Turn number within the conversation; a higher turn supersedes a lower one."""
     ttl_seconds: _builtins.int
     """Lease length asked for (publish) or granted (responses), in seconds."""
+    tier: Global___MemoryTier.ValueType
+    """Where the blocks live. Block ids number the engine's KV cache first and its host pool after it
+    (a host block id is the KV cache's block count plus the pool slot), so a pull names them alike.
+    """
+    relocates_engine_request_id: _builtins.str
+    """Set when the holding engine moved this turn's KV to another tier: the `engine_request_id` of the
+    live record it replaces (same engine, turn, tokens and digests; new block ids and generations).
+    The registry refuses it unless that record is still the conversation's live one.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Block ids on the holding engine, in sequence order."""
@@ -346,10 +381,12 @@ class Retention(_message.Message):
         expire_time: _timestamp_pb2.Timestamp | None = ...,
         publish_time: _timestamp_pb2.Timestamp | None = ...,
         block_generations: _abc.Iterable[_builtins.int] | None = ...,
+        tier: Global___MemoryTier.ValueType = ...,
+        relocates_engine_request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time", "publish_time", b"publish_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_digests", b"block_digests", "block_generations", b"block_generations", "block_ids", b"block_ids", "conversation_id", b"conversation_id", "engine_id", b"engine_id", "engine_request_id", b"engine_request_id", "expire_time", b"expire_time", "name", b"name", "num_tokens", b"num_tokens", "publish_time", b"publish_time", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_digests", b"block_digests", "block_generations", b"block_generations", "block_ids", b"block_ids", "conversation_id", b"conversation_id", "engine_id", b"engine_id", "engine_request_id", b"engine_request_id", "expire_time", b"expire_time", "name", b"name", "num_tokens", b"num_tokens", "publish_time", b"publish_time", "relocates_engine_request_id", b"relocates_engine_request_id", "tenant", b"tenant", "tier", b"tier", "ttl_seconds", b"ttl_seconds", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

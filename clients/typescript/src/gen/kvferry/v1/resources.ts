@@ -136,6 +136,49 @@ export function releaseReasonToJSON(object: ReleaseReason): string {
   }
 }
 
+/** Where a retention's blocks live on the holding engine. */
+export enum MemoryTier {
+  /** MEMORY_TIER_UNSPECIFIED - Not set: the engine's KV cache (what engines that know no tiers publish). */
+  MEMORY_TIER_UNSPECIFIED = 0,
+  /** MEMORY_TIER_DEVICE - The engine's KV cache (HBM on a GPU). */
+  MEMORY_TIER_DEVICE = 1,
+  /** MEMORY_TIER_HOST - The engine's host pool: an idle retention moved out of the KV cache, pulled from there. */
+  MEMORY_TIER_HOST = 2,
+  UNRECOGNIZED = -1,
+}
+
+export function memoryTierFromJSON(object: any): MemoryTier {
+  switch (object) {
+    case 0:
+    case "MEMORY_TIER_UNSPECIFIED":
+      return MemoryTier.MEMORY_TIER_UNSPECIFIED;
+    case 1:
+    case "MEMORY_TIER_DEVICE":
+      return MemoryTier.MEMORY_TIER_DEVICE;
+    case 2:
+    case "MEMORY_TIER_HOST":
+      return MemoryTier.MEMORY_TIER_HOST;
+    case -1:
+    case "UNRECOGNIZED":
+    default:
+      return MemoryTier.UNRECOGNIZED;
+  }
+}
+
+export function memoryTierToJSON(object: MemoryTier): string {
+  switch (object) {
+    case MemoryTier.MEMORY_TIER_UNSPECIFIED:
+      return "MEMORY_TIER_UNSPECIFIED";
+    case MemoryTier.MEMORY_TIER_DEVICE:
+      return "MEMORY_TIER_DEVICE";
+    case MemoryTier.MEMORY_TIER_HOST:
+      return "MEMORY_TIER_HOST";
+    case MemoryTier.UNRECOGNIZED:
+    default:
+      return "UNRECOGNIZED";
+  }
+}
+
 /** Rates an engine measured from its own work; the router's cost model reads them. */
 export interface EngineStats {
   /** Prefill throughput over recent prompts, in tokens per second. */
@@ -261,6 +304,17 @@ export interface Retention {
    * engine does not fence pulls.
    */
   blockGenerations: bigint[];
+  /**
+   * Where the blocks live. Block ids number the engine's KV cache first and its host pool after it
+   * (a host block id is the KV cache's block count plus the pool slot), so a pull names them alike.
+   */
+  tier: MemoryTier;
+  /**
+   * Set when the holding engine moved this turn's KV to another tier: the `engine_request_id` of the
+   * live record it replaces (same engine, turn, tokens and digests; new block ids and generations).
+   * The registry refuses it unless that record is still the conversation's live one.
+   */
+  relocatesEngineRequestId: string;
 }
 
 /** A turn of a conversation in flight (BeginTurn): at most one per conversation at a time. */
@@ -1049,6 +1103,8 @@ function createBaseRetention(): Retention {
     expireTime: undefined,
     publishTime: undefined,
     blockGenerations: [],
+    tier: 0,
+    relocatesEngineRequestId: "",
   };
 }
 
@@ -1115,6 +1171,12 @@ export const Retention: MessageFns<Retention> = {
         writer.uint64(v);
       }
       writer.join();
+    }
+    if (message.tier !== 0) {
+      writer.uint32(112).int32(message.tier);
+    }
+    if (message.relocatesEngineRequestId !== "") {
+      writer.uint32(122).string(message.relocatesEngineRequestId);
     }
     return writer;
   },
@@ -1256,6 +1318,22 @@ export const Retention: MessageFns<Retention> = {
 
             break;
           }
+          case 14: {
+            if (tag !== 112) {
+              break;
+            }
+
+            message.tier = reader.int32() as any;
+            continue;
+          }
+          case 15: {
+            if (tag !== 122) {
+              break;
+            }
+
+            message.relocatesEngineRequestId = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1323,6 +1401,12 @@ export const Retention: MessageFns<Retention> = {
         : globalThis.Array.isArray(object?.block_generations)
         ? object.block_generations.map((e: any) => BigInt(e))
         : [],
+      tier: isSet(object.tier) ? memoryTierFromJSON(object.tier) : 0,
+      relocatesEngineRequestId: isSet(object.relocatesEngineRequestId)
+        ? globalThis.String(object.relocatesEngineRequestId)
+        : isSet(object.relocates_engine_request_id)
+        ? globalThis.String(object.relocates_engine_request_id)
+        : "",
     };
   },
 
@@ -1367,6 +1451,12 @@ export const Retention: MessageFns<Retention> = {
     if (message.blockGenerations?.length) {
       obj.blockGenerations = message.blockGenerations.map((e) => e.toString());
     }
+    if (message.tier !== 0) {
+      obj.tier = memoryTierToJSON(message.tier);
+    }
+    if (message.relocatesEngineRequestId !== "") {
+      obj.relocatesEngineRequestId = message.relocatesEngineRequestId;
+    }
     return obj;
   },
 
@@ -1390,6 +1480,8 @@ export const Retention: MessageFns<Retention> = {
     message.expireTime = object.expireTime ?? undefined;
     message.publishTime = object.publishTime ?? undefined;
     message.blockGenerations = object.blockGenerations?.map((e) => BigInt(e)) || [];
+    message.tier = object.tier ?? 0;
+    message.relocatesEngineRequestId = object.relocatesEngineRequestId ?? "";
     return message;
   },
 };
