@@ -62,6 +62,14 @@ def _a_generation_too_large(item: resources.Retention) -> None:
     item.block_generations[-1] = 2**53
 
 
+def _relocation(relocates: str, tier: resources.MemoryTier.ValueType) -> RetentionEdit:
+    def edit(item: resources.Retention) -> None:
+        item.relocates_engine_request_id = relocates or item.engine_request_id
+        item.tier = tier
+
+    return edit
+
+
 PUBLISH_CASES: list[tuple[str, RetentionEdit, grpc.StatusCode, str]] = [
     ("empty tenant", _set("tenant", ""), INVALID, "tenant is required"),
     ("oversized tenant", _set("tenant", TOO_LONG), INVALID, "at most"),
@@ -81,6 +89,20 @@ PUBLISH_CASES: list[tuple[str, RetentionEdit, grpc.StatusCode, str]] = [
     ("digest of the wrong size", _short_digest, INVALID, "digests are 16 bytes"),
     ("a block generation missing", _a_generation_missing, INVALID, "one per block, or none"),
     ("a block generation too large", _a_generation_too_large, INVALID, "at most 2**53 - 1"),
+    ("tier not a MemoryTier", _set("tier", 7), INVALID, "retention.tier is 7, not a MemoryTier"),
+    (
+        "relocation of itself",
+        _relocation("", resources.MEMORY_TIER_HOST),
+        INVALID,
+        "is its own engine_request_id",
+    ),
+    (
+        "relocation without a tier",
+        _relocation("req-x", resources.MEMORY_TIER_UNSPECIFIED),
+        INVALID,
+        "names no tier",
+    ),
+    ("relocation of a bad id", _relocation("a/b", resources.MEMORY_TIER_HOST), INVALID, "characters outside"),
     ("negative ttl", _set("ttl_seconds", -1), INVALID, "positive number"),
     ("ttl above the cap", _set("ttl_seconds", 3601), INVALID, "at most 3600"),
     (

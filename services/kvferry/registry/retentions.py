@@ -4,7 +4,10 @@ A conversation has at most one live record (its latest turn). Every multi-key ch
 etcd transaction guarded by compares, so a concurrent change is never overwritten half-way:
 
 - publishing turn N+1 writes the record and its engine-index entry and drops the older engine's
-  entry, guarded by the record's revision and the engine's lease (its incarnation);
+  entry, guarded by the record's revision and the engine's lease (its incarnation); a relocation
+  (``relocates_engine_request_id``: the holding engine moved the turn's KV to another tier, new block
+  ids) replaces the live record of the same turn the same way, only while that record is the request it
+  names, published by the same engine incarnation, with the same tokens and digests;
 - a lookup or renewal holds only while the engine incarnation that published it is registered
   (rule 3), checked in the same read, so correctness never depends on the reaper;
 - ending a retention writes a tombstone with the reason under the retention's lease and deletes
@@ -157,6 +160,69 @@ def _ended_by_engine(retention: resources.Retention) -> FailedPrecondition:
     )
 
 
+_FREE_MOVED = "free the moved blocks instead (the retention they held is over)"
+
+
+def _relocated_gone(conversation: ConversationKey, relocation: resources.Retention) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"engine request {relocation.engine_request_id} relocates {relocation.relocates_engine_request_id}, "
+        f"but conversation {conversation.conversation_id} of tenant {conversation.tenant} retains nothing "
+        "now (that retention was released, evicted, superseded or expired); a relocation never brings an "
+        f"ended retention back: {_FREE_MOVED}"
+    )
+
+
+def _check_relocation(
+    conversation: ConversationKey, current: StoredRetention, relocation: resources.Retention, incarnation: int
+) -> None:
+    """Raises FailedPrecondition unless ``relocation`` moves the live record ``current`` to other blocks:
+    the record it names, on the same engine incarnation, of the same turn, tokens and digests."""
+    live, relocates = current.retention, relocation.relocates_engine_request_id
+    what = f"engine request {relocation.engine_request_id} relocates {relocates}, but conversation " + (
+        f"{conversation.conversation_id} of tenant {conversation.tenant}"
+    )
+    if live.engine_request_id != relocates:
+        raise FailedPrecondition(
+            f"{what} now retains engine request {live.engine_request_id} (turn {live.turn} on engine "
+            f"{live.engine_id}): {relocates} ended or was replaced (a newer turn, or another relocation); "
+            f"{_FREE_MOVED}"
+        )
+    if live.engine_id != relocation.engine_id:
+        raise FailedPrecondition(
+            f"{what} is retained on engine {live.engine_id}, not {relocation.engine_id}; only the engine "
+            "holding a retention relocates it"
+        )
+    if current.engine_incarnation != incarnation:
+        raise FailedPrecondition(
+            f"{what} was published by an earlier registration of engine {live.engine_id} (incarnation "
+            f"{current.engine_incarnation:x}, now {incarnation:x}): its blocks went with it; "
+            f"{_FREE_MOVED}"
+        )
+    differences = []
+    if live.turn != relocation.turn:
+        differences.append(f"turn {relocation.turn}, not {live.turn}")
+    if live.num_tokens != relocation.num_tokens:
+        differences.append(f"num_tokens {relocation.num_tokens}, not {live.num_tokens}")
+    if list(live.block_digests) != list(relocation.block_digests):
+        first = next(
+            (
+                index
+                for index, (ours, theirs) in enumerate(
+                    zip(relocation.block_digests, live.block_digests, strict=False)
+                )
+                if ours != theirs
+            ),
+            min(len(live.block_digests), len(relocation.block_digests)),
+        )
+        differences.append(f"block_digests differing from block {first} on")
+    if differences:
+        raise FailedPrecondition(
+            f"{what} retains turn {live.turn} of {live.num_tokens} tokens and the relocation has "
+            f"{'; '.join(differences)}. A relocation moves the same turn's KV (same turn, tokens and "
+            "digests; new block ids, generations and tier): publish a new turn as a new turn"
+        )
+
+
 def _is_same_publish(current: resources.Retention, incoming: resources.Retention) -> bool:
     return (
         current.turn == incoming.turn
@@ -201,7 +267,12 @@ class RetentionStore:
         """Stores a conversation's retention under its own lease, superseding an older turn atomically.
 
         With ``incarnation``, only for that registration of the engine: another one live is
-        FAILED_PRECONDITION (the publish comes from a sidecar that missed a re-registration)."""
+        FAILED_PRECONDITION (the publish comes from a sidecar that missed a re-registration).
+
+        A relocation (``relocates_engine_request_id`` set) replaces only the live record it names, of the
+        same engine incarnation, turn, tokens and digests (``_check_relocation``): the answer's
+        ``superseded_turn`` is that turn, and watchers see the named request end as SUPERSEDED. It never
+        publishes over nothing: an ended retention stays ended."""
         conversation = validation.validate_retention_shape(retention)
         ttl = validation.retention_ttl(retention.ttl_seconds, self.ttl)
         # The lease is granted while the current state is read: one round trip less per publish.
@@ -264,15 +335,23 @@ class RetentionStore:
         superseded_turn = 0
         operations: list[Op] = []
         live_revision = 0
-        if live_kv is not None:
+        relocates = retention.relocates_engine_request_id
+        if live_kv is None:
+            if relocates:
+                raise _relocated_gone(conversation, retention)
+        else:
             live_revision = live_kv.mod_revision
             current = decode_record(live_kv.value)
-            if current.retention.turn >= retention.turn:
-                if (
-                    _is_same_publish(current.retention, retention)
-                    and current.engine_incarnation == incarnation
-                ):
-                    return PublishedRetention(current.retention, 0, live_read.revision)
+            if (
+                _is_same_publish(current.retention, retention)
+                and current.engine_incarnation == incarnation
+                and (not relocates or current.retention.relocates_engine_request_id == relocates)
+            ):
+                return PublishedRetention(current.retention, 0, live_read.revision)
+            if relocates:
+                # Replaces the live record of the same turn, as a newer turn would (below).
+                _check_relocation(conversation, current, retention, incarnation)
+            elif current.retention.turn >= retention.turn:
                 raise FailedPrecondition(
                     f"conversation {conversation.conversation_id} of tenant {conversation.tenant} "
                     f"already retains turn {current.retention.turn} "

@@ -206,12 +206,36 @@ def validate_retention_shape(retention: resources.Retention) -> ConversationKey:
                 f"retention.block_digests[{index}] is {len(digest)} bytes; digests are {DIGEST_BYTES} bytes "
                 "(kvferry.pd.digest.block_digests)"
             )
+    memory_tier(retention)
     size = retention.ByteSize()
     if size > MAX_RECORD_BYTES:
         raise InvalidArgument(
             f"retention is {size} bytes; the registry stores at most {MAX_RECORD_BYTES} bytes per retention"
         )
     return conversation
+
+
+_TIERS = "MEMORY_TIER_DEVICE (the KV cache) or MEMORY_TIER_HOST (the engine's host pool)"
+
+
+def memory_tier(retention: resources.Retention) -> None:
+    """The tier is one ``MemoryTier`` names; a relocation names the tier it moved to and another request."""
+    if retention.tier not in resources.MemoryTier.values():
+        raise InvalidArgument(f"retention.tier is {retention.tier}, not a MemoryTier; use {_TIERS}")
+    relocates = retention.relocates_engine_request_id
+    if not relocates:
+        return
+    require_id("retention.relocates_engine_request_id", relocates)
+    if relocates == retention.engine_request_id:
+        raise InvalidArgument(
+            f"retention.relocates_engine_request_id is its own engine_request_id {relocates!r}; a relocation "
+            "publishes the moved blocks under a new engine_request_id and names the live one it replaces"
+        )
+    if retention.tier == resources.MEMORY_TIER_UNSPECIFIED:
+        raise InvalidArgument(
+            f"retention relocates engine request {relocates!r} but names no tier; say where the blocks "
+            f"moved: {_TIERS}"
+        )
 
 
 def validate_against_engine(retention: resources.Retention, engine: resources.Engine) -> None:
