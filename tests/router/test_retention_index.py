@@ -113,3 +113,42 @@ async def test_the_index_follows_the_registry_and_rebuilds_from_its_snapshot(
         rebuilt = fresh.find(tenant, "before")
         assert rebuilt is not None and rebuilt.turn == 2 and len(rebuilt.block_ids) == 5
         assert fresh.find(tenant, "after") is None
+
+
+async def test_the_index_follows_a_relocation_to_the_host_tier(registry: RegistryHandle) -> None:
+    """A relocation (issue 19) replaces the entry: the new request, its block ids and its tier; the old
+    request's end, at the same revision, is old news."""
+    stub = registry.stub()
+    tenant, engine_id, conversation = unique("tenant"), unique("engine"), unique("conv")
+    await register(stub, engine_id)
+    held = retention(tenant, conversation, engine_id)
+    await publish(stub, held)
+    moved = resources.Retention()
+    moved.CopyFrom(held)
+    moved.engine_request_id = f"{held.engine_request_id}:host"
+    moved.relocates_engine_request_id = held.engine_request_id
+    moved.tier = resources.MEMORY_TIER_HOST
+    del moved.block_ids[:]
+    moved.block_ids.extend(range(5000, 5000 + len(held.block_ids)))
+    client = GrpcRegistry(registry.channel(), timeout_seconds=5)
+
+    async with _running(RetentionIndex(client.watch_all_retentions)) as index:
+        found = index.find(tenant, conversation)
+        assert found is not None and found.tier == resources.MEMORY_TIER_UNSPECIFIED
+        await publish(stub, moved)
+
+        def request_held() -> str:
+            found = index.find(tenant, conversation)
+            return found.engine_request_id if found is not None else ""
+
+        await eventually(lambda: request_held() == moved.engine_request_id)
+        # Events arrive in order: once a later publish shows, the old request's end has been applied.
+        await publish(stub, retention(tenant, "later", engine_id))
+        await eventually(lambda: index.find(tenant, "later") is not None)
+        found = index.find(tenant, conversation)
+        assert found is not None
+        assert (found.tier, found.turn, list(found.block_ids)) == (
+            resources.MEMORY_TIER_HOST,
+            1,
+            list(moved.block_ids),
+        )

@@ -100,6 +100,9 @@ class RetainedKv:
     lease_expire_time: float
     # One per block id, as the holder published them (empty: the holder does not fence pulls).
     block_generations: Sequence[int] = ()
+    # Where the blocks live on the holder, a ``kvferry.v1.MemoryTier`` value: 0 not said (its KV cache), 1 its
+    # KV cache, 2 its host pool. A pull names the blocks alike; a cost model may weigh the tier.
+    tier: int = 0
 
     def __post_init__(self) -> None:
         if self.block_generations and len(self.block_generations) != len(self.block_ids):

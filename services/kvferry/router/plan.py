@@ -120,6 +120,7 @@ def plan_turn(
             block_size=holder.block_size,
             lease_expire_time=retention.expire_time,
             block_generations=retention.block_generations,
+            tier=retention.tier,
         )
         pull = Pull(
             retained.prefix(choice.pull_tokens),

@@ -52,6 +52,8 @@ class RetentionRecord:
     expire_time: float
     # One per block id (empty: the holder does not fence pulls); handed to P with the pull.
     block_generations: Sequence[int] = ()
+    # Where the blocks live on the holder (a ``MemoryTier`` value; 0: not said, its KV cache).
+    tier: int = 0
 
     @classmethod
     def from_proto(cls, r: resources_pb2.Retention) -> RetentionRecord:
@@ -68,6 +70,7 @@ class RetentionRecord:
             turn=r.turn,
             expire_time=r.expire_time.seconds + r.expire_time.nanos / 1e9,
             block_generations=array("Q", r.block_generations),
+            tier=r.tier,
         )
 
 
