@@ -583,6 +583,40 @@ async def test_evict_retention_ends_only_the_named_request(
     )
 
 
+async def test_a_relocation_is_forwarded_whole_and_the_moved_request_ends_superseded(
+    registry: RegistryHandle, sidecar_factory: SidecarFactory, stand_in_engine_factory: StandInEngineFactory
+) -> None:
+    """Issue 19: the connector moved a retention to its host pool and reports the same turn again under a
+    new request id; the registry's end of the old request reaches the connector's release stream."""
+    sidecar = await _started(sidecar_factory, stand_in_engine_factory)
+    stub = sidecar.stub()
+    tenant, conversation = unique("tenant"), unique("conv")
+    held = await report(stub, retention(tenant, conversation))
+    moved = retention(tenant, conversation, request_id=f"{held.engine_request_id}:host")
+    moved.tier = resources_pb2.MEMORY_TIER_HOST
+    moved.relocates_engine_request_id = held.engine_request_id
+    del moved.block_ids[:]
+    moved.block_ids.extend(range(5000, 5000 + len(held.block_ids)))
+    releases = Releases(stub, sidecar.engine_id)
+    try:
+        assert await releases.next_sync() == {held.engine_request_id}
+        stored = await report(stub, moved)
+        assert (stored.tier, stored.relocates_engine_request_id) == (
+            resources_pb2.MEMORY_TIER_HOST,
+            held.engine_request_id,
+        )
+        assert list(stored.block_ids) == list(moved.block_ids)
+        ended = await releases.ended(held.engine_request_id)
+        assert ended.reason == resources_pb2.RELEASE_REASON_SUPERSEDED
+    finally:
+        await releases.close()
+    found = await registry.stub().GetRetention(
+        registry_pb2.GetRetentionRequest(tenant=tenant, conversation_id=conversation), timeout=5
+    )
+    assert as_published(found.retention) == as_published(stored)
+    assert sidecar.sidecar.status().retentions == 1
+
+
 # --- endpoints ------------------------------------------------------------------------------------
 
 
