@@ -71,6 +71,9 @@ def test_wrong_types_fail(key: str, value: object) -> None:
         ({"release_grace_seconds": -1.0}, "release_grace_seconds must be > 0"),
         ({"nixl_progress_delay_us": -1}, "nixl_progress_delay_us"),
         ({"fence_wait_us": -1}, "fence_wait_us"),
+        ({"host_pool_blocks": -1}, "host_pool_blocks must be >= 0"),
+        ({"host_pool_blocks": 64, "fence_pulls": False}, "host_pool_blocks needs fence_pulls"),
+        ({"demote_after_seconds": -0.5}, "demote_after_seconds"),
     ],
 )
 def test_invalid_values_fail(changes: dict[str, object], message: str) -> None:

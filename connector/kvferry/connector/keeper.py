@@ -64,6 +64,8 @@ class RetentionKeeper:
             turn=entry.turn,
             ttl_seconds=self.lease_ttl_seconds,
             block_generations=entry.block_generations,
+            tier=entry.tier,
+            relocates=entry.relocates,
         )
 
     def collect_frees(self) -> list[RetainedEntry]:

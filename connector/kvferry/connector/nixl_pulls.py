@@ -245,6 +245,12 @@ class PullCoalescer:
                 self._seen.prepped[id(handle)] = (handle, _Prepped(rows, mem_type, agent_name))
         return handle
 
+    def prepared_rows(self, handle: Any) -> npt.NDArray[np.uint64] | None:
+        """The rows of a list vLLM prepared through this proxy (None: not seen)."""
+        with self._lock:
+            entry = self._seen.prepped.get(id(handle))
+        return entry[1].rows if entry is not None else None
+
     def release_dlist_handle(self, handle: Any) -> Any:
         with self._lock:
             self._seen.prepped.pop(id(handle), None)

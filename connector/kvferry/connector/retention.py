@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal, Protocol
@@ -71,6 +71,14 @@ class EndReason(StrEnum):
     HARD_CAP = "hard_cap"
     # The registry refused to publish it (a turn as new or newer is live; the request was ended).
     REFUSED = "refused"
+
+
+class Tier(StrEnum):
+    """Where a retention's blocks are (kvferry.v1.MemoryTier): the KV cache, or the host pool
+    (kvferry.connector.host_tier)."""
+
+    DEVICE = "device"
+    HOST = "host"
 
 
 # Seconds before an EndRetention the sidecar refused outright (not a lost link) is asked again.
@@ -119,6 +127,9 @@ class RetainedEntry:
     confirmed: bool = False
     # The blocks' generations when retained (published with the record; kvferry.connector.generations).
     block_generations: tuple[int, ...] = ()
+    tier: Tier = Tier.DEVICE
+    # A relocation (host tier): the request id of the retention of the same turn it replaces.
+    relocates: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -197,9 +208,12 @@ class RetentionTable:
         num_tokens: int,
         block_digests: Sequence[bytes] = (),
         block_generations: Sequence[int] = (),
+        tier: Tier = Tier.DEVICE,
+        relocates: str = "",
     ) -> tuple[RetainedEntry, list[RetainedEntry]]:
         """Records a new retention. Returns it and the live turns of the same conversation (not
-        newer) it supersedes here: they end once this one's publish is accepted."""
+        newer) it supersedes here: they end once this one's publish is accepted (a relocation
+        supersedes the retention of its own turn it moved)."""
         now = self._clock.monotonic()
         entry = RetainedEntry(
             request_id=request_id,
@@ -213,6 +227,8 @@ class RetentionTable:
             created_at=now,
             last_used=now,
             last_contact=now,
+            tier=tier,
+            relocates=relocates,
         )
         with self._lock:
             if request_id in self._entries:
@@ -421,13 +437,14 @@ class RetentionTable:
 
     # -- budget, hard cap and freeing --------------------------------------------------------------
 
-    def evict_over_budget(self) -> list[RetainedEntry]:
-        """Ends least recently used retentions until the live ones fit the budget (each then waits
-        for the registry to confirm the end)."""
+    def evict_over_budget(self, *, leaving: Collection[str] = ()) -> list[RetainedEntry]:
+        """Ends least recently used retentions in the KV cache until the live ones fit the budget (each
+        then waits for the registry to confirm the end). Those ``leaving`` it (being moved to the host
+        tier) neither count nor are evicted."""
         evicted: list[RetainedEntry] = []
         with self._lock:
             now = self._clock.monotonic()
-            live = sorted((e for e in self._entries.values() if e.live), key=lambda e: e.last_used)
+            live = self.live_entries(Tier.DEVICE, leaving=leaving)
             held = sum(len(e.block_ids) for e in live)
             for entry in live:
                 if held <= self.budget_blocks:
@@ -436,6 +453,27 @@ class RetentionTable:
                 held -= len(entry.block_ids)
                 evicted.append(entry)
         return evicted
+
+    def live_entries(self, tier: Tier, *, leaving: Collection[str] = ()) -> list[RetainedEntry]:
+        """Live retentions of a tier, least recently used first."""
+        with self._lock:
+            return sorted(
+                (
+                    e
+                    for e in self._entries.values()
+                    if e.live and e.tier is tier and e.request_id not in leaving
+                ),
+                key=lambda e: e.last_used,
+            )
+
+    def evict(self, request_id: str) -> bool:
+        """Ends a live retention to make room (EVICTED): freed once the registry confirms."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or not entry.live:
+                return False
+            self._begin_local_end(entry, EndReason.EVICTED, self._clock.monotonic())
+            return True
 
     def begin_hard_caps(self) -> list[RetainedEntry]:
         """Live entries past their hard cap start ending: the registry is asked to end them."""

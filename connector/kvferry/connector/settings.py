@@ -80,6 +80,12 @@ class KvferrySettings:
     # How long, microseconds, a worker waits for a pull's generation read right after the data arrived
     # before it checks again at its next poll (a few microseconds on one host, tens over a network).
     fence_wait_us: int = 2000
+    # The host tier (kvferry.connector.host_tier): slots of host memory, one KV block each, where a decode
+    # engine moves retentions out of its KV cache (0: no host tier). Needs fence_pulls.
+    host_pool_blocks: int = 0
+    # A retention still held this long after its turn finished moves to the host pool (with a pool). One
+    # pushed out of the KV cache's budget (retained_kv_fraction) moves at once while the pool has room.
+    demote_after_seconds: float = 60.0
 
     def validate(self) -> None:
         problems: list[str] = []
@@ -109,6 +115,15 @@ class KvferrySettings:
             problems.append("nixl_progress_delay_us must be >= 0")
         if self.fence_wait_us < 0:
             problems.append("fence_wait_us must be >= 0")
+        if self.host_pool_blocks < 0:
+            problems.append("host_pool_blocks must be >= 0")
+        if self.host_pool_blocks and not self.fence_pulls:
+            problems.append(
+                "host_pool_blocks needs fence_pulls: pulls of either tier are checked against the blocks' "
+                "generations (the host tier's slots are reused too)"
+            )
+        if self.demote_after_seconds < 0:
+            problems.append("demote_after_seconds must be >= 0")
         if problems:
             raise SettingsError("invalid kvferry connector settings: " + "; ".join(problems))
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import grpc
 from kvferry.connector.accounting import StatsSnapshot, rates_moved
-from kvferry.connector.retention import EndReason
+from kvferry.connector.retention import EndReason, Tier
 from kvferry.v1 import resources_pb2, sidecar_service_pb2, sidecar_service_pb2_grpc
 
 logger = logging.getLogger("kvferry.connector.sidecar_link")
@@ -60,6 +60,8 @@ _END_REASONS = {
     EndReason.REFUSED: resources_pb2.RELEASE_REASON_SUPERSEDED,
 }
 
+_MEMORY_TIERS = {Tier.DEVICE: resources_pb2.MEMORY_TIER_DEVICE, Tier.HOST: resources_pb2.MEMORY_TIER_HOST}
+
 
 @dataclass(frozen=True)
 class RetentionReport:
@@ -74,6 +76,9 @@ class RetentionReport:
     ttl_seconds: int
     # One per block id (empty: the engine does not fence pulls).
     block_generations: tuple[int, ...] = ()
+    tier: Tier = Tier.DEVICE
+    # A relocation to another tier: the request id of the record it replaces.
+    relocates: str = ""
 
     def to_proto(self) -> resources_pb2.Retention:
         return resources_pb2.Retention(
@@ -87,6 +92,8 @@ class RetentionReport:
             turn=self.turn,
             ttl_seconds=self.ttl_seconds,
             block_generations=list(self.block_generations),
+            tier=_MEMORY_TIERS[self.tier],
+            relocates_engine_request_id=self.relocates,
         )
 
 

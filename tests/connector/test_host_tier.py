@@ -1,0 +1,139 @@
+"""The host tier's pure parts: pool layout, remote rows, slots, orders, the copy (no vLLM, no NIXL)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvferry.connector.host_tier import (
+    Demotions,
+    HostPool,
+    HostPoolLayout,
+    HostTierError,
+    SlotAllocator,
+    extend_remote_rows,
+)
+
+REGIONS = 3
+KV_BLOCKS = 8
+BLOCK_BYTES = (64, 64, 32)
+
+
+def kv_cache() -> tuple[np.ndarray, np.ndarray]:
+    """Host memory laid out as REGIONS regions of KV_BLOCKS blocks, and vLLM's rows for it."""
+    memory = np.random.default_rng(0).integers(0, 255, sum(BLOCK_BYTES) * KV_BLOCKS, dtype=np.uint8)
+    base = int(memory.ctypes.data)
+    rows: list[tuple[int, int, int]] = []
+    offset = 0
+    for length in BLOCK_BYTES:
+        rows.extend((base + offset + block * length, length, 0) for block in range(KV_BLOCKS))
+        offset += KV_BLOCKS * length
+    return memory, np.asarray(rows, dtype=np.uint64)
+
+
+def block_bytes(rows: np.ndarray, block: int) -> bytes:
+    import ctypes
+
+    return b"".join(
+        ctypes.string_at(int(rows[region * KV_BLOCKS + block, 0]), int(rows[region * KV_BLOCKS + block, 1]))
+        for region in range(REGIONS)
+    )
+
+
+def test_copy_puts_each_block_of_every_region_in_its_slot() -> None:
+    memory, rows = kv_cache()
+    pool = HostPool(rows, [KV_BLOCKS] * REGIONS, slots=6)
+    # A run on both sides (2,3 -> 0,1), then blocks that are not consecutive.
+    copied = pool.copy_in([2, 3, 7, 5], [0, 1, 4, 2])
+    assert copied == 4 * sum(BLOCK_BYTES)
+    for block, slot in ((2, 0), (3, 1), (7, 4), (5, 2)):
+        assert pool.slot_bytes(slot) == block_bytes(rows, block)
+    assert pool.slot_bytes(3) == bytes(sum(BLOCK_BYTES))  # untouched
+    del memory
+
+
+def test_pool_layout_rows_address_the_slots_a_prefill_reads() -> None:
+    _memory, rows = kv_cache()
+    pool = HostPool(rows, [KV_BLOCKS] * REGIONS, slots=4)
+    pool.copy_in([6], [3])
+    layout = pool.layout()
+    assert layout.first_block_id == KV_BLOCKS and layout.slots == 4
+    pool_rows = layout.rows()
+    assert pool_rows.shape == (REGIONS * 4, 3)
+    import ctypes
+
+    read = b"".join(
+        ctypes.string_at(int(pool_rows[region * 4 + 3, 0]), int(pool_rows[region * 4 + 3, 1]))
+        for region in range(REGIONS)
+    )
+    assert read == block_bytes(rows, 6)
+
+
+def test_extended_rows_find_pool_slot_s_at_block_id_kv_blocks_plus_s() -> None:
+    _memory, rows = kv_cache()
+    layout = HostPoolLayout(first_block_id=KV_BLOCKS, slots=5, regions=((1000, 64), (5000, 64), (9000, 32)))
+    extended, per_region = extend_remote_rows(rows, [KV_BLOCKS] * REGIONS, layout)
+    assert per_region == [KV_BLOCKS + 5] * REGIONS
+    offsets = np.cumsum([0, *per_region[:-1]])
+    # vLLM's descriptor index of (region r, block b) is offsets[r] + b.
+    for region in range(REGIONS):
+        for block in range(KV_BLOCKS):
+            assert (extended[offsets[region] + block] == rows[region * KV_BLOCKS + block]).all()
+        for slot in range(5):
+            address, length = layout.regions[region]
+            assert extended[offsets[region] + KV_BLOCKS + slot].tolist() == [
+                address + slot * length,
+                length,
+                0,
+            ]
+
+
+def test_extended_rows_refuse_a_pool_unlike_the_kv_cache() -> None:
+    _memory, rows = kv_cache()
+    two_regions = HostPoolLayout(first_block_id=KV_BLOCKS, slots=2, regions=((1, 64), (2, 64)))
+    with pytest.raises(HostTierError, match="regions"):
+        extend_remote_rows(rows, [KV_BLOCKS] * REGIONS, two_regions)
+    wrong_start = HostPoolLayout(first_block_id=KV_BLOCKS + 1, slots=2, regions=((1, 64),) * REGIONS)
+    with pytest.raises(HostTierError, match="starts at block"):
+        extend_remote_rows(rows, [KV_BLOCKS] * REGIONS, wrong_start)
+
+
+def test_pool_refuses_regions_of_unequal_block_counts() -> None:
+    _memory, rows = kv_cache()
+    with pytest.raises(HostTierError, match="same blocks"):
+        HostPool(rows, [KV_BLOCKS - 1, KV_BLOCKS + 1, KV_BLOCKS], slots=2)
+    with pytest.raises(HostTierError, match="at least one slot"):
+        HostPool(rows, [KV_BLOCKS] * REGIONS, slots=0)
+
+
+def test_slots_come_in_the_lowest_run_that_fits() -> None:
+    slots = SlotAllocator(10)
+    assert slots.allocate(3) == [0, 1, 2]
+    assert slots.allocate(2) == [3, 4]
+    slots.free([1])
+    # 1 alone does not fit 3: the run from 5 does.
+    assert slots.allocate(3) == [5, 6, 7]
+    # No run of 3 left (1, 8, 9): the lowest free ones.
+    assert slots.allocate(3) == [1, 8, 9]
+    assert slots.allocate(1) is None
+    assert slots.free_count == 0
+    with pytest.raises(ValueError, match="not allocated"):
+        slots.free([10])
+    slots.free([0])
+    with pytest.raises(ValueError, match="not allocated"):
+        slots.free([0])
+
+
+def test_orders_go_out_with_a_step_and_finish_by_the_workers_counter() -> None:
+    demotions = Demotions(SlotAllocator(4))
+    first = demotions.order("r1", [7, 8])
+    second = demotions.order("r2", [3])
+    assert first is not None and second is not None
+    assert demotions.order("r3", [1, 2]) is None  # one slot left
+    assert demotions.busy("r1") and not demotions.busy("r3")
+    assert [d.request_id for d in demotions.take_unsent()] == ["r1", "r2"]
+    assert demotions.take_unsent() == []
+    assert demotions.completed(0) == []
+    assert [d.request_id for d in demotions.completed(first.sequence)] == ["r1"]
+    assert [d.request_id for d in demotions.completed(second.sequence)] == ["r2"]
+    assert not demotions.busy("r2")
+    assert "r1" in demotions.ordered
