@@ -7,10 +7,12 @@ so a benchmark killed half-way can be cleaned up with ``kvferry down --workdir <
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 from kvferry.connector.settings import KvferrySettings
@@ -42,7 +44,12 @@ class StackOptions:
     # Below this many matched tokens the engines (and the router) recompute.
     kv_recompute_threshold: int = 64
     max_num_batched_tokens: int = 4096
+    # Tokens per KV block, both engines.
+    block_size: int = 32
     engine_timeout_seconds: float = 600.0
+    # Connector settings (KvferrySettings fields) of the decode engine beyond the stack's own, e.g. the
+    # capacity workload's retained_kv_fraction, host_pool_blocks and demote_after_seconds.
+    decode_settings: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,12 +94,19 @@ def engine_processes(options: StackOptions, workdir: Path) -> tuple[EngineProces
         "load_format": "dummy",
         "max_model_len": options.max_model_len,
         "max_num_seqs": 8,
+        "block_size": options.block_size,
         "nixl_extra_config": nixl,
         "extra_args": ("--max-num-batched-tokens", str(options.max_num_batched_tokens)),
     }
     engines = []
     for core, role, gib in ((0, "prefill", options.prefill_kv_gib), (1, "decode", options.decode_kv_gib)):
         engine_id = f"bench-{role}-0"
+        settings = KvferrySettings(
+            sidecar_address=f"unix:{workdir / f'sidecar-{engine_id}.sock'}",
+            lease_ttl_seconds=options.lease_ttl_seconds,
+        )
+        if role == "decode" and options.decode_settings:
+            settings = dataclasses.replace(settings, **options.decode_settings)
         engines.append(
             EngineProcess(
                 role=role,  # type: ignore[arg-type]
@@ -101,10 +115,7 @@ def engine_processes(options: StackOptions, workdir: Path) -> tuple[EngineProces
                 cpu_core=core,
                 kv_cache_gib=gib,
                 prefix_caching=role == "decode",
-                settings=KvferrySettings(
-                    sidecar_address=f"unix:{workdir / f'sidecar-{engine_id}.sock'}",
-                    lease_ttl_seconds=options.lease_ttl_seconds,
-                ),
+                settings=settings,
                 **common,  # type: ignore[arg-type]
             )
         )
