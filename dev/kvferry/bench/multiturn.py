@@ -15,6 +15,11 @@ messages through the router's ``/v1/chat/completions``, the whole history every 
 each answer and its result as a ``role: tool`` message (modes ``reuse`` and ``recompute``; see
 :mod:`kvferry.bench.multiturn_agent`).
 
+``--workload capacity`` runs many agents with tool gaps against a decode engine whose KV cache's
+retention budget holds only a tenth of them, once without the host tier and once with it, and finds
+the most agents each keeps at a 99 % hit rate (:mod:`kvferry.bench.multiturn_capacity`; it writes
+``<out>/capacity.json`` and runs no gap sweep).
+
 Then an inter-turn gap sweep: two-turn conversations with a pause from a fraction of the lease TTL to
 well past it, without heartbeats (a fixed TTL) and with the SDK's keep-alive.
 
@@ -46,7 +51,7 @@ from kvferry.bench.multiturn_workload import WorkloadSpec, plan_conversations
 if TYPE_CHECKING:
     from kvferry.bench.multiturn_stack import BenchStack
 
-WORKLOADS = ("tokens", "agent")
+WORKLOADS = ("tokens", "agent", "capacity")
 # The agent workload's modes (the vllm mode drives the engines by token ids, not chat messages).
 AGENT_MODES = (REUSE, RECOMPUTE)
 DEFAULT_TTL_SECONDS = 10
@@ -73,6 +78,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         "gap_factors": (0.2, 2.0),
     },
 }
+# The capacity workload's sizes (--conversations: the most agents at once). Conversations grow little
+# (2048 -> 2560 tokens), so one more than the KV budget's holds never fits in it, not even at its first turn.
+CAPACITY_PRESETS: dict[str, dict[str, Any]] = {
+    "default": {
+        "conversations": 20,
+        "turns": 4,
+        "start_tokens": 2048,
+        "target_tokens": 2560,
+        "reply_tokens": 32,
+    },
+    "quick": {
+        "conversations": 10,
+        "turns": 3,
+        "start_tokens": 2048,
+        "target_tokens": 2432,
+        "reply_tokens": 16,
+    },
+}
+# Tool seconds per workload (--tool-seconds): the agent's short tools, the capacity workload's gaps.
+TOOL_SECONDS = {"agent": "0.2,1.0", "capacity": "5,8"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -87,14 +112,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=WORKLOADS,
         default="tokens",
         help="tokens: token-id prompts over the SDK's Generate (default); agent: chat messages with a tool "
-        "call and its result between turns, through the router's OpenAI chat API (reuse and recompute)",
+        "call and its result between turns, through the router's OpenAI chat API (reuse and recompute); "
+        "capacity: many agents with tool gaps against a small KV-cache budget, without and with the host "
+        "tier",
     )
     work.add_argument(
         "--tool-seconds",
-        default="0.2,1.0",
-        help="agent workload: each tool call takes MIN,MAX seconds (seeded, uniform; default 0.2,1.0)",
+        default=None,
+        help="agent and capacity workloads: each tool call takes MIN,MAX seconds (seeded, uniform; default "
+        "0.2,1.0; capacity 5,8)",
     )
-    work.add_argument("--conversations", type=int, help="conversations per mode (default 3)")
+    work.add_argument(
+        "--conversations", type=int, help="conversations per mode (default 3; capacity: the most agents, 20)"
+    )
     work.add_argument("--turns", type=int, help="turns per conversation, the first included (default 16)")
     work.add_argument("--start-tokens", type=int, help="first prompt's length (default 2048)")
     work.add_argument("--target-tokens", type=int, help="last prompt's length (default 16384)")
@@ -110,6 +140,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="turns in flight at once; 1 keeps the engine counters exact per turn",
     )
     work.add_argument("--bucket-tokens", type=int, default=2048, help="prompt-length bucket width")
+    capacity = parser.add_argument_group("capacity workload (--workload capacity)")
+    capacity.add_argument(
+        "--capacity-levels",
+        default="",
+        help="comma-separated agent counts each arm runs (default: the KV budget's conversations, one more, "
+        "and --conversations)",
+    )
+    capacity.add_argument(
+        "--kv-budget-conversations",
+        type=int,
+        default=0,
+        help="conversations (at their largest) the decode engine's KV-cache retention budget holds; sets "
+        "retained_kv_fraction (default: --conversations / 10)",
+    )
+    capacity.add_argument(
+        "--host-pool-blocks",
+        type=int,
+        default=None,
+        help="the host arm's pool, in blocks (default: 4 x the largest level's conversations at their "
+        "largest)",
+    )
+    capacity.add_argument(
+        "--demote-after",
+        type=float,
+        default=2.0,
+        help="the host arm's demote_after_seconds (default 2; shorter than the tool gaps)",
+    )
+    capacity.add_argument(
+        "--arms",
+        default="hbm,host",
+        help="comma-separated arms: hbm (the KV-cache budget alone), host (the same and the host tier)",
+    )
     gaps = parser.add_argument_group("gap sweep")
     gaps.add_argument(
         "--ttl",
@@ -165,9 +227,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _preset(args: argparse.Namespace) -> dict[str, Any]:
-    chosen = dict(PRESETS["quick" if args.quick else "default"])
+    presets = CAPACITY_PRESETS if args.workload == "capacity" else PRESETS
+    chosen = dict(presets["quick" if args.quick else "default"])
     for key in ("conversations", "turns", "start_tokens", "target_tokens", "reply_tokens", "gap_samples"):
         value = getattr(args, key)
+        if key not in chosen and args.workload == "capacity":
+            continue
         if value is not None:
             chosen[key] = value
     return chosen
@@ -215,12 +280,28 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.combine:
+        from kvferry.bench.multiturn_capacity import SCHEMA as CAPACITY_SCHEMA
+        from kvferry.bench.multiturn_capacity import combine_capacity_reports, combined_capacity_markdown
         from kvferry.bench.multiturn_stats import combine_reports, combined_markdown
 
         reports = [json.loads(path.read_text()) for path in args.combine]
-        print(combined_markdown(combine_reports(reports)))
+        if all(r.get("schema") == CAPACITY_SCHEMA for r in reports):
+            print(combined_capacity_markdown(combine_capacity_reports(reports)))
+        else:
+            print(combined_markdown(combine_reports(reports)))
         return 0
     preset = _preset(args)
+    try:
+        tool_timing = _tool_timing(
+            args.tool_seconds or TOOL_SECONDS.get(args.workload, TOOL_SECONDS["agent"])
+        )
+    except ValueError as bad:
+        print(f"--tool-seconds: {bad}", file=sys.stderr)
+        return 2
+    if args.workload == "capacity":
+        from kvferry.bench.multiturn_capacity_driver import run_capacity
+
+        return run_capacity(args, preset, tool_timing)
     agent = args.workload == "agent"
     allowed = AGENT_MODES if agent else MODES
     modes_arg = ",".join(AGENT_MODES) if agent and args.modes == ",".join(MODES) else args.modes
@@ -231,11 +312,6 @@ def run(args: argparse.Namespace) -> int:
             f"unknown modes {unknown} for the {args.workload} workload; choose among {', '.join(allowed)}",
             file=sys.stderr,
         )
-        return 2
-    try:
-        tool_timing = _tool_timing(args.tool_seconds)
-    except ValueError as bad:
-        print(f"--tool-seconds: {bad}", file=sys.stderr)
         return 2
     if agent and args.router and not args.router_http:
         print("--workload agent with --router needs --router-http (the router's HTTP URL)", file=sys.stderr)
@@ -609,4 +685,4 @@ def _print_report(report: dict[str, Any]) -> None:
         print(f"note: {note}")
 
 
-__all__ = ["PRESETS", "configure", "model_facts", "run"]
+__all__ = ["CAPACITY_PRESETS", "PRESETS", "configure", "model_facts", "run"]
