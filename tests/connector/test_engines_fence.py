@@ -66,7 +66,7 @@ async def _turn_one(
     return [*prompt, *turn.output_token_ids], turn
 
 
-async def _next_prompt(pair: EnginePair, history: Sequence[int]) -> list[int]:
+async def next_prompt(pair: EnginePair, history: Sequence[int]) -> list[int]:
     async with pair.prefill.client() as prefill:
         follow_up = await prefill.render_chat(
             ChatRequest.of([ChatMessage("user", "Now compare them with attrs.")])
@@ -74,7 +74,7 @@ async def _next_prompt(pair: EnginePair, history: Sequence[int]) -> list[int]:
     return [*history, *follow_up]
 
 
-def _pull(retained: RetainedKv, prompt: Sequence[int]) -> Pull:
+def reuse_pull(retained: RetainedKv, prompt: Sequence[int]) -> Pull:
     reusable = max_reusable_tokens(len(prompt), retained.num_tokens, retained.block_size)
     assert reusable >= 4 * retained.block_size, "the test conversation should reuse a long prefix"
     return Pull(
@@ -84,7 +84,7 @@ def _pull(retained: RetainedKv, prompt: Sequence[int]) -> Pull:
     )
 
 
-async def _first_token(
+async def first_token(
     pair: EnginePair, prompt: Sequence[int], request_id: str, pull: Pull | None = None, mark: Any = None
 ) -> tuple[dict[int, float], int]:
     """P's first token's top-k log-probabilities for ``prompt`` (pulling ``pull`` first) and the prompt
@@ -128,13 +128,13 @@ async def _first_token(
     return top, cached
 
 
-def _assert_same_kv(pulled: dict[int, float], recomputed: dict[int, float]) -> None:
+def assert_same_kv(pulled: dict[int, float], recomputed: dict[int, float]) -> None:
     assert set(pulled) == set(recomputed), f"top-{TOP_K} tokens differ: {pulled} vs {recomputed}"
     worst = max(abs(pulled[token] - recomputed[token]) for token in pulled)
     assert worst <= LOGPROB_TOLERANCE, f"log-probabilities differ by {worst:.3g}: the KV differs"
 
 
-def _fence_line(engine: EngineHandle, request_id: str) -> dict[str, Any]:
+def fence_line(engine: EngineHandle, request_id: str) -> dict[str, Any]:
     (line,) = [e for e in engine.connector_events(PULL_FENCE_LOG) if request_id in str(e.get("request_id"))]
     return line
 
@@ -148,16 +148,16 @@ async def test_a_reuse_whose_blocks_d_still_holds_passes_the_fence(engine_pair: 
     assert retained is not None
     # D published one generation per block with the retention (here in its answer's params).
     assert len(retained.block_generations) == len(retained.block_ids)
-    prompt = await _next_prompt(engine_pair, history)
-    pull = _pull(retained, prompt)
+    prompt = await next_prompt(engine_pair, history)
+    pull = reuse_pull(retained, prompt)
 
     mark = ConversationMark("tests", conversation, 2)
-    pulled, cached = await _first_token(engine_pair, prompt, f"{conversation}-t2", pull, mark)
-    recomputed, scratch_cached = await _first_token(engine_pair, prompt, f"{conversation}-scratch")
+    pulled, cached = await first_token(engine_pair, prompt, f"{conversation}-t2", pull, mark)
+    recomputed, scratch_cached = await first_token(engine_pair, prompt, f"{conversation}-scratch")
 
     assert pull.blocks.num_tokens is not None and cached == pull.blocks.num_tokens
     assert scratch_cached == 0
-    line = _fence_line(engine_pair.prefill, f"{conversation}-t2")
+    line = fence_line(engine_pair.prefill, f"{conversation}-t2")
     assert line["fenced"] is False
     assert line["remote_engine_id"] == engine_pair.decode.engine_id
     assert pull.generations is not None
@@ -165,7 +165,7 @@ async def test_a_reuse_whose_blocks_d_still_holds_passes_the_fence(engine_pair: 
         list(pull.blocks.block_ids[0]),
         list(pull.generations.values),
     )
-    _assert_same_kv(pulled, recomputed)
+    assert_same_kv(pulled, recomputed)
 
 
 async def test_a_pull_of_blocks_d_freed_is_fenced_and_recomputed(
@@ -233,17 +233,17 @@ async def test_a_pull_of_blocks_d_freed_is_fenced_and_recomputed(
     # Freed blocks handed out again and overwritten: tests/faults (the unsafe decode engine's control run).
 
     # A router that handed the record out before the release pulls it now (a timing bug upstream).
-    prompt = await _next_prompt(engine_pair, history)
-    pull = _pull(retained, prompt)
+    prompt = await next_prompt(engine_pair, history)
+    pull = reuse_pull(retained, prompt)
     mark = ConversationMark(tenant, conversation, 2)
-    pulled, cached = await _first_token(engine_pair, prompt, f"{conversation}-t2", pull, mark)
-    recomputed, _ = await _first_token(engine_pair, prompt, f"{conversation}-scratch")
+    pulled, cached = await first_token(engine_pair, prompt, f"{conversation}-t2", pull, mark)
+    recomputed, _ = await first_token(engine_pair, prompt, f"{conversation}-scratch")
 
-    line = _fence_line(engine_pair.prefill, f"{conversation}-t2")
+    line = fence_line(engine_pair.prefill, f"{conversation}-t2")
     assert line["fenced"] is True
     assert line["generations_read"] != expand_block_runs(line["block_runs"])[1]
     assert cached == 0, "P must recompute the whole prompt after a fenced pull"
-    _assert_same_kv(pulled, recomputed)
+    assert_same_kv(pulled, recomputed)
 
     async def counted() -> bool:
         engine = await find_engine(stub, engine_pair.prefill.engine_id)

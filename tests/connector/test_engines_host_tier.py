@@ -12,22 +12,36 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import pytest_asyncio
+from kvferry.connector.connector import FREED_LOG
 from kvferry.connector.host_tier import HOST_REQUEST_SUFFIX
+from kvferry.pd.chat import ChatMessage, ChatRequest
+from kvferry.pd.kvferry_params import ConversationMark
+from kvferry.pd.reuse import RetainedKv
 from kvferry.router.server import RouterConfig, RunningRouter, start_router
-from kvferry.stack.engine import EngineProcess
+from kvferry.stack.engine import EngineProcess, direct_turn
 from kvferry.stack.etcd_process import free_port
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
+from tests.connector.test_engines_fence import (
+    TEXT,
+    assert_same_kv,
+    fence_line,
+    first_token,
+    next_prompt,
+    reuse_pull,
+)
 from tests.fixtures.engines import (
     BLOCK_SIZE,
     ENGINE_SETTINGS,
@@ -46,7 +60,8 @@ from tests.sidecar.helpers import eventually
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
 HOST_DECODE_ID = "host-tier-decode-0"
-POOL_SLOTS = 256
+# Room for three of the tests' conversations (6 blocks each): a fourth makes the pool evict.
+POOL_SLOTS = 20
 DEMOTE_AFTER_SECONDS = 1.0
 TENANT = "acme"
 
@@ -61,10 +76,22 @@ class HostTierStack:
     def router_stub(self) -> router_grpc.RouterServiceStub:
         return router_grpc.RouterServiceStub(grpc.aio.insecure_channel(self.router.grpc_address))
 
-    async def record(self, conversation_id: str) -> resources_pb2.Retention | None:
+    async def moved(self, conversation_id: str, tenant: str = TENANT) -> resources_pb2.Retention:
+        """The conversation's record once it is in the host tier."""
+
+        async def in_pool() -> resources_pb2.Retention | None:
+            record = await self.record(conversation_id, tenant)
+            return record if record is not None and record.tier == resources_pb2.MEMORY_TIER_HOST else None
+
+        found: resources_pb2.Retention = await eventually(
+            in_pool, within=60, what="the move to the host tier"
+        )
+        return found
+
+    async def record(self, conversation_id: str, tenant: str = TENANT) -> resources_pb2.Retention | None:
         try:
             found = await self.registry.stub().GetRetention(
-                registry_pb2.GetRetentionRequest(tenant=TENANT, conversation_id=conversation_id), timeout=10
+                registry_pb2.GetRetentionRequest(tenant=tenant, conversation_id=conversation_id), timeout=10
             )
         except Exception:
             return None
@@ -147,11 +174,7 @@ async def test_an_idle_retention_moves_to_the_host_pool_and_the_next_turn_pulls_
     assert first.turn == 1 and first.decode_engine_id == HOST_DECODE_ID
 
     # Idle past demote_after_seconds: the engine copies it into its pool and re-publishes the turn there.
-    async def moved() -> resources_pb2.Retention | None:
-        record = await stack.record(conv)
-        return record if record is not None and record.tier == resources_pb2.MEMORY_TIER_HOST else None
-
-    record = await eventually(moved, within=60, what="the retention's move to the host tier")
+    record = await stack.moved(conv)
     assert record.turn == 1
     assert record.engine_request_id.endswith(HOST_REQUEST_SUFFIX)
     first_request = record.relocates_engine_request_id
@@ -208,3 +231,88 @@ async def test_an_idle_retention_moves_to_the_host_pool_and_the_next_turn_pulls_
         after == before + 1
         for before, after in zip(line["generations"], line["generations_after"], strict=True)  # type: ignore[call-overload]
     )
+
+
+async def test_a_pool_pull_reads_the_moved_kv_and_a_pull_of_freed_slots_is_fenced(
+    stack: HostTierStack,
+) -> None:
+    """The KV oracle (P's first token's top-k log-probabilities against a recompute) on a pull from the pool,
+    then the fence on a pull of the same slots after the retention ended and its slots were given back."""
+    pair = stack.pair
+    tenant, conversation = f"t-{uuid.uuid4().hex[:6]}", f"pool-fence-{uuid.uuid4().hex[:8]}"
+    async with pair.prefill.client() as prefill, stack.decode.client() as decode:
+        prompt = await prefill.render_chat(ChatRequest.of([ChatMessage("user", f"{conversation}: {TEXT}")]))
+        turn = await direct_turn(
+            prefill,
+            decode,
+            prompt,
+            mark=ConversationMark(tenant, conversation, 1),
+            max_tokens=8,
+            block_size=pair.block_size,
+            request_id=f"{conversation}-t1",
+        )
+    history = [*prompt, *turn.output_token_ids]
+    record = await stack.moved(conversation, tenant)
+    retained = RetainedKv(
+        engine_id=record.engine_id,
+        engine_request_id=record.engine_request_id,
+        block_ids=tuple(record.block_ids),
+        num_tokens=record.num_tokens,
+        nixl_host=stack.decode.nixl_host,
+        nixl_port=stack.decode.nixl_port,
+        block_size=pair.block_size,
+        lease_expire_time=time.time() + 60,
+        block_generations=tuple(record.block_generations),
+    )
+    prompt_2 = await next_prompt(pair, history)
+    pull = reuse_pull(retained, prompt_2)
+    mark = ConversationMark(tenant, conversation, 2)
+    pulled, cached = await first_token(pair, prompt_2, f"{conversation}-t2", pull, mark)
+    recomputed, _ = await first_token(pair, prompt_2, f"{conversation}-scratch")
+    assert fence_line(pair.prefill, f"{conversation}-t2")["fenced"] is False
+    assert pull.blocks.num_tokens is not None and cached == pull.blocks.num_tokens
+    assert_same_kv(pulled, recomputed)
+
+    # The client ends the conversation: the slots go back a grace later, their generations bumped.
+    await stack.registry.stub().ReleaseRetention(
+        registry_pb2.ReleaseRetentionRequest(tenant=tenant, conversation_id=conversation), timeout=5
+    )
+
+    def freed() -> list[dict[str, Any]]:
+        return [
+            e for e in stack.decode.connector_events(FREED_LOG) if e["request_id"] == record.engine_request_id
+        ]
+
+    (free,) = await eventually(
+        freed, within=ENGINE_SETTINGS.release_grace_seconds + 20, what="the slots freed"
+    )
+    assert free["reason"] == "released" and free["tier"] == "host"
+
+    # A router that handed the record out before the release pulls it now: fenced, recomputed, same KV.
+    # (a read window of its own: the first one closed meanwhile, and P would decline it).
+    late = reuse_pull(retained, prompt_2)
+    pulled_late, cached_late = await first_token(pair, prompt_2, f"{conversation}-late", late, mark)
+    line = fence_line(pair.prefill, f"{conversation}-late")
+    assert line["fenced"] is True
+    assert cached_late == 0
+    assert_same_kv(pulled_late, recomputed)
+
+
+async def test_a_full_pool_evicts_its_least_recently_used_retention_to_take_a_new_one(
+    stack: HostTierStack,
+) -> None:
+    model = stack.pair.model
+    convs = [f"full-{i}-{uuid.uuid4().hex[:6]}" for i in range(4)]
+    for conv in convs:
+        _, _, summary = await generate(
+            stack.router_stub(), chat(conv, model, [("system", SYSTEM), ("user", f"Question on {conv}.")])
+        )
+        assert summary.turn == 1 and summary.decode_engine_id == HOST_DECODE_ID
+    # Four conversations of 6 blocks do not fit 20 slots: the pool evicts its oldest to take the last one.
+    last = await stack.moved(convs[-1])
+    assert all(KV_CAPACITY_BLOCKS <= b < KV_CAPACITY_BLOCKS + POOL_SLOTS for b in last.block_ids)
+    evictions = stack.decode.connector_events("evicting least recently used host-tier retention (pool full)")
+    assert evictions, "the pool should have evicted to make room"
+    evicted = {str(e["conversation_id"]) for e in evictions}
+    for conversation in evicted & set(convs):
+        assert await stack.record(conversation) is None, f"{conversation} was evicted and must be gone"

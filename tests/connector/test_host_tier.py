@@ -10,8 +10,11 @@ from kvferry.connector.host_tier import (
     HostPoolLayout,
     HostTierError,
     SlotAllocator,
+    due_demotions,
     extend_remote_rows,
+    next_demotion_at,
 )
+from kvferry.connector.retention import RetainedEntry
 
 REGIONS = 3
 KV_BLOCKS = 8
@@ -137,3 +140,52 @@ def test_orders_go_out_with_a_step_and_finish_by_the_workers_counter() -> None:
     assert [d.request_id for d in demotions.completed(second.sequence)] == ["r2"]
     assert not demotions.busy("r2")
     assert "r1" in demotions.ordered
+
+
+def entry(request_id: str, blocks: int, created_at: float, published: bool = True) -> RetainedEntry:
+    return RetainedEntry(
+        request_id=request_id,
+        tenant="t",
+        conversation_id=request_id,
+        turn=1,
+        block_ids=tuple(range(blocks)),
+        num_tokens=blocks * 32,
+        block_digests=(),
+        created_at=created_at,
+        last_used=created_at,
+        last_contact=created_at,
+        published=published,
+    )
+
+
+def published(e: RetainedEntry) -> bool:
+    return e.published
+
+
+def test_retentions_move_when_idle_long_enough_or_over_the_kv_cache_budget() -> None:
+    # Least recently used first, as the table lists them.
+    live = [entry("old", 4, 0.0), entry("mid", 4, 50.0), entry("new", 4, 90.0, published=False)]
+    idle = due_demotions(live, now=100.0, demote_after_seconds=60.0, budget_blocks=100, movable=published)
+    assert [e.request_id for e in idle] == ["old"]
+    # 12 blocks live against a budget of 6: the oldest movable ones go until 6 fit (old, then mid); the
+    # unpublished one cannot move (its record is not in the registry yet) but counts.
+    over = due_demotions(live, now=60.0, demote_after_seconds=600.0, budget_blocks=6, movable=published)
+    assert [e.request_id for e in over] == ["old", "mid"]
+    assert (
+        due_demotions(live, now=60.0, demote_after_seconds=600.0, budget_blocks=12, movable=published) == []
+    )
+
+
+def test_the_next_move_is_when_the_oldest_movable_retention_turns_idle() -> None:
+    live = [entry("unpublished", 4, 5.0, published=False), entry("a", 4, 10.0), entry("b", 4, 20.0)]
+    assert next_demotion_at(live, demote_after_seconds=30.0, movable=published) == 40.0
+    assert next_demotion_at(live[:1], demote_after_seconds=30.0, movable=published) is None
+
+
+def test_a_free_block_shortfall_moves_the_least_recently_used_until_it_is_covered() -> None:
+    live = [entry("a", 4, 0.0), entry("b", 4, 10.0), entry("c", 4, 20.0)]
+    # Under the budget and none idle, but 5 free blocks missing under the watermark: a and b go.
+    due = due_demotions(
+        live, now=30.0, demote_after_seconds=600.0, budget_blocks=100, movable=published, shortfall_blocks=5
+    )
+    assert [e.request_id for e in due] == ["a", "b"]

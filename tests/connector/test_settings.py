@@ -74,6 +74,7 @@ def test_wrong_types_fail(key: str, value: object) -> None:
         ({"host_pool_blocks": -1}, "host_pool_blocks must be >= 0"),
         ({"host_pool_blocks": 64, "fence_pulls": False}, "host_pool_blocks needs fence_pulls"),
         ({"demote_after_seconds": -0.5}, "demote_after_seconds"),
+        ({"demote_below_free_fraction": 1.0}, "demote_below_free_fraction"),
     ],
 )
 def test_invalid_values_fail(changes: dict[str, object], message: str) -> None:

@@ -62,7 +62,9 @@ from kvferry.connector.host_tier import (
     HostPoolLayout,
     HostTierError,
     SlotAllocator,
+    due_demotions,
     extend_remote_rows,
+    next_demotion_at,
 )
 from kvferry.connector.keeper import RetentionKeeper
 from kvferry.connector.logs import hand_over_held, setup_logging
@@ -104,6 +106,10 @@ logger = logging.getLogger("kvferry.connector")
 
 # Released ids stay known to the worker this long, so late read notices are still recognised.
 _FORGET_AFTER_SECONDS = 600.0
+# A pool without room for a due move is asked again after this long (or as soon as slots come back).
+_NO_ROOM_RETRY_SECONDS = 5.0
+# How often a busy engine looks at its free blocks and idle retentions (each step would be wasteful).
+_PRESSURE_CHECK_SECONDS = 0.25
 # Per-request pull options the worker keeps at most (a request whose pull never starts is dropped).
 _MAX_PULL_OPTIONS = 1024
 # The decode engine's oracle lines (docs/connector.md#pull-time-fencing): a retention's blocks went back
@@ -219,6 +225,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             Demotions(SlotAllocator(settings.host_pool_blocks)) if settings.host_pool_blocks else None
         )
         self._host_slots: dict[str, tuple[int, ...]] = {}
+        self._next_pressure_check = 0.0
         # Generations of this engine's blocks (and pool slots); mapped to the workers' files once they hand
         # them over (set_xfer_handshake_metadata), before any request runs.
         self.generations = GenerationBook(
@@ -517,6 +524,11 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         base = super().build_connector_meta(scheduler_output)
         assert isinstance(base, NixlConnectorMetadata)
         self._free_due()
+        if self.demotions is not None and time.monotonic() >= self._next_pressure_check:
+            # While requests run the engine never asks has_pending_push_work: the watermark is checked here.
+            self._next_pressure_check = time.monotonic() + _PRESSURE_CHECK_SECONDS
+            self._finish_demotions()
+            self._demote_due()
         # Options, read deadlines and generations travel with the step that asks the worker to pull
         # (reqs_to_recv).
         options = {r: self._pull_options.pop(r) for r in base.reqs_to_recv if r in self._pull_options}
@@ -576,6 +588,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 # Bumped before the slots can take another retention's blocks.
                 self.generations.bump(self.kv_blocks + slot for slot in slots)
                 self.demotions.allocator.free(slots)
+                self.demotions.no_room_until = 0.0
         finally:
             self._freeing = None
         self._worker_released.append(entry.request_id)
@@ -647,30 +660,52 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         return {d.request_id for d in (*demotions.unsent, *demotions.in_flight.values())}
 
     def _demote_due(self) -> None:
-        """Orders the moves due: retentions idle ``demote_after_seconds`` since their turn finished, and
-        the least recently used ones over the KV cache's budget. Only retentions the registry
-        acknowledged move (a relocation replaces a published record), each at most once."""
+        """Orders the moves due: retentions idle ``demote_after_seconds`` since their turn finished, the
+        least recently used ones over the KV cache's budget, and while the engine's free blocks are under
+        ``demote_below_free_fraction``, the least recently used ones until they would not be. Only
+        retentions the registry acknowledged move (a relocation replaces a published record), each once."""
         demotions = self.demotions
         if demotions is None:
             return
         now = time.monotonic()
+        if now < demotions.no_room_until:
+            return
         leaving = self._leaving()
         live = self.table.live_entries(Tier.DEVICE, leaving=leaving)
-        over = sum(len(e.block_ids) for e in live) - self.table.budget_blocks
-        for entry in live:
-            idle = now - entry.created_at >= self.settings.demote_after_seconds
-            if not (idle or over > 0):
-                continue
-            if (
-                entry.request_id in demotions.ordered
-                or not entry.published
-                or entry.request_id not in self._held
-            ):
-                continue
+        due = due_demotions(
+            live,
+            now=now,
+            demote_after_seconds=self.settings.demote_after_seconds,
+            budget_blocks=self.table.budget_blocks,
+            movable=self._movable,
+            shortfall_blocks=self._free_block_shortfall(leaving),
+        )
+        for entry in due:
             if demotions.order(entry.request_id, entry.block_ids) is None:
+                # Tried again once slots come back (a free), or a while later.
+                demotions.no_room_until = now + _NO_ROOM_RETRY_SECONDS
                 self._make_room(len(entry.block_ids))
                 return
-            over -= len(entry.block_ids)
+
+    def _free_block_shortfall(self, leaving: set[str]) -> int:
+        """Blocks missing from vLLM's free queue under the watermark, less those already on their way out."""
+        fraction = self.settings.demote_below_free_fraction
+        if not fraction or self._block_pool is None:
+            return 0
+        free = vllm_internals.free_block_count(self._block_pool)
+        coming = sum(len(e.block_ids) for e in (self.table.get(r) for r in leaving) if e is not None)
+        return max(0, int(fraction * self.kv_blocks) - free - coming)
+
+    def _movable(self, entry: RetainedEntry) -> bool:
+        """Acknowledged by the registry (a relocation replaces a published record), held by this
+        connector, and never ordered to the pool before (a refused move is not tried again)."""
+        demotions = self.demotions
+        return (
+            demotions is not None
+            and entry.published
+            and entry.request_id in self._held
+            and entry.request_id not in demotions.ordered
+        )
 
     def _make_room(self, blocks: int) -> None:
         """The pool is full: evicts its least recently used retentions (slots come back once the registry
@@ -743,12 +778,12 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         demotions = self.demotions
         if demotions is None:
             return due
-        ordered, after = demotions.ordered, self.settings.demote_after_seconds
-        demotable = [
-            e.created_at + after
-            for e in self.table.live_entries(Tier.DEVICE)
-            if e.published and e.request_id not in ordered
-        ]
+        next_move = next_demotion_at(
+            self.table.live_entries(Tier.DEVICE),
+            demote_after_seconds=self.settings.demote_after_seconds,
+            movable=self._movable,
+        )
+        demotable = [None if next_move is None else max(next_move, demotions.no_room_until)]
         if demotions.unsent:
             demotable.append(time.monotonic())
         return min([d for d in (due, *demotable) if d is not None], default=None)

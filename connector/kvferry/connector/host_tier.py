@@ -29,11 +29,12 @@ No vLLM and no NIXL here: the worker and scheduler halves in kvferry.connector.c
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+from kvferry.connector.retention import RetainedEntry
 
 Rows = npt.NDArray[np.uint64]
 # Suffix of a relocated retention's request id: the id P names in its pull and its read notice (the
@@ -128,6 +129,7 @@ class SlotAllocator:
         return taken
 
     def free(self, slots: Iterable[int]) -> None:
+        """Gives slots back."""
         for slot in slots:
             if not 0 <= slot < self.slots or slot in self._free:
                 raise ValueError(f"slot {slot} is not allocated")
@@ -153,6 +155,8 @@ class Demotions:
     in_flight: dict[int, Demotion] = field(default_factory=dict)
     # Request ids ever ordered: a retention is demoted at most once (a refused relocation is not retried).
     ordered: set[str] = field(default_factory=set)
+    # The pool had no room: no order is tried before this (monotonic) or before slots come back.
+    no_room_until: float = 0.0
     _sequence: int = 0
 
     def order(self, request_id: str, block_ids: Sequence[int]) -> Demotion | None:
@@ -180,6 +184,37 @@ class Demotions:
 
     def busy(self, request_id: str) -> bool:
         return any(d.request_id == request_id for d in (*self.unsent, *self.in_flight.values()))
+
+
+def due_demotions(
+    live: Sequence[RetainedEntry],
+    *,
+    now: float,
+    demote_after_seconds: float,
+    budget_blocks: int,
+    movable: Callable[[RetainedEntry], bool],
+    shortfall_blocks: int = 0,
+) -> list[RetainedEntry]:
+    """Which of the KV cache's live retentions (least recently used first) move to the pool now: those idle
+    ``demote_after_seconds`` since their turn finished and, least recently used first, enough to bring the
+    live ones under the KV cache's budget and to give back ``shortfall_blocks`` (the free blocks missing
+    under the engine's watermark). Only ``movable`` ones move (acknowledged by the registry, never ordered
+    before)."""
+    over = max(sum(len(e.block_ids) for e in live) - budget_blocks, shortfall_blocks)
+    due: list[RetainedEntry] = []
+    for entry in live:
+        idle = now - entry.created_at >= demote_after_seconds
+        if (idle or over > 0) and movable(entry):
+            due.append(entry)
+            over -= len(entry.block_ids)
+    return due
+
+
+def next_demotion_at(
+    live: Sequence[RetainedEntry], *, demote_after_seconds: float, movable: Callable[[RetainedEntry], bool]
+) -> float | None:
+    """When the next of these retentions becomes idle enough to move (monotonic), or None."""
+    return min((e.created_at + demote_after_seconds for e in live if movable(e)), default=None)
 
 
 class HostPool:
@@ -266,5 +301,7 @@ __all__ = [
     "HostPoolLayout",
     "HostTierError",
     "SlotAllocator",
+    "due_demotions",
     "extend_remote_rows",
+    "next_demotion_at",
 ]

@@ -86,6 +86,9 @@ class KvferrySettings:
     # A retention still held this long after its turn finished moves to the host pool (with a pool). One
     # pushed out of the KV cache's budget (retained_kv_fraction) moves at once while the pool has room.
     demote_after_seconds: float = 60.0
+    # With a pool: while fewer than this fraction of the KV cache's blocks are free, least recently used
+    # retentions move to the pool until enough would be (0: no watermark; the budget still applies).
+    demote_below_free_fraction: float = 0.0
 
     def validate(self) -> None:
         problems: list[str] = []
@@ -124,6 +127,8 @@ class KvferrySettings:
             )
         if self.demote_after_seconds < 0:
             problems.append("demote_after_seconds must be >= 0")
+        if not 0.0 <= self.demote_below_free_fraction < 1.0:
+            problems.append("demote_below_free_fraction must be in [0, 1)")
         if problems:
             raise SettingsError("invalid kvferry connector settings: " + "; ".join(problems))
 

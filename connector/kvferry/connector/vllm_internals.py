@@ -115,7 +115,7 @@ def check_vllm() -> str:
         )
     missing: list[str] = []
     for owner, names in (
-        (BlockPool, ("touch", "free_blocks")),
+        (BlockPool, ("touch", "free_blocks", "get_num_free_blocks")),
         (NixlPullConnectorScheduler, ("request_finished", "build_connector_meta", "has_pending_push_work")),
         (
             NixlPullConnectorWorker,
@@ -149,7 +149,16 @@ def check_vllm() -> str:
         missing.append("NixlPullConnectorScheduler.set_xfer_handshake_metadata")
     missing += [
         f"NixlBaseConnectorWorker.{n}"
-        for n in ("_recving_metadata", "_remote_agents", "xfer_handshake_metadata")
+        for n in (
+            "_recving_metadata",
+            "_remote_agents",
+            "xfer_handshake_metadata",
+            # The host tier (module doc, 10).
+            "dst_xfer_side_handles",
+            "dst_num_blocks",
+            "dst_region_num_blocks",
+            "dst_region_mem_types",
+        )
         if n not in worker_source
     ]
     if missing:
@@ -193,6 +202,11 @@ def hold_blocks(block_pool: Any, block_ids: Sequence[int]) -> list[Any]:
 def release_blocks(block_pool: Any, blocks: Sequence[Any]) -> None:
     """Drops the references :func:`hold_blocks` took (tail blocks become free first)."""
     block_pool.free_blocks(list(reversed(blocks)))
+
+
+def free_block_count(block_pool: Any) -> int:
+    """Blocks in vLLM's free queue (``BlockPool.get_num_free_blocks``): the host tier's watermark."""
+    return int(block_pool.get_num_free_blocks())
 
 
 def kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> int:

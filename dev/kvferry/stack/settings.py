@@ -243,6 +243,26 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "engines",
+        "host_pool_blocks",
+        "--host-pool-blocks",
+        "KVFERRY_HOST_POOL_BLOCKS",
+        non_negative_int,
+        0,
+        "decode engines' host tier: slots of host memory (one KV block each) where retentions idle past "
+        "--demote-after-seconds, or over the KV cache's retention budget, move out of the KV cache and are "
+        "pulled from (docs/connector.md#host-tier); 0: none; vllm-cpu only in this release",
+    ),
+    Setting(
+        "engines",
+        "demote_after_seconds",
+        "--demote-after-seconds",
+        "KVFERRY_DEMOTE_AFTER_SECONDS",
+        non_negative_int,
+        60,
+        "with --host-pool-blocks: seconds after its turn finished a held retention moves to the host pool",
+    ),
+    Setting(
+        "engines",
         "connector_module",
         "--connector-module",
         "KVFERRY_CONNECTOR_MODULE",
@@ -317,6 +337,8 @@ class StackConfig:
     gpu_memory_utilization: float = 0.0
     kv_cache_gib: int = 0
     max_model_len: int = 0
+    host_pool_blocks: int = 0
+    demote_after_seconds: int = 60
     connector_module: str = "kvferry.connector.connector"
     grpc_listen: str = "127.0.0.1:50052"
     http_listen: str = "127.0.0.1:8080"
@@ -358,6 +380,8 @@ _FIELDS = {
     "engines.gpu_memory_utilization": "gpu_memory_utilization",
     "engines.kv_cache_gib": "kv_cache_gib",
     "engines.max_model_len": "max_model_len",
+    "engines.host_pool_blocks": "host_pool_blocks",
+    "engines.demote_after_seconds": "demote_after_seconds",
     "engines.connector_module": "connector_module",
     "router.grpc_listen": "grpc_listen",
     "router.http_listen": "http_listen",

@@ -474,6 +474,9 @@ def engine_processes(
             "settings": KvferrySettings(
                 sidecar_address=f"unix:{workdir / f'sidecar-{engine_id}.sock'}",
                 lease_ttl_seconds=config.retention_ttl_seconds,
+                # The host tier is a decode engine's (it holds the retentions).
+                host_pool_blocks=config.host_pool_blocks if planned.role == "decode" else 0,
+                demote_after_seconds=float(config.demote_after_seconds),
             ),
         }
         if config.kv_cache_gib:
