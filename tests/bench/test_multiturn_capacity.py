@@ -24,6 +24,7 @@ from kvferry.bench.multiturn_capacity import (
     SCHEMA,
     CapacityTurn,
     EngineEvents,
+    PoolCopy,
     build_capacity_report,
     capacity,
     check_capacity_targets,
@@ -177,7 +178,30 @@ def _decode_log() -> list[dict[str, Any]]:
         _line(RETAINED_LOG, T0 + 1, request_id="r-a1", conversation_id="a"),
         _line(RETAINED_LOG, T0 + 2, request_id="r-b1", conversation_id="b"),
         _line(COPIED_LOG, T0 + 4.010, request_ids=["r-a1"], blocks=65, copy_ms=5.0),
-        _line(MOVED_LOG, T0 + 4.020, request_id="r-a1.host", relocates="r-a1", conversation_id="a"),
+        _line(
+            MOVED_LOG, T0 + 4.02, request_id="r-a1.host", relocates="r-a1", conversation_id="a", slots=[0, 64]
+        ),
+        _line(RETAINED_LOG, T0 + 9, request_id="r-a2", conversation_id="a"),
+        _line(RETAINED_LOG, T0 + 9.5, request_id="r-c1", conversation_id="c"),
+        # Slots 0-64 again (r-a1's came back) and 65-69: fresh pages; then 0-64 alone: written before.
+        _line(COPIED_LOG, T0 + 12.0, request_ids=["r-c1"], blocks=70, copy_ms=20.0),
+        _line(
+            MOVED_LOG,
+            T0 + 12.01,
+            request_id="r-c1.host",
+            relocates="r-c1",
+            conversation_id="c",
+            slots=[0, 69],
+        ),
+        _line(COPIED_LOG, T0 + 13.0, request_ids=["r-a2"], blocks=65, copy_ms=0.7),
+        _line(
+            MOVED_LOG,
+            T0 + 13.01,
+            request_id="r-a2.host",
+            relocates="r-a2",
+            conversation_id="a",
+            slots=[0, 64],
+        ),
         _line(EVICT_LOG, T0 + 5, request_id="r-b1", conversation_id="b"),
         _line(POOL_FULL_LOG, T0 + 6, request_id="r-a1.host", conversation_id="a"),
         _line(FREED_LOG, T0 + 40, request_id="r-a1", conversation_id="a", tier="device", reason="superseded"),
@@ -200,13 +224,17 @@ def test_engine_events_from_the_connector_s_lines(tmp_path: Path) -> None:
     assert list(log_lines(tmp_path / "missing.log")) == []
     events = engine_events(decode, _prefill_log())
     assert events.decode_ready == {"kv_blocks": 32768, "retained_block_budget": 172, "host_pool_blocks": 6480}
-    assert [c for c, _ in events.moved] == ["a"]
-    ((start, end),) = events.copies
-    assert end == pytest.approx(T0 + 4.011, abs=1e-3) and end - start == pytest.approx(0.006, abs=1e-3)
+    assert [c for c, _ in events.moved] == ["a", "c", "a"]
+    first, _, reused = events.copies
+    assert first.end == pytest.approx(T0 + 4.011, abs=1e-3)
+    assert first.end - first.start == pytest.approx(0.006, abs=1e-3)
+    assert first.conversations == ("a",) and first.copy_ms == 5.0
+    assert [c.first_touch for c in events.copies] == [True, True, False]
+    assert events.demotion_windows(first_touch=False) == [(reused.start, reused.end)]
     assert events.evicted_kv == ["b"] and events.evicted_pool == ["a"]
     assert events.freed == [("a", "device", "superseded")]
     assert events.pulls == [("a", True, False), ("b", False, True)]
-    assert len(events.demotion_windows()) == 2
+    assert len(events.demotion_windows()) == 6  # 3 copies, 3 relocations
     assert unix_of("2027-01-15T08:00:00.250Z") == pytest.approx(1800000000.25)
 
 
@@ -277,7 +305,7 @@ def _events() -> dict[str, EngineEvents]:
     host = EngineEvents(
         moved=[("host-20-0", T0 + 20_050)],
         # During the decode of level 20's agent 0, turn 1 (it starts at T0 + 20,100): its second interval.
-        copies=[(T0 + 20_100.025, T0 + 20_100.03)],
+        copies=[PoolCopy(T0 + 20_100.025, T0 + 20_100.03, 5.0, ("host-20-0",), first_touch=False)],
         pulls=[("host-20-0", True, False)],
     )
     hbm = EngineEvents(evicted_kv=["hbm-20-1", "hbm-20-2", "hbm-3-0"])
@@ -299,6 +327,7 @@ def test_level_statistics_capacity_and_targets() -> None:
     host20 = summarize_level(HOST, 20, turns, events[HOST])
     assert host20.hit_rate == 1.0 and host20.demoted == 1 and host20.pulls_from_pool == 1
     assert host20.itl_during_demotion_n == 1 and host20.itl_p50_ms == pytest.approx(20.0)
+    assert (host20.copies, host20.copy_p50_ms, host20.first_touch_copies) == (1, 5.0, 0)
 
     levels = [summarize_level(a, n, turns, events[a]) for a in (HBM, HOST) for n in (2, 3, 20)]
     assert capacity(levels, HBM) == 2 and capacity(levels, HOST) == 20
@@ -308,6 +337,9 @@ def test_level_statistics_capacity_and_targets() -> None:
     assert targets.ratio == 10.0 and targets.ratio_met is True and targets.host_at_largest_level
     assert targets.itl_during_n == 1 and targets.itl_increase == pytest.approx(0.0, abs=1e-6)
     assert targets.itl_met is True
+    assert targets.itl_increase_reused_slots == pytest.approx(0.0, abs=1e-6)
+    assert targets.itl_during_reused_slots_n == 1
+    assert targets.itl_increase_fresh_slots is None and targets.itl_during_fresh_slots_n == 0
     assert "10x" in targets.explanation
 
     only_hbm = check_capacity_targets([s for s in levels if s.arm == HBM], turns, {HBM: events[HBM]})

@@ -196,18 +196,36 @@ class CapacityTurn:
 
 
 @dataclass
+class PoolCopy:
+    """One ``copied to the host pool`` line: the worker's copy of retentions into pool slots."""
+
+    start: float  # Unix time
+    end: float
+    copy_ms: float
+    conversations: tuple[str, ...]
+    # Into slots no earlier copy wrote: their pages are touched for the first time (faulted in).
+    first_touch: bool
+
+
+@dataclass
 class EngineEvents:
     """What the engines' logs say of one arm's run."""
 
     # Demotions: conversation id and Unix time of each move to the pool (``moved to the host tier``).
     moved: list[tuple[str, float]] = field(default_factory=list)
-    # Copies into the pool: (start, end) Unix times.
-    copies: list[tuple[float, float]] = field(default_factory=list)
+    # Copies into the pool, in log order.
+    copies: list[PoolCopy] = field(default_factory=list)
 
-    def demotion_windows(self) -> list[tuple[float, float]]:
+    def demotion_windows(self, *, first_touch: bool | None = None) -> list[tuple[float, float]]:
         """When the decode engine worked on a demotion: each copy into the pool (the worker, as a step
-        starts), and the millisecond around each relocation's retain (the scheduler)."""
-        return sorted([*self.copies, *((at - 0.001, at + 0.002) for _, at in self.moved)])
+        starts), and the millisecond around each relocation's retain (the scheduler). ``first_touch``
+        True/False: only the copies into slots never written before / all written before (no
+        relocations)."""
+        if first_touch is not None:
+            return sorted((c.start, c.end) for c in self.copies if c.first_touch == first_touch)
+        return sorted(
+            [*((c.start, c.end) for c in self.copies), *((at - 0.001, at + 0.002) for _, at in self.moved)]
+        )
 
     # Frees: (conversation id, tier, reason); logged a grace after the registry confirmed the end, so
     # those of a run's last seconds are missing.
@@ -249,6 +267,8 @@ def engine_events(
     """Reads the decode and prefill engines' connector lines."""
     events = EngineEvents()
     conversation_of: dict[str, str] = {}
+    slots_of: dict[str, tuple[int, int]] = {}  # a moved (device) request id -> its first and last slot
+    copied: list[tuple[float, float, list[str]]] = []
     for line in decode_lines:
         msg = line.get("msg")
         conversation = str(line.get("conversation_id", ""))
@@ -261,15 +281,34 @@ def engine_events(
         elif msg == MOVED_LOG:
             conversation_of[str(line.get("request_id"))] = conversation
             events.moved.append((conversation, unix_of(str(line["ts"]))))
+            slots = line.get("slots") or []
+            if len(slots) == 2:
+                slots_of[str(line.get("relocates"))] = (int(slots[0]), int(slots[1]))
         elif msg == COPIED_LOG:
             end = unix_of(str(line["ts"])) + 0.001  # ts is cut to the millisecond
-            events.copies.append((end - 0.001 - float(line.get("copy_ms") or 0.0) / 1000, end))
+            copy_ms = float(line.get("copy_ms") or 0.0)
+            copied.append(
+                (end - 0.001 - copy_ms / 1000, copy_ms, [str(r) for r in line.get("request_ids", ())])
+            )
         elif msg == FREED_LOG:
             events.freed.append((conversation, str(line.get("tier", "")), str(line.get("reason", ""))))
         elif msg == EVICT_LOG:
             events.evicted_kv.append(conversation)
         elif msg == POOL_FULL_LOG:
             events.evicted_pool.append(conversation)
+    touched: set[int] = set()
+    for start, copy_ms, request_ids in copied:
+        slots = {s for r in request_ids if r in slots_of for s in range(slots_of[r][0], slots_of[r][1] + 1)}
+        events.copies.append(
+            PoolCopy(
+                start=start,
+                end=start + copy_ms / 1000 + 0.001,
+                copy_ms=copy_ms,
+                conversations=tuple(conversation_of.get(r, "") for r in request_ids),
+                first_touch=bool(slots - touched),
+            )
+        )
+        touched |= slots
     for line in prefill_lines:
         if line.get("msg") != PULL_FENCE_LOG:
             continue
@@ -319,6 +358,10 @@ class LevelSummary:
     evicted_pool: int
     pulls_from_pool: int
     fenced_pulls: int
+    # Copies into the pool of this level's retentions: how many, their time, how many into fresh slots.
+    copies: int
+    copy_p50_ms: float | None
+    first_touch_copies: int
     # Inter-token latency, ms per token: all decodes, and split by demotion windows.
     itl_p50_ms: float | None
     itl_during_demotion_p50_ms: float | None
@@ -342,6 +385,7 @@ def summarize_level(
     hits = [t for t in measured if t.hit]
     misses = [t for t in measured if not t.hit]
     during, outside = split_itl(mine, events.demotion_windows())
+    copies = [c for c in events.copies if conversations.intersection(c.conversations)]
     return LevelSummary(
         arm=arm,
         agents=agents,
@@ -361,6 +405,9 @@ def summarize_level(
         evicted_pool=sum(1 for c in events.evicted_pool if c in conversations),
         pulls_from_pool=sum(1 for c, pool, _ in events.pulls if c in conversations and pool),
         fenced_pulls=sum(1 for c, _, fenced in events.pulls if c in conversations and fenced),
+        copies=len(copies),
+        copy_p50_ms=_p([c.copy_ms for c in copies], 50),
+        first_touch_copies=sum(1 for c in copies if c.first_touch),
         itl_p50_ms=_p(during + outside, 50),
         itl_during_demotion_p50_ms=_p(during, 50),
         itl_outside_p50_ms=_p(outside, 50),
@@ -390,6 +437,11 @@ class CapacityTargets:
     itl_met: bool | None
     itl_during_n: int
     itl_outside_n: int
+    # The same over copies into slots written before (pages in memory) and into fresh ones only.
+    itl_increase_reused_slots: float | None
+    itl_during_reused_slots_n: int
+    itl_increase_fresh_slots: float | None
+    itl_during_fresh_slots_n: int
     explanation: str
 
 
@@ -400,14 +452,12 @@ def check_capacity_targets(
     hbm, host = caps.get(HBM), caps.get(HOST)
     ratio = round(host / hbm, 2) if hbm and host else None
     largest = max((s.agents for s in levels if s.arm == HOST), default=0)
-    during, outside = (
-        split_itl([t for t in turns if t.arm == HOST], events[HOST].demotion_windows())
-        if HOST in events
-        else ([], [])
-    )
-    increase = None
-    if during and outside:
-        increase = round(percentile(during, 50) / percentile(outside, 50) - 1, 4)
+    host_turns = [t for t in turns if t.arm == HOST]
+    host_events = events.get(HOST, EngineEvents())
+    during, outside = split_itl(host_turns, host_events.demotion_windows())
+    increase = _increase(during, outside)
+    reused, _ = split_itl(host_turns, host_events.demotion_windows(first_touch=False))
+    fresh, _ = split_itl(host_turns, host_events.demotion_windows(first_touch=True))
     parts = []
     if ratio is not None:
         parts.append(
@@ -427,6 +477,12 @@ def check_capacity_targets(
             f"vs outside {percentile(outside, 50):.1f} ms ({len(outside)}): {increase:+.1%} "
             f"(target <= +{TARGET_ITL_INCREASE:.0%})"
         )
+        for name, split in (("written before", reused), ("never written (pages faulted in)", fresh)):
+            if split:
+                parts.append(
+                    f"copies into slots {name}: {percentile(split, 50):.1f} ms, "
+                    f"{_increase(split, outside):+.1%} ({len(split)} intervals)"
+                )
     else:
         parts.append("no decode interval overlapped a demotion: ITL during demotions not measured")
     return CapacityTargets(
@@ -438,8 +494,19 @@ def check_capacity_targets(
         itl_met=None if increase is None else increase <= TARGET_ITL_INCREASE,
         itl_during_n=len(during),
         itl_outside_n=len(outside),
+        itl_increase_reused_slots=_increase(reused, outside),
+        itl_during_reused_slots_n=len(reused),
+        itl_increase_fresh_slots=_increase(fresh, outside),
+        itl_during_fresh_slots_n=len(fresh),
         explanation="; ".join(parts),
     )
+
+
+def _increase(during: Sequence[float], outside: Sequence[float]) -> float | None:
+    """p50 of ``during`` over p50 of ``outside``, minus one (None: either is empty)."""
+    if not during or not outside:
+        return None
+    return round(percentile(during, 50) / percentile(outside, 50) - 1, 4)
 
 
 def build_capacity_report(
@@ -494,6 +561,7 @@ _COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("evicted_kv", "evict KV", 8),
     ("evicted_pool", "evict pool", 10),
     ("pulls_from_pool", "pool pulls", 10),
+    ("copy_p50_ms", "copy ms", 7),
     ("itl_p50_ms", "ITL p50", 7),
     ("itl_during_demotion_p50_ms", "ITL demo", 8),
     ("itl_outside_p50_ms", "ITL other", 9),
@@ -505,7 +573,7 @@ def _cell(value: Any, key: str) -> str:
         return "-"
     if key == "hit_rate":
         return f"{value:.1%}"
-    if key.startswith("itl"):
+    if key.startswith("itl") or key == "copy_p50_ms":
         return f"{value:.1f}"
     if isinstance(value, float):
         return f"{value:.0f}"
@@ -549,7 +617,7 @@ def combine_capacity_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, 
             level[key] = statistics.median(present) if present else None
         combined_levels.append(level)
     targets: dict[str, Any] = {}
-    for key in ("ratio", "itl_increase"):
+    for key in ("ratio", "itl_increase", "itl_increase_reused_slots", "itl_increase_fresh_slots"):
         values = [r["targets"][key] for r in reports if r["targets"].get(key) is not None]
         targets[key] = {
             "median": statistics.median(values) if values else None,
@@ -572,6 +640,8 @@ def combined_capacity_markdown(combined: Mapping[str, Any]) -> str:
     for key, title in (
         ("ratio", "capacity ratio host/hbm"),
         ("itl_increase", "ITL during demotions vs outside"),
+        ("itl_increase_reused_slots", "... copies into slots written before"),
+        ("itl_increase_fresh_slots", "... copies into fresh slots"),
     ):
         t = targets[key]
         lines.append(f"{title}: median {t['median']} (runs {t['runs']})")
@@ -588,6 +658,7 @@ __all__ = [
     "CapacityTurn",
     "EngineEvents",
     "LevelSummary",
+    "PoolCopy",
     "build_capacity_report",
     "capacity",
     "check_capacity_targets",

@@ -399,6 +399,13 @@ def print_capacity_report(report: dict[str, Any]) -> None:
         + (f"{increase:+.1%}" if increase is not None else "-")
         + f" ({targets['itl_during_n']} vs {targets['itl_outside_n']} intervals; target <= +10%)"
     )
+    for key, name in (("reused", "written before"), ("fresh", "never written")):
+        split = targets[f"itl_increase_{key}_slots"]
+        if split is not None:
+            print(
+                f"          of which copies into slots {name}: {split:+.1%} "
+                f"({targets[f'itl_during_{key}_slots_n']} intervals)"
+            )
     print(f"          {targets['explanation']}")
     for note in report["notes"]:
         print(f"note: {note}")
