@@ -12,6 +12,8 @@ from kvferry.router.registry_client import EngineEvent, EngineWatcher, RegistryU
 from kvferry.runtime.backoff import BackoffPolicy
 from kvferry.v1 import resources_pb2
 
+from tests.sidecar.helpers import eventually
+
 
 def engine(engine_id: str) -> EngineInfo:
     return EngineInfo(
@@ -63,13 +65,6 @@ class InMemoryRegistry:
             yield event
 
 
-async def until(condition: object, within: float = 2.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not condition():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.005)
-
-
 async def test_snapshot_then_events_then_reconnect() -> None:
     registry = InMemoryRegistry([engine("a"), engine("b")])
     table, load = EngineTable(), LoadTracker()
@@ -87,12 +82,12 @@ async def test_snapshot_then_events_then_reconnect() -> None:
         assert {e.engine_id for e in table.all()} == {"a", "b"}
         await registry.events.put(EngineEvent("joined", engine("c"), "c"))
         await registry.events.put(EngineEvent("left", None, "a"))
-        await until(lambda: {e.engine_id for e in table.all()} == {"b", "c"})
+        await eventually(lambda: {e.engine_id for e in table.all()} == {"b", "c"}, within=2.0)
         assert left == ["a"]
         # The watch breaks; meanwhile "b" left. The reconnect's snapshot drops it.
         registry.engines = [engine("c")]
         await registry.events.put(None)
-        await until(lambda: {e.engine_id for e in table.all()} == {"c"})
+        await eventually(lambda: {e.engine_id for e in table.all()} == {"c"}, within=2.0)
         assert left == ["a", "b"] and watcher.connected
     finally:
         task.cancel()
@@ -108,9 +103,9 @@ async def test_engine_leaving_during_a_snapshot_stays_gone() -> None:
         # The next resync's list is taken while "a" is still there, but answers after "a" left.
         registry.list_gate = asyncio.Event()
         calls = registry.list_calls
-        await until(lambda: registry.list_calls > calls)
+        await eventually(lambda: registry.list_calls > calls, within=2.0)
         await registry.events.put(EngineEvent("left", None, "a"))
-        await until(lambda: table.get("a") is None)
+        await eventually(lambda: table.get("a") is None, within=2.0)
         registry.list_gate.set()
         await asyncio.sleep(0.02)
         assert table.get("a") is None
@@ -129,10 +124,10 @@ async def test_registry_down_keeps_the_last_known_engines() -> None:
         await asyncio.wait_for(watcher.synced.wait(), 2)
         registry.down = True
         await registry.events.put(None)
-        await until(lambda: not watcher.connected)
+        await eventually(lambda: not watcher.connected, within=2.0)
         await asyncio.sleep(0.1)
         assert table.get("a") is not None
         registry.down = False
-        await until(lambda: watcher.connected)
+        await eventually(lambda: watcher.connected, within=2.0)
     finally:
         task.cancel()

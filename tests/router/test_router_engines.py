@@ -34,6 +34,7 @@ from tests.fixtures.engines import ENGINE_SETTINGS, TEST_READ_WINDOW_SECONDS, En
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
 from tests.fixtures.sidecar import TEST_BACKOFF, SidecarHandle, sidecar_test_config
+from tests.sidecar.helpers import eventually
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
@@ -95,13 +96,6 @@ async def generate(
 ) -> tuple[str, list[int], router_pb2.TurnSummary]:
     texts, tokens, summary = await generate_deltas(stub, request, key)
     return "".join(texts), tokens, summary
-
-
-async def until(condition: Callable[[], bool], within: float) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 def engine_sidecar_config(registry: RegistryHandle, engine: EngineProcess, listen: str) -> SidecarConfig:
@@ -175,7 +169,7 @@ async def routed(engine_pair: EnginePair, registry: RegistryHandle) -> AsyncIter
         routed = Routed(engine_pair, routers)
         ids = {engine_pair.prefill.engine_id, engine_pair.decode.engine_id}
         for router in routers:
-            await until(knows(router, ids), 30)
+            await eventually(knows(router, ids), within=30)
         # The connector links to its new sidecar within a few seconds: until then nothing is retained.
         async with asyncio.timeout(120):
             while True:
@@ -258,7 +252,7 @@ async def test_the_prefill_engine_reports_what_its_pulls_and_prefills_measured(r
         return engine is not None and decode_id in engine.stats.peer_pull_rates
 
     # Reported at once when measured; well within one stats interval plus a heartbeat.
-    await until(measured, 15)
+    await eventually(measured, within=15)
     engine = routed.routers[0].engines.get(prefill_id)
     assert engine is not None
     assert engine.stats.peer_pull_rates[decode_id] > 0

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import sys
 import uuid
-from collections.abc import Callable
 
 import grpc
 import httpx
@@ -40,6 +39,7 @@ from tests.fixtures.router import (
     metadata,
     wait_for_engines,
 )
+from tests.sidecar.helpers import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -861,13 +861,6 @@ async def test_non_streaming_client_that_leaves_aborts_the_decode(stack: Stack) 
 # -- one turn in flight per conversation, across router replicas --------------------------------------
 
 
-async def _until(condition: Callable[[], bool], within: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 async def test_two_routers_run_one_turn_of_a_conversation_at_a_time(
     router_factory: RouterFactory, standin_factory: StandInFactory
 ) -> None:
@@ -883,7 +876,7 @@ async def test_two_routers_run_one_turn_of_a_conversation_at_a_time(
     first_stub = Stack(model, prefill, decode, first_router).grpc_stub()
     second_stub = Stack(model, prefill, decode, second_router).grpc_stub()
     running = asyncio.ensure_future(generate(first_stub, chat_request(conv, model, history, max_tokens=40)))
-    await _until(lambda: decode.counters.decode_requests == 1, 10, "the first turn's decode")
+    await eventually(lambda: decode.counters.decode_requests == 1, within=10, what="the first turn's decode")
     running_id = decode.counters.decode_headers[-1]["x-request-id"].removesuffix("-1-d")
 
     # gRPC: ABORTED, naming the running turn.
@@ -959,7 +952,9 @@ async def test_a_crashed_router_s_turn_frees_its_conversation_within_the_mark_s_
                 await generate(router_grpc.RouterServiceStub(channel), request)
 
         streaming = asyncio.ensure_future(stream_until_killed())
-        await _until(lambda: decode.counters.decode_requests == 1, 30, "the doomed router's decode")
+        await eventually(
+            lambda: decode.counters.decode_requests == 1, within=30, what="the doomed router's decode"
+        )
         doomed.kill()
         await doomed.wait()
         killed_at = asyncio.get_running_loop().time()
