@@ -38,6 +38,7 @@ from kvferry.bench.multiturn_capacity import (
     parse_arms,
     parse_levels,
     size_decode,
+    split_decode_itl,
     split_itl,
     summarize_level,
     unix_of,
@@ -277,6 +278,23 @@ def test_itl_split_by_demotion_windows() -> None:
     assert split_itl([turn], [(T0 - 1.0, T0 - 0.9)])[0] == []
 
 
+def test_decode_itl_split_by_demotion_windows() -> None:
+    steady = _turn(HOST, 1, 0, 1, pulled=2048, ttft=100, chunks=[(T0 + 0.01 * i, 1) for i in range(11)])
+    slowed = _turn(
+        HOST,
+        1,
+        1,
+        1,
+        pulled=2048,
+        ttft=100,
+        chunks=[(T0 + 10 + 0.01 * i + (0.03 if i > 4 else 0), 1) for i in range(11)],
+    )
+    lone = _turn(HOST, 1, 2, 1, pulled=2048, ttft=100, chunks=[(T0 + 20, 32)])
+    during, outside = split_decode_itl([steady, slowed, lone], [(T0 + 10.042, T0 + 10.07)])
+    assert during == pytest.approx([13.0])  # 130 ms over 10 tokens
+    assert outside == pytest.approx([10.0])  # a one-chunk decode has no ITL
+
+
 def _run_turns(miss_ttft: float = 900.0) -> list[CapacityTurn]:
     """The hbm arm keeps 2 agents, not 3 or 20; the host arm keeps every level."""
     turns = []
@@ -337,6 +355,9 @@ def test_level_statistics_capacity_and_targets() -> None:
     assert targets.ratio == 10.0 and targets.ratio_met is True and targets.host_at_largest_level
     assert targets.itl_during_n == 1 and targets.itl_increase == pytest.approx(0.0, abs=1e-6)
     assert targets.itl_met is True
+    # One decode ran beside the copy (its intervals all 20 ms here); the failed turn streamed nothing.
+    assert targets.decodes_during_n == 1 and targets.decodes_outside_n == (2 + 3 + 20) * 4 - 1
+    assert targets.decode_itl_increase == pytest.approx(0.0, abs=1e-6) and targets.decode_itl_met is True
     assert targets.itl_increase_reused_slots == pytest.approx(0.0, abs=1e-6)
     assert targets.itl_during_reused_slots_n == 1
     assert targets.itl_increase_fresh_slots is None and targets.itl_during_fresh_slots_n == 0

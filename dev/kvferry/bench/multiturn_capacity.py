@@ -338,6 +338,26 @@ def split_itl(
     return during, outside
 
 
+def split_decode_itl(
+    turns: Iterable[CapacityTurn], windows: Sequence[tuple[float, float]], slack_s: float = RELAY_SLACK_S
+) -> tuple[list[float], list[float]]:
+    """Each decode's own inter-token latency (ms per token from its first streamed token to its last),
+    split into decodes that ran while a demotion window opened and decodes that ran with none."""
+    ordered = sorted(windows)
+    during: list[float] = []
+    outside: list[float] = []
+    for turn in turns:
+        if len(turn.chunks) < 2:
+            continue
+        first, last = turn.chunks[0][0], turn.chunks[-1][0]
+        tokens = sum(n for _, n in turn.chunks[1:])
+        itl = (last - first) * 1000 / max(1, tokens)
+        lo, hi = first - slack_s, last
+        overlaps = any(w_start <= hi and w_end >= lo for w_start, w_end in ordered if w_start <= hi)
+        (during if overlaps else outside).append(itl)
+    return during, outside
+
+
 @dataclass
 class LevelSummary:
     arm: str
@@ -437,7 +457,12 @@ class CapacityTargets:
     itl_met: bool | None
     itl_during_n: int
     itl_outside_n: int
-    # The same over copies into slots written before (pages in memory) and into fresh ones only.
+    # Per decode: the ITL of whole decodes that a demotion ran beside over that of decodes with none.
+    decode_itl_increase: float | None
+    decode_itl_met: bool | None
+    decodes_during_n: int
+    decodes_outside_n: int
+    # The interval measure over copies into slots written before (pages in memory) and fresh ones only.
     itl_increase_reused_slots: float | None
     itl_during_reused_slots_n: int
     itl_increase_fresh_slots: float | None
@@ -456,6 +481,8 @@ def check_capacity_targets(
     host_events = events.get(HOST, EngineEvents())
     during, outside = split_itl(host_turns, host_events.demotion_windows())
     increase = _increase(during, outside)
+    decodes_during, decodes_outside = split_decode_itl(host_turns, host_events.demotion_windows())
+    decode_increase = _increase(decodes_during, decodes_outside)
     reused, _ = split_itl(host_turns, host_events.demotion_windows(first_touch=False))
     fresh, _ = split_itl(host_turns, host_events.demotion_windows(first_touch=True))
     parts = []
@@ -477,6 +504,13 @@ def check_capacity_targets(
             f"vs outside {percentile(outside, 50):.1f} ms ({len(outside)}): {increase:+.1%} "
             f"(target <= +{TARGET_ITL_INCREASE:.0%})"
         )
+        if decode_increase is not None:
+            parts.append(
+                f"per decode: {percentile(decodes_during, 50):.1f} ms per token for the "
+                f"{len(decodes_during)} decodes a demotion ran beside vs "
+                f"{percentile(decodes_outside, 50):.1f} for the {len(decodes_outside)} with none: "
+                f"{decode_increase:+.1%}"
+            )
         for name, split in (("written before", reused), ("never written (pages faulted in)", fresh)):
             if split:
                 parts.append(
@@ -494,6 +528,10 @@ def check_capacity_targets(
         itl_met=None if increase is None else increase <= TARGET_ITL_INCREASE,
         itl_during_n=len(during),
         itl_outside_n=len(outside),
+        decode_itl_increase=decode_increase,
+        decode_itl_met=None if decode_increase is None else decode_increase <= TARGET_ITL_INCREASE,
+        decodes_during_n=len(decodes_during),
+        decodes_outside_n=len(decodes_outside),
         itl_increase_reused_slots=_increase(reused, outside),
         itl_during_reused_slots_n=len(reused),
         itl_increase_fresh_slots=_increase(fresh, outside),
@@ -617,7 +655,13 @@ def combine_capacity_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, 
             level[key] = statistics.median(present) if present else None
         combined_levels.append(level)
     targets: dict[str, Any] = {}
-    for key in ("ratio", "itl_increase", "itl_increase_reused_slots", "itl_increase_fresh_slots"):
+    for key in (
+        "ratio",
+        "itl_increase",
+        "decode_itl_increase",
+        "itl_increase_reused_slots",
+        "itl_increase_fresh_slots",
+    ):
         values = [r["targets"][key] for r in reports if r["targets"].get(key) is not None]
         targets[key] = {
             "median": statistics.median(values) if values else None,
@@ -639,7 +683,8 @@ def combined_capacity_markdown(combined: Mapping[str, Any]) -> str:
     )
     for key, title in (
         ("ratio", "capacity ratio host/hbm"),
-        ("itl_increase", "ITL during demotions vs outside"),
+        ("itl_increase", "ITL during demotions vs outside (per interval)"),
+        ("decode_itl_increase", "ITL of decodes beside a demotion vs none (per decode)"),
         ("itl_increase_reused_slots", "... copies into slots written before"),
         ("itl_increase_fresh_slots", "... copies into fresh slots"),
     ):
@@ -674,6 +719,7 @@ __all__ = [
     "parse_arms",
     "parse_levels",
     "size_decode",
+    "split_decode_itl",
     "split_itl",
     "summarize_level",
     "unix_of",
