@@ -26,7 +26,7 @@ from kvferry.connector.host_tier import HOST_REQUEST_SUFFIX
 from kvferry.pd.chat import ChatMessage, ChatRequest
 from kvferry.pd.kvferry_params import ConversationMark
 from kvferry.pd.reuse import RetainedKv
-from kvferry.router.server import RouterConfig, RunningRouter, start_router
+from kvferry.router.server import RunningRouter, start_router
 from kvferry.stack.engine import EngineProcess, direct_turn
 from kvferry.stack.etcd_process import free_port
 from kvferry.v1 import registry_service_pb2 as registry_pb2
@@ -46,7 +46,6 @@ from tests.fixtures.engines import (
     BLOCK_SIZE,
     ENGINE_SETTINGS,
     KV_CAPACITY_BLOCKS,
-    TEST_READ_WINDOW_SECONDS,
     UNMARKED_DECODE_TTL_SECONDS,
     EngineHandle,
     EnginePair,
@@ -54,7 +53,15 @@ from tests.fixtures.engines import (
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
 from tests.fixtures.sidecar import SidecarHandle
-from tests.router.test_router_engines import SYSTEM, chat, engine_sidecar_config, generate, start_sidecar
+from tests.router.test_router_engines import (
+    SYSTEM,
+    chat,
+    engine_router_config,
+    engine_sidecar_config,
+    generate,
+    start_sidecar,
+    warm_up,
+)
 from tests.sidecar.helpers import eventually
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
@@ -131,30 +138,11 @@ async def stack(
             sidecars.append(await start_sidecar(engine_sidecar_config(registry, engine, address)))
         for handle in sidecars:
             await handle.wait_registered(within=60)
-        router = await start_router(
-            RouterConfig(
-                registry_address=registry.address,
-                read_window_seconds=TEST_READ_WINDOW_SECONDS,
-                min_release_grace_seconds=ENGINE_SETTINGS.release_grace_seconds,
-                lease_margin_seconds=1.0,
-                reuse_policy="always",
-                publish_wait_seconds=5.0,
-            ),
-            api_keys=router_api_keys(),
-        )
+        router = await start_router(engine_router_config(registry), api_keys=router_api_keys())
         stack = HostTierStack(engine_pair, decode, registry, router)
         ids = {engine_pair.prefill.engine_id, HOST_DECODE_ID}
         await eventually(lambda: ids <= {e.engine_id for e in router.engines.all()}, within=30)
-        # The connector links to its sidecar within a few seconds: until then nothing is retained.
-        async with asyncio.timeout(120):
-            while True:
-                _, _, summary = await generate(
-                    stack.router_stub(),
-                    chat(f"warm-{uuid.uuid4().hex[:6]}", engine_pair.model, [("user", "hi")]),
-                )
-                if summary.turn == 1 and summary.decode_engine_id == HOST_DECODE_ID:
-                    break
-                await asyncio.sleep(1)
+        await warm_up(stack.router_stub(), engine_pair.model, HOST_DECODE_ID)
         yield stack
     finally:
         if router is not None:

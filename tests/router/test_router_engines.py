@@ -128,6 +128,32 @@ async def start_sidecar(config: SidecarConfig) -> SidecarHandle:
     return SidecarHandle(sidecar)
 
 
+def engine_router_config(registry: RegistryHandle) -> RouterConfig:
+    """The settings of routers in front of the test engines."""
+    return RouterConfig(
+        registry_address=registry.address,
+        # The test engines free released blocks after 6 s and refuse reads within 1 s.
+        read_window_seconds=TEST_READ_WINDOW_SECONDS,
+        min_release_grace_seconds=ENGINE_SETTINGS.release_grace_seconds,
+        lease_margin_seconds=1.0,
+        # Show reuse whatever the tiny CPU model's rates say; the cost model has its own tests.
+        reuse_policy="always",
+        publish_wait_seconds=5.0,
+    )
+
+
+async def warm_up(stub: router_grpc.RouterServiceStub, model: str, decode_engine_id: str = "") -> None:
+    """Returns once a turn was retained (on ``decode_engine_id`` if given): a connector links to its new
+    sidecar within a few seconds, and until then nothing is retained."""
+    async with asyncio.timeout(120):
+        while True:
+            conv = f"warmup-{uuid.uuid4().hex[:6]}"
+            _, _, summary = await generate(stub, chat(conv, model, [("user", "hi")]))
+            if summary.turn == 1 and decode_engine_id in ("", summary.decode_engine_id):
+                return
+            await asyncio.sleep(1)
+
+
 def knows(router: RunningRouter, engine_ids: set[str]) -> Callable[[], bool]:
     return lambda: engine_ids <= {e.engine_id for e in router.engines.all()}
 
@@ -150,35 +176,12 @@ async def routed(engine_pair: EnginePair, registry: RegistryHandle) -> AsyncIter
         for handle in sidecars:
             await handle.wait_registered(within=60)
         for _ in range(2):
-            routers.append(
-                await start_router(
-                    RouterConfig(
-                        registry_address=registry.address,
-                        # The test engines free released blocks after 6 s and refuse reads within 1 s.
-                        read_window_seconds=TEST_READ_WINDOW_SECONDS,
-                        min_release_grace_seconds=ENGINE_SETTINGS.release_grace_seconds,
-                        lease_margin_seconds=1.0,
-                        # Show reuse whatever the tiny CPU model's rates say; the cost model has its
-                        # own tests.
-                        reuse_policy="always",
-                        publish_wait_seconds=5.0,
-                    ),
-                    api_keys=router_api_keys(),
-                )
-            )
+            routers.append(await start_router(engine_router_config(registry), api_keys=router_api_keys()))
         routed = Routed(engine_pair, routers)
         ids = {engine_pair.prefill.engine_id, engine_pair.decode.engine_id}
         for router in routers:
             await eventually(knows(router, ids), within=30)
-        # The connector links to its new sidecar within a few seconds: until then nothing is retained.
-        async with asyncio.timeout(120):
-            while True:
-                _, _, summary = await generate(
-                    routed.stub(), chat(f"warmup-{uuid.uuid4().hex[:6]}", engine_pair.model, [("user", "hi")])
-                )
-                if summary.turn == 1:
-                    break
-                await asyncio.sleep(1)
+        await warm_up(routed.stub(), engine_pair.model)
         yield routed
     finally:
         for router in routers:

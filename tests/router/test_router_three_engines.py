@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from kvferry.router.server import RouterConfig, RunningRouter, start_router
+from kvferry.router.server import RunningRouter, start_router
 from kvferry.stack.engine import EngineProcess
 from kvferry.stack.etcd_process import free_port
 from kvferry.v1 import router_service_pb2 as router_pb2
@@ -30,14 +30,20 @@ from kvferry.v1 import router_service_pb2_grpc as router_grpc
 from tests.fixtures.engines import (
     BLOCK_SIZE,
     ENGINE_SETTINGS,
-    TEST_READ_WINDOW_SECONDS,
     UNMARKED_DECODE_TTL_SECONDS,
     EnginePair,
 )
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
 from tests.fixtures.sidecar import SidecarHandle
-from tests.router.test_router_engines import SYSTEM, chat, engine_sidecar_config, generate, start_sidecar
+from tests.router.test_router_engines import (
+    SYSTEM,
+    chat,
+    engine_router_config,
+    engine_sidecar_config,
+    generate,
+    start_sidecar,
+)
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(1200)]
 
@@ -85,17 +91,7 @@ async def three(
             handles.append(await start_sidecar(engine_sidecar_config(registry, process, address)))
         for handle in handles:
             await handle.wait_registered(within=60)
-        router = await start_router(
-            RouterConfig(
-                registry_address=registry.address,
-                read_window_seconds=TEST_READ_WINDOW_SECONDS,
-                min_release_grace_seconds=ENGINE_SETTINGS.release_grace_seconds,
-                lease_margin_seconds=1.0,
-                reuse_policy="always",
-                publish_wait_seconds=5.0,
-            ),
-            api_keys=router_api_keys(),
-        )
+        router = await start_router(engine_router_config(registry), api_keys=router_api_keys())
         ids = {engine_pair.prefill.engine_id, engine_pair.decode.engine_id, EXTRA_DECODE_ID}
         deadline = asyncio.get_running_loop().time() + 30
         while not ids <= {e.engine_id for e in router.engines.all()}:
