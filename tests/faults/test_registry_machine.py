@@ -1,11 +1,12 @@
 """The registry's retention store as a hypothesis state machine, through the real registry (gRPC) on
 the real etcd, with the registry's clock under the test's hand: publishes (new, retried, older turns,
-ended requests), lookups, renewals, releases, ends by the engine, deregistrations and time passing,
-against a model of what must be live.
+ended requests), host-tier relocations, lookups, renewals, releases, ends by the engine, deregistrations and
+time passing, against a model of what must be live.
 
 What it checks after every call: a lookup returns exactly the model's live record or NOT_FOUND; a
 record that ended (released, superseded, ended by its engine, engine gone) is never served or renewed
-again; a request its engine ended is never published again; the registry's clock moving ends nothing
+again; a request its engine ended is never published again; a relocation replaces only the live record it
+names (same engine and turn) and never revives an ended one; the registry's clock moving ends nothing
 (expiry is etcd's lease alone, and the real leases outlive an example).
 """
 
@@ -28,6 +29,7 @@ from kvferry.stack.etcd_process import EtcdProcess
 from kvferry.testing.loop_thread import LoopThread
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import registry_service_pb2_grpc as registry_grpc
+from kvferry.v1 import resources_pb2
 
 from tests.fixtures.registry import TEST_TTLS
 from tests.registry.builders import engine as engine_proto
@@ -180,6 +182,46 @@ class RetentionStoreMachine(RuleBasedStateMachine):
         assert code == grpc.StatusCode.OK, code
         if current is None or current.request != request:
             self.live[conversation] = Served(engine_id, request, turn)
+
+    @rule(conversation=st.sampled_from(CONVERSATIONS), data=st.data())
+    def relocate(self, conversation: str, data: st.DataObject) -> None:
+        """A host-tier move: the same turn under a new request id, naming the record it replaces (the live
+        one, or another: an ended one, a made-up one), from the holder or another engine."""
+        current = self._live(conversation)
+        request = f"req-{self.next_request}"
+        self.next_request += 1
+        if current is not None and data.draw(st.booleans()):
+            engine_id, replaced, turn = current.engine, current.request, current.turn
+        else:
+            engine_id = self.engine_ids[data.draw(st.sampled_from(ENGINES))]
+            # An earlier request of this example (ended, superseded or live), never the new one itself.
+            replaced = (
+                f"req-{data.draw(st.integers(0, self.next_request - 2))}"
+                if self.next_request > 1
+                else "req-x"
+            )
+            turn = current.turn if current is not None else data.draw(st.integers(1, 4))
+        item = retention_proto(self.tenant, conversation, engine_id, turn=turn)
+        item.engine_request_id = request
+        item.relocates_engine_request_id = replaced
+        item.tier = resources_pb2.MEMORY_TIER_HOST
+        item.block_ids[:] = [5000 + b for b in item.block_ids]
+        code = _code(
+            lambda: self.stub.PublishRetention(
+                registry_pb2.PublishRetentionRequest(retention=item), timeout=10
+            )
+        )
+        moves_live = current is not None and (current.engine, current.request, current.turn) == (
+            engine_id,
+            replaced,
+            turn,
+        )
+        if not moves_live:
+            # Never over another record, never reviving an ended one.
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, "relocation of what is not live")
+            return
+        assert code == grpc.StatusCode.OK, code
+        self.live[conversation] = Served(engine_id, request, turn)
 
     @rule(conversation=st.sampled_from(CONVERSATIONS))
     def lookup(self, conversation: str) -> None:
