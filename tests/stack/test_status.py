@@ -64,6 +64,21 @@ def test_a_long_list_is_cut_per_engine_saying_how_many_more() -> None:
     ]
 
 
+def test_retentions_in_the_host_pool_say_so() -> None:
+    now = time.time()
+    moved = retention("t", "moved", "decode-0", num_tokens=64)
+    moved.tier = resources.MEMORY_TIER_HOST
+    kept = retention("t", "kept", "decode-0", num_tokens=32)
+    for index, item in enumerate((kept, moved)):
+        item.publish_time.FromNanoseconds(int((now - 10 + index) * 1e9))
+        item.expire_time.FromNanoseconds(int((now + 30) * 1e9))
+    assert retention_lines(["decode-0"], [kept, moved], now)[1:] == [
+        "    decode-0     2 conversations, 6 blocks (4 in the host pool), 96 tokens",
+        "      t/moved  turn 1  64 tokens  4 blocks in the host pool  expires in 30 s",
+        "      t/kept  turn 1  32 tokens  2 blocks  expires in 30 s",
+    ]
+
+
 async def test_status_says_when_the_registry_does_not_answer() -> None:
     text = await report({"registry": f"127.0.0.1:{free_port()}"})
     assert re.search(r"registry\s+127\.0\.0\.1:\d+ not answering \(UNAVAILABLE\)", text), text

@@ -144,12 +144,15 @@ def retention_lines(
         held = sorted(by_engine[engine_id], key=lambda r: r.publish_time.ToNanoseconds(), reverse=True)
         blocks = sum(len(retention.block_ids) for retention in held)
         tokens = sum(retention.num_tokens for retention in held)
-        lines.append(f"    {engine_id:<12} {len(held)} conversations, {blocks} blocks, {tokens} tokens")
+        in_pool = sum(len(r.block_ids) for r in held if r.tier == resources_pb2.MEMORY_TIER_HOST)
+        pool = f" ({in_pool} in the host pool)" if in_pool else ""
+        lines.append(f"    {engine_id:<12} {len(held)} conversations, {blocks} blocks{pool}, {tokens} tokens")
         for retention in held[:shown_per_engine]:
             expires = retention.expire_time.ToNanoseconds() / 1e9 - now
+            where = " in the host pool" if retention.tier == resources_pb2.MEMORY_TIER_HOST else ""
             lines.append(
                 f"      {retention.tenant}/{retention.conversation_id}  turn {retention.turn}  "
-                f"{retention.num_tokens} tokens  {len(retention.block_ids)} blocks  "
+                f"{retention.num_tokens} tokens  {len(retention.block_ids)} blocks{where}  "
                 f"expires in {max(0.0, expires):.0f} s"
             )
         if len(held) > shown_per_engine:
