@@ -425,4 +425,6 @@ def test_runs_combine_into_medians(tmp_path: Path, capsys: pytest.CaptureFixture
         paths.append(tmp_path / f"capacity-{i}.json")
         paths[-1].write_text(json.dumps(report))
     assert multiturn.run(_args("--combine", *map(str, paths))) == 0
-    assert "capacity ratio host/hbm: median 10.0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "capacity ratio host/hbm: median 10x (runs 10x, 10x, 10x)" in out
+    assert "(per interval): median +0.0% (runs +0.0%, +0.0%, +0.0%)" in out

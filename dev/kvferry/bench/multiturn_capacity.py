@@ -689,7 +689,14 @@ def combined_capacity_markdown(combined: Mapping[str, Any]) -> str:
         ("itl_increase_fresh_slots", "... copies into fresh slots"),
     ):
         t = targets[key]
-        lines.append(f"{title}: median {t['median']} (runs {t['runs']})")
+
+        def shown(value: float | None, key: str = key) -> str:
+            if value is None:
+                return "-"
+            return f"{value:g}x" if key == "ratio" else f"{value:+.1%}"
+
+        runs = ", ".join(shown(v) for v in t["runs"])
+        lines.append(f"{title}: median {shown(t['median'])} (runs {runs})")
     return "\n".join(lines)
 
 
