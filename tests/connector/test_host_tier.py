@@ -50,7 +50,7 @@ def test_copy_puts_each_block_of_every_region_in_its_slot() -> None:
     assert copied == 4 * sum(BLOCK_BYTES)
     for block, slot in ((2, 0), (3, 1), (7, 4), (5, 2)):
         assert pool.slot_bytes(slot) == block_bytes(rows, block)
-    assert pool.slot_bytes(3) == bytes(sum(BLOCK_BYTES))  # untouched
+    assert pool.slot_bytes(3) == b"\x01" * sum(BLOCK_BYTES)  # untouched (pages written at start)
     del memory
 
 
@@ -189,3 +189,31 @@ def test_a_free_block_shortfall_moves_the_least_recently_used_until_it_is_covere
         live, now=30.0, demote_after_seconds=600.0, budget_blocks=100, movable=published, shortfall_blocks=5
     )
     assert [e.request_id for e in due] == ["a", "b"]
+
+
+def test_a_busy_step_takes_a_few_blocks_of_an_order_and_its_final_part_puts_it_in_flight() -> None:
+    demotions = Demotions(SlotAllocator(16))
+    big = demotions.order("big", list(range(10)))
+    small = demotions.order("small", [20, 21])
+    assert big is not None and small is not None
+    first = demotions.take_unsent(4)
+    assert [(d.request_id, d.block_ids, d.final) for d in first] == [("big", (0, 1, 2, 3), False)]
+    assert first[0].slots == big.slots[:4]
+    assert demotions.busy("big") and not demotions.in_flight
+    second = demotions.take_unsent(8)
+    assert [(d.request_id, len(d.block_ids), d.final) for d in second] == [
+        ("big", 6, True),
+        ("small", 2, True),
+    ]
+    assert second[0].slots == big.slots[4:]
+    # In flight whole: completion frees or publishes every slot of the order.
+    assert demotions.in_flight[big.sequence] == big
+    assert demotions.take_unsent(4) == []
+    assert [d.request_id for d in demotions.completed(small.sequence)] == ["big", "small"]
+
+
+def test_an_idle_step_takes_every_waiting_order_whole() -> None:
+    demotions = Demotions(SlotAllocator(16))
+    demotions.order("a", list(range(7)))
+    demotions.order("b", list(range(5)))
+    assert [(d.request_id, d.final) for d in demotions.take_unsent()] == [("a", True), ("b", True)]

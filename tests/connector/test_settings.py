@@ -75,6 +75,7 @@ def test_wrong_types_fail(key: str, value: object) -> None:
         ({"host_pool_blocks": 64, "fence_pulls": False}, "host_pool_blocks needs fence_pulls"),
         ({"demote_after_seconds": -0.5}, "demote_after_seconds"),
         ({"demote_below_free_fraction": 1.0}, "demote_below_free_fraction"),
+        ({"demote_blocks_per_step": 0}, "demote_blocks_per_step"),
     ],
 )
 def test_invalid_values_fail(changes: dict[str, object], message: str) -> None:

@@ -543,7 +543,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             options,
             read_deadlines=deadlines,
             pull_generations=generations,
-            demotions=self.demotions.take_unsent() if self.demotions is not None else None,
+            demotions=self._demotions_for(scheduler_output),
         )
         self._worker_added, self._worker_released = [], []
         return meta
@@ -651,6 +651,14 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         return bool(super().has_pending_push_work())
 
     # -- decode side: the host tier (kvferry.connector.host_tier) ------------------------------------
+
+    def _demotions_for(self, scheduler_output: Any) -> list[Demotion]:
+        """The copies a step takes: every waiting one on an idle step, at most ``demote_blocks_per_step``
+        blocks on a step that runs requests (the worker copies before the step's forward pass)."""
+        if self.demotions is None or not self.demotions.unsent:
+            return []
+        busy = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
+        return self.demotions.take_unsent(self.settings.demote_blocks_per_step if busy else None)
 
     def _leaving(self) -> set[str]:
         """Retentions ordered to the host tier, not there yet: the KV-cache budget no longer counts them."""
@@ -884,12 +892,15 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             return
         started = time.perf_counter()
         copied = sum(pool.copy_in(d.block_ids, d.slots) for d in demotions)
-        file.counters[DEMOTED] = max(d.sequence for d in demotions)
+        finished = [d.sequence for d in demotions if d.final]
+        if finished:
+            file.counters[DEMOTED] = max(finished)
         seconds = time.perf_counter() - started
         logger.info(
             "copied to the host pool",
             extra={
                 "request_ids": [d.request_id for d in demotions],
+                "parts": sum(not d.final for d in demotions),
                 "blocks": sum(len(d.block_ids) for d in demotions),
                 "bytes": copied,
                 "copy_ms": round(seconds * 1e3, 3),

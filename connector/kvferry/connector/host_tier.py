@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -144,6 +144,9 @@ class Demotion:
     request_id: str
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
+    # False for a part of an order that more parts follow (a busy engine copies a few blocks a step):
+    # the worker counts the order done with its final part.
+    final: bool = True
 
 
 @dataclass
@@ -157,6 +160,8 @@ class Demotions:
     ordered: set[str] = field(default_factory=set)
     # The pool had no room: no order is tried before this (monotonic) or before slots come back.
     no_room_until: float = 0.0
+    # Orders whose final part has not gone yet, whole, by sequence.
+    _whole: dict[int, Demotion] = field(default_factory=dict)
     _sequence: int = 0
 
     def order(self, request_id: str, block_ids: Sequence[int]) -> Demotion | None:
@@ -167,14 +172,27 @@ class Demotions:
         self._sequence += 1
         demotion = Demotion(self._sequence, request_id, tuple(block_ids), tuple(slots))
         self.unsent.append(demotion)
+        self._whole[demotion.sequence] = demotion
         self.ordered.add(request_id)
         return demotion
 
-    def take_unsent(self) -> list[Demotion]:
-        """The orders for the next step's metadata; in flight from now on."""
-        taken, self.unsent = self.unsent, []
-        for demotion in taken:
-            self.in_flight[demotion.sequence] = demotion
+    def take_unsent(self, max_blocks: int | None = None) -> list[Demotion]:
+        """The orders (or parts of one) for the next step's metadata, at most ``max_blocks`` blocks (None:
+        all); an order whose final part goes is in flight from then on."""
+        taken: list[Demotion] = []
+        room = sum(len(d.block_ids) for d in self.unsent) if max_blocks is None else max_blocks
+        while self.unsent and room > 0:
+            head = self.unsent[0]
+            if len(head.block_ids) > room:
+                taken.append(
+                    replace(head, block_ids=head.block_ids[:room], slots=head.slots[:room], final=False)
+                )
+                self.unsent[0] = replace(head, block_ids=head.block_ids[room:], slots=head.slots[room:])
+                break
+            self.unsent.pop(0)
+            taken.append(head)
+            room -= len(head.block_ids)
+            self.in_flight[head.sequence] = self._whole.pop(head.sequence)
         return taken
 
     def completed(self, done_sequence: int) -> list[Demotion]:
@@ -238,8 +256,9 @@ class HostPool:
                 raise HostTierError(f"KV region {index} has blocks of different sizes")
             lengths.append(int(region[0, 1]))
         self.nbytes = slots * sum(lengths)
-        # Zeroed lazily by the kernel: a large pool costs memory only as slots fill.
-        self._memory = np.zeros(self.nbytes, dtype=np.uint8)
+        # Every page written once now, at engine start: a copy into a slot never written would otherwise
+        # fault its pages in while a decode step waits (measured: +20 % on such a copy's interval).
+        self._memory = np.ones(self.nbytes, dtype=np.uint8)
         base = int(self._memory.ctypes.data)
         offsets = np.cumsum([0, *lengths[:-1]]) * slots
         self.layout_regions = tuple(

@@ -89,6 +89,10 @@ class KvferrySettings:
     # With a pool: while fewer than this fraction of the KV cache's blocks are free, least recently used
     # retentions move to the pool until enough would be (0: no watermark; the budget still applies).
     demote_below_free_fraction: float = 0.0
+    # With a pool: a step that runs requests copies at most this many blocks into the pool (the copy runs
+    # before the step's forward pass, so a long one would stall that step's decodes); an idle step copies
+    # every waiting move.
+    demote_blocks_per_step: int = 32
 
     def validate(self) -> None:
         problems: list[str] = []
@@ -127,6 +131,8 @@ class KvferrySettings:
             )
         if self.demote_after_seconds < 0:
             problems.append("demote_after_seconds must be >= 0")
+        if self.demote_blocks_per_step < 1:
+            problems.append("demote_blocks_per_step must be >= 1")
         if not 0.0 <= self.demote_below_free_fraction < 1.0:
             problems.append("demote_below_free_fraction must be in [0, 1)")
         if problems:
