@@ -184,8 +184,9 @@ def _decode_log() -> list[dict[str, Any]]:
         ),
         _line(RETAINED_LOG, T0 + 9, request_id="r-a2", conversation_id="a"),
         _line(RETAINED_LOG, T0 + 9.5, request_id="r-c1", conversation_id="c"),
-        # Slots 0-64 again (r-a1's came back) and 65-69: fresh pages; then 0-64 alone: written before.
-        _line(COPIED_LOG, T0 + 12.0, request_ids=["r-c1"], blocks=70, copy_ms=20.0),
+        # A move in two parts (the connector's demote_blocks_per_step on a busy step).
+        _line(COPIED_LOG, T0 + 11.0, request_ids=["r-c1"], parts=1, blocks=32, copy_ms=0.4),
+        _line(COPIED_LOG, T0 + 12.0, request_ids=["r-c1"], parts=0, blocks=38, copy_ms=0.5),
         _line(
             MOVED_LOG,
             T0 + 12.01,
@@ -226,16 +227,17 @@ def test_engine_events_from_the_connector_s_lines(tmp_path: Path) -> None:
     events = engine_events(decode, _prefill_log())
     assert events.decode_ready == {"kv_blocks": 32768, "retained_block_budget": 172, "host_pool_blocks": 6480}
     assert [c for c, _ in events.moved] == ["a", "c", "a"]
-    first, _, reused = events.copies
+    first = events.copies[0]
     assert first.end == pytest.approx(T0 + 4.011, abs=1e-3)
     assert first.end - first.start == pytest.approx(0.006, abs=1e-3)
     assert first.conversations == ("a",) and first.copy_ms == 5.0
-    assert [c.first_touch for c in events.copies] == [True, True, False]
-    assert events.demotion_windows(first_touch=False) == [(reused.start, reused.end)]
+    assert [c.conversations for c in events.copies] == [("a",), ("c",), ("c",), ("a",)]
+    assert [c.parts for c in events.copies] == [0, 1, 0, 0]
+    assert len(events.copy_windows()) == 4 and len(events.relocation_windows()) == 3
     assert events.evicted_kv == ["b"] and events.evicted_pool == ["a"]
     assert events.freed == [("a", "device", "superseded")]
     assert events.pulls == [("a", True, False), ("b", False, True)]
-    assert len(events.demotion_windows()) == 6  # 3 copies, 3 relocations
+    assert len(events.demotion_windows()) == 7  # 4 copies, 3 relocations
     assert unix_of("2027-01-15T08:00:00.250Z") == pytest.approx(1800000000.25)
 
 
@@ -276,6 +278,9 @@ def test_itl_split_by_demotion_windows() -> None:
     # A window just before an interval's start still counts (the relay's slack), one well before not.
     assert split_itl([turn], [(T0 + 0.016, T0 + 0.0175)])[0] == pytest.approx([20.0, 20.0])
     assert split_itl([turn], [(T0 - 1.0, T0 - 0.9)])[0] == []
+    # Intervals overlapping an excluded window count on neither side.
+    during, outside = split_itl([turn], [(T0 + 0.045, T0 + 0.050)], excluding=[(T0 + 0.001, T0 + 0.002)])
+    assert during == pytest.approx([30.0]) and outside == pytest.approx([20.0, 10.0])
 
 
 def test_decode_itl_split_by_demotion_windows() -> None:
@@ -323,7 +328,7 @@ def _events() -> dict[str, EngineEvents]:
     host = EngineEvents(
         moved=[("host-20-0", T0 + 20_050)],
         # During the decode of level 20's agent 0, turn 1 (it starts at T0 + 20,100): its second interval.
-        copies=[PoolCopy(T0 + 20_100.025, T0 + 20_100.03, 5.0, ("host-20-0",), first_touch=False)],
+        copies=[PoolCopy(T0 + 20_100.025, T0 + 20_100.03, 5.0, ("host-20-0",))],
         pulls=[("host-20-0", True, False)],
     )
     hbm = EngineEvents(evicted_kv=["hbm-20-1", "hbm-20-2", "hbm-3-0"])
@@ -345,7 +350,7 @@ def test_level_statistics_capacity_and_targets() -> None:
     host20 = summarize_level(HOST, 20, turns, events[HOST])
     assert host20.hit_rate == 1.0 and host20.demoted == 1 and host20.pulls_from_pool == 1
     assert host20.itl_during_demotion_n == 1 and host20.itl_p50_ms == pytest.approx(20.0)
-    assert (host20.copies, host20.copy_p50_ms, host20.first_touch_copies) == (1, 5.0, 0)
+    assert (host20.copies, host20.copy_p50_ms) == (1, 5.0)
 
     levels = [summarize_level(a, n, turns, events[a]) for a in (HBM, HOST) for n in (2, 3, 20)]
     assert capacity(levels, HBM) == 2 and capacity(levels, HOST) == 20
@@ -358,13 +363,13 @@ def test_level_statistics_capacity_and_targets() -> None:
     # One decode ran beside the copy (its intervals all 20 ms here); the failed turn streamed nothing.
     assert targets.decodes_during_n == 1 and targets.decodes_outside_n == (2 + 3 + 20) * 4 - 1
     assert targets.decode_itl_increase == pytest.approx(0.0, abs=1e-6) and targets.decode_itl_met is True
-    assert targets.itl_increase_reused_slots == pytest.approx(0.0, abs=1e-6)
-    assert targets.itl_during_reused_slots_n == 1
-    assert targets.itl_increase_fresh_slots is None and targets.itl_during_fresh_slots_n == 0
+    assert targets.itl_increase_copy == pytest.approx(0.0, abs=1e-6) and targets.itl_during_copy_n == 1
+    assert targets.itl_increase_relocation_only is None and targets.itl_during_relocation_only_n == 0
     assert "10x" in targets.explanation
 
     only_hbm = check_capacity_targets([s for s in levels if s.arm == HBM], turns, {HBM: events[HBM]})
     assert only_hbm.ratio is None and only_hbm.ratio_met is None and only_hbm.itl_met is None
+    assert "one arm run" in only_hbm.explanation
 
 
 def _report(miss_ttft: float = 900.0) -> dict[str, Any]:

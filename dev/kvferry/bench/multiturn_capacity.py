@@ -203,8 +203,8 @@ class PoolCopy:
     end: float
     copy_ms: float
     conversations: tuple[str, ...]
-    # Into slots no earlier copy wrote: their pages are touched for the first time (faulted in).
-    first_touch: bool
+    # A part of a longer move (the connector copies at most demote_blocks_per_step blocks a busy step).
+    parts: int = 0
 
 
 @dataclass
@@ -216,16 +216,18 @@ class EngineEvents:
     # Copies into the pool, in log order.
     copies: list[PoolCopy] = field(default_factory=list)
 
-    def demotion_windows(self, *, first_touch: bool | None = None) -> list[tuple[float, float]]:
-        """When the decode engine worked on a demotion: each copy into the pool (the worker, as a step
-        starts), and the millisecond around each relocation's retain (the scheduler). ``first_touch``
-        True/False: only the copies into slots never written before / all written before (no
-        relocations)."""
-        if first_touch is not None:
-            return sorted((c.start, c.end) for c in self.copies if c.first_touch == first_touch)
-        return sorted(
-            [*((c.start, c.end) for c in self.copies), *((at - 0.001, at + 0.002) for _, at in self.moved)]
-        )
+    def copy_windows(self) -> list[tuple[float, float]]:
+        """Each copy into the pool (the worker, as a step starts)."""
+        return sorted((c.start, c.end) for c in self.copies)
+
+    def relocation_windows(self) -> list[tuple[float, float]]:
+        """The milliseconds around each relocation's retain (the scheduler, once the copy is done; its
+        report to the sidecar follows)."""
+        return sorted((at - 0.001, at + 0.002) for _, at in self.moved)
+
+    def demotion_windows(self) -> list[tuple[float, float]]:
+        """When the decode engine worked on a demotion: its copies and its relocation."""
+        return sorted([*self.copy_windows(), *self.relocation_windows()])
 
     # Frees: (conversation id, tier, reason); logged a grace after the registry confirmed the end, so
     # those of a run's last seconds are missing.
@@ -267,8 +269,7 @@ def engine_events(
     """Reads the decode and prefill engines' connector lines."""
     events = EngineEvents()
     conversation_of: dict[str, str] = {}
-    slots_of: dict[str, tuple[int, int]] = {}  # a moved (device) request id -> its first and last slot
-    copied: list[tuple[float, float, list[str]]] = []
+    copied: list[tuple[float, float, list[str], int]] = []
     for line in decode_lines:
         msg = line.get("msg")
         conversation = str(line.get("conversation_id", ""))
@@ -281,34 +282,27 @@ def engine_events(
         elif msg == MOVED_LOG:
             conversation_of[str(line.get("request_id"))] = conversation
             events.moved.append((conversation, unix_of(str(line["ts"]))))
-            slots = line.get("slots") or []
-            if len(slots) == 2:
-                slots_of[str(line.get("relocates"))] = (int(slots[0]), int(slots[1]))
         elif msg == COPIED_LOG:
             end = unix_of(str(line["ts"])) + 0.001  # ts is cut to the millisecond
             copy_ms = float(line.get("copy_ms") or 0.0)
-            copied.append(
-                (end - 0.001 - copy_ms / 1000, copy_ms, [str(r) for r in line.get("request_ids", ())])
-            )
+            request_ids = [str(r) for r in line.get("request_ids", ())]
+            copied.append((end - 0.001 - copy_ms / 1000, copy_ms, request_ids, int(line.get("parts") or 0)))
         elif msg == FREED_LOG:
             events.freed.append((conversation, str(line.get("tier", "")), str(line.get("reason", ""))))
         elif msg == EVICT_LOG:
             events.evicted_kv.append(conversation)
         elif msg == POOL_FULL_LOG:
             events.evicted_pool.append(conversation)
-    touched: set[int] = set()
-    for start, copy_ms, request_ids in copied:
-        slots = {s for r in request_ids if r in slots_of for s in range(slots_of[r][0], slots_of[r][1] + 1)}
+    for start, copy_ms, request_ids, parts in copied:
         events.copies.append(
             PoolCopy(
                 start=start,
                 end=start + copy_ms / 1000 + 0.001,
                 copy_ms=copy_ms,
                 conversations=tuple(conversation_of.get(r, "") for r in request_ids),
-                first_touch=bool(slots - touched),
+                parts=parts,
             )
         )
-        touched |= slots
     for line in prefill_lines:
         if line.get("msg") != PULL_FENCE_LOG:
             continue
@@ -321,20 +315,30 @@ def engine_events(
     return events
 
 
+def _overlaps(windows: Sequence[tuple[float, float]], lo: float, hi: float) -> bool:
+    return any(w_start <= hi and w_end >= lo for w_start, w_end in windows if w_start <= hi)
+
+
 def split_itl(
-    turns: Iterable[CapacityTurn], windows: Sequence[tuple[float, float]], slack_s: float = RELAY_SLACK_S
+    turns: Iterable[CapacityTurn],
+    windows: Sequence[tuple[float, float]],
+    slack_s: float = RELAY_SLACK_S,
+    *,
+    excluding: Sequence[tuple[float, float]] = (),
 ) -> tuple[list[float], list[float]]:
     """Inter-token latencies (ms per token between consecutive chunks) of every turn's decode, split into
-    those whose interval overlaps a demotion window and the others."""
-    ordered = sorted(windows)
+    those whose interval overlaps a window and the others; intervals overlapping one of ``excluding``
+    are in neither."""
+    ordered, other = sorted(windows), sorted(excluding)
     during: list[float] = []
     outside: list[float] = []
     for turn in turns:
         for (start, _), (end, tokens) in zip(turn.chunks, turn.chunks[1:], strict=False):
             itl = (end - start) * 1000 / max(1, tokens)
             lo, hi = start - slack_s, end
-            overlaps = any(w_start <= hi and w_end >= lo for w_start, w_end in ordered if w_start <= hi)
-            (during if overlaps else outside).append(itl)
+            if other and _overlaps(other, lo, hi):
+                continue
+            (during if _overlaps(ordered, lo, hi) else outside).append(itl)
     return during, outside
 
 
@@ -352,9 +356,7 @@ def split_decode_itl(
         first, last = turn.chunks[0][0], turn.chunks[-1][0]
         tokens = sum(n for _, n in turn.chunks[1:])
         itl = (last - first) * 1000 / max(1, tokens)
-        lo, hi = first - slack_s, last
-        overlaps = any(w_start <= hi and w_end >= lo for w_start, w_end in ordered if w_start <= hi)
-        (during if overlaps else outside).append(itl)
+        (during if _overlaps(ordered, first - slack_s, last) else outside).append(itl)
     return during, outside
 
 
@@ -378,10 +380,9 @@ class LevelSummary:
     evicted_pool: int
     pulls_from_pool: int
     fenced_pulls: int
-    # Copies into the pool of this level's retentions: how many, their time, how many into fresh slots.
+    # Copies into the pool of this level's retentions (a move in parts copies more than once) and their time.
     copies: int
     copy_p50_ms: float | None
-    first_touch_copies: int
     # Inter-token latency, ms per token: all decodes, and split by demotion windows.
     itl_p50_ms: float | None
     itl_during_demotion_p50_ms: float | None
@@ -427,7 +428,6 @@ def summarize_level(
         fenced_pulls=sum(1 for c, _, fenced in events.pulls if c in conversations and fenced),
         copies=len(copies),
         copy_p50_ms=_p([c.copy_ms for c in copies], 50),
-        first_touch_copies=sum(1 for c in copies if c.first_touch),
         itl_p50_ms=_p(during + outside, 50),
         itl_during_demotion_p50_ms=_p(during, 50),
         itl_outside_p50_ms=_p(outside, 50),
@@ -462,11 +462,12 @@ class CapacityTargets:
     decode_itl_met: bool | None
     decodes_during_n: int
     decodes_outside_n: int
-    # The interval measure over copies into slots written before (pages in memory) and fresh ones only.
-    itl_increase_reused_slots: float | None
-    itl_during_reused_slots_n: int
-    itl_increase_fresh_slots: float | None
-    itl_during_fresh_slots_n: int
+    # The interval measure over the intervals with a copy into the pool, and over those with a relocation's
+    # retain and no copy.
+    itl_increase_copy: float | None
+    itl_during_copy_n: int
+    itl_increase_relocation_only: float | None
+    itl_during_relocation_only_n: int
     explanation: str
 
 
@@ -483,8 +484,10 @@ def check_capacity_targets(
     increase = _increase(during, outside)
     decodes_during, decodes_outside = split_decode_itl(host_turns, host_events.demotion_windows())
     decode_increase = _increase(decodes_during, decodes_outside)
-    reused, _ = split_itl(host_turns, host_events.demotion_windows(first_touch=False))
-    fresh, _ = split_itl(host_turns, host_events.demotion_windows(first_touch=True))
+    copying, _ = split_itl(host_turns, host_events.copy_windows())
+    relocating, _ = split_itl(
+        host_turns, host_events.relocation_windows(), excluding=host_events.copy_windows()
+    )
     parts = []
     if ratio is not None:
         parts.append(
@@ -496,6 +499,8 @@ def check_capacity_targets(
                 else ""
             )
         )
+    elif len(caps) < len(ARMS):
+        parts.append(f"capacity per arm {caps}: one arm run, no ratio")
     else:
         parts.append(f"capacity per arm {caps}: no ratio (an arm kept no level at >= {TARGET_HIT_RATE:.0%})")
     if increase is not None:
@@ -511,11 +516,11 @@ def check_capacity_targets(
                 f"{percentile(decodes_outside, 50):.1f} for the {len(decodes_outside)} with none: "
                 f"{decode_increase:+.1%}"
             )
-        for name, split in (("written before", reused), ("never written (pages faulted in)", fresh)):
+        for name, split in (("with a copy", copying), ("with a relocation and no copy", relocating)):
             if split:
                 parts.append(
-                    f"copies into slots {name}: {percentile(split, 50):.1f} ms, "
-                    f"{_increase(split, outside):+.1%} ({len(split)} intervals)"
+                    f"intervals {name}: {percentile(split, 50):.1f} ms, "
+                    f"{_increase(split, outside):+.1%} ({len(split)})"
                 )
     else:
         parts.append("no decode interval overlapped a demotion: ITL during demotions not measured")
@@ -532,10 +537,10 @@ def check_capacity_targets(
         decode_itl_met=None if decode_increase is None else decode_increase <= TARGET_ITL_INCREASE,
         decodes_during_n=len(decodes_during),
         decodes_outside_n=len(decodes_outside),
-        itl_increase_reused_slots=_increase(reused, outside),
-        itl_during_reused_slots_n=len(reused),
-        itl_increase_fresh_slots=_increase(fresh, outside),
-        itl_during_fresh_slots_n=len(fresh),
+        itl_increase_copy=_increase(copying, outside),
+        itl_during_copy_n=len(copying),
+        itl_increase_relocation_only=_increase(relocating, outside),
+        itl_during_relocation_only_n=len(relocating),
         explanation="; ".join(parts),
     )
 
@@ -659,8 +664,8 @@ def combine_capacity_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, 
         "ratio",
         "itl_increase",
         "decode_itl_increase",
-        "itl_increase_reused_slots",
-        "itl_increase_fresh_slots",
+        "itl_increase_copy",
+        "itl_increase_relocation_only",
     ):
         values = [r["targets"][key] for r in reports if r["targets"].get(key) is not None]
         targets[key] = {
@@ -685,8 +690,8 @@ def combined_capacity_markdown(combined: Mapping[str, Any]) -> str:
         ("ratio", "capacity ratio host/hbm"),
         ("itl_increase", "ITL during demotions vs outside (per interval)"),
         ("decode_itl_increase", "ITL of decodes beside a demotion vs none (per decode)"),
-        ("itl_increase_reused_slots", "... copies into slots written before"),
-        ("itl_increase_fresh_slots", "... copies into fresh slots"),
+        ("itl_increase_copy", "... intervals with a copy into the pool"),
+        ("itl_increase_relocation_only", "... intervals with a relocation and no copy"),
     ):
         t = targets[key]
 

@@ -399,13 +399,13 @@ def print_capacity_report(report: dict[str, Any]) -> None:
         + (f"{increase:+.1%}" if increase is not None else "-")
         + f" ({targets['itl_during_n']} vs {targets['itl_outside_n']} intervals; target <= +10%)"
     )
-    for key, name in (("reused", "written before"), ("fresh", "never written")):
-        split = targets[f"itl_increase_{key}_slots"]
+    for key, name in (
+        ("copy", "with a copy into the pool"),
+        ("relocation_only", "with a relocation, no copy"),
+    ):
+        split = targets[f"itl_increase_{key}"]
         if split is not None:
-            print(
-                f"          of which copies into slots {name}: {split:+.1%} "
-                f"({targets[f'itl_during_{key}_slots_n']} intervals)"
-            )
+            print(f"          intervals {name}: {split:+.1%} ({targets[f'itl_during_{key}_n']} intervals)")
     decode_increase = targets["decode_itl_increase"]
     print(
         f"  [{state[targets['decode_itl_met']]}] ITL per decode, decodes a demotion ran beside vs none (host "
