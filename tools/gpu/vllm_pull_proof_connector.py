@@ -66,7 +66,8 @@ def nixl_handshake_before_0_32(
     )
     if worker.fence is not None:
         for tp_rank, agent_name in agents.items():
-            worker.fence.add_peer(agent_name, connector._peer_generations(host, port, 0, tp_rank))
+            payload = connector._peer_payload(host, port, 0, tp_rank)
+            worker.fence.add_peer(agent_name, connector._peer_generations(payload, host, port, tp_rank))
     return agents
 
 
