@@ -12,15 +12,8 @@ import pytest
 from kvferry.bench import multiturn
 from kvferry.bench.multiturn_agent import ToolTiming
 from kvferry.bench.multiturn_capacity import (
-    COPIED_LOG,
-    EVICT_LOG,
-    FREED_LOG,
     HBM,
     HOST,
-    MOVED_LOG,
-    POOL_FULL_LOG,
-    READY_LOG,
-    RETAINED_LOG,
     SCHEMA,
     CapacityTurn,
     EngineEvents,
@@ -46,6 +39,15 @@ from kvferry.bench.multiturn_capacity import (
 from kvferry.bench.multiturn_capacity_driver import decode_settings, tool_seconds
 from kvferry.bench.multiturn_workload import WorkloadSpec
 from kvferry.connector.fence import PULL_FENCE_LOG
+from kvferry.connector.logs import (
+    COPIED_LOG,
+    EVICTED_LOG,
+    FREED_LOG,
+    MOVED_LOG,
+    POOL_FULL_LOG,
+    READY_LOG,
+    RETAINED_LOG,
+)
 from kvferry.connector.settings import KvferrySettings
 
 DEFAULT = WorkloadSpec(conversations=20, turns=4, start_tokens=2048, target_tokens=2560, reply_tokens=32)
@@ -204,7 +206,7 @@ def _decode_log() -> list[dict[str, Any]]:
             conversation_id="a",
             slots=[0, 64],
         ),
-        _line(EVICT_LOG, T0 + 5, request_id="r-b1", conversation_id="b"),
+        _line(EVICTED_LOG, T0 + 5, request_id="r-b1", conversation_id="b"),
         _line(POOL_FULL_LOG, T0 + 6, request_id="r-a1.host", conversation_id="a"),
         _line(FREED_LOG, T0 + 40, request_id="r-a1", conversation_id="a", tier="device", reason="superseded"),
     ]

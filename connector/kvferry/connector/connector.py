@@ -67,7 +67,18 @@ from kvferry.connector.host_tier import (
     next_demotion_at,
 )
 from kvferry.connector.keeper import RetentionKeeper
-from kvferry.connector.logs import hand_over_held, setup_logging
+from kvferry.connector.logs import (
+    BUMPED_LOG,
+    COPIED_LOG,
+    EVICTED_LOG,
+    FREED_LOG,
+    MOVED_LOG,
+    POOL_FULL_LOG,
+    READY_LOG,
+    RETAINED_LOG,
+    hand_over_held,
+    setup_logging,
+)
 from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullRecord
 from kvferry.connector.read_deadlines import pull_allowed, read_deadline, read_may_start
 from kvferry.connector.retention import Clock, RetainedEntry, RetentionTable, SystemClock, Tier
@@ -112,10 +123,6 @@ _NO_ROOM_RETRY_SECONDS = 5.0
 _PRESSURE_CHECK_SECONDS = 0.25
 # Per-request pull options the worker keeps at most (a request whose pull never starts is dropped).
 _MAX_PULL_OPTIONS = 1024
-# The decode engine's oracle lines (docs/connector.md#pull-time-fencing): a retention's blocks went back
-# to the pool; published blocks' generations changed. The prefill's is kvferry.connector.fence's.
-FREED_LOG = "freed retained blocks"
-BUMPED_LOG = "generations bumped"
 
 
 def engine_layout(vllm_config: VllmConfig) -> KvLayout:
@@ -262,7 +269,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._timer.start()
         self._loop.start()
         logger.info(
-            "kvferry connector scheduler ready",
+            READY_LOG,
             extra={
                 "engine_id": engine_id,
                 "kv_role": self.kv_role,
@@ -499,7 +506,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._demote_due()
         for evicted in self.table.evict_over_budget(leaving=self._leaving()):
             logger.info(
-                "evicting least recently used retention (over budget); freed once the registry confirms",
+                EVICTED_LOG,
                 extra={"request_id": evicted.request_id, "conversation_id": evicted.conversation_id},
             )
         if self._link is not None:
@@ -507,7 +514,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self.accounting.set_retained_blocks(self.table.held_blocks())
         self._timer.poke()
         logger.info(
-            "retained",
+            RETAINED_LOG,
             extra={
                 "request_id": request_id,
                 "tenant": mark.tenant,
@@ -730,7 +737,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             if self.table.evict(entry.request_id):
                 coming += len(entry.block_ids)
                 logger.info(
-                    "evicting least recently used host-tier retention (pool full)",
+                    POOL_FULL_LOG,
                     extra={"request_id": entry.request_id, "conversation_id": entry.conversation_id},
                 )
         if self._link is not None:
@@ -764,7 +771,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             )
             self._worker_added.append(host_id)
             logger.info(
-                "moved to the host tier; the KV-cache blocks go once the registry accepts the move",
+                MOVED_LOG,
                 extra={
                     "request_id": host_id,
                     "relocates": entry.request_id,
@@ -897,7 +904,7 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             file.counters[DEMOTED] = max(finished)
         seconds = time.perf_counter() - started
         logger.info(
-            "copied to the host pool",
+            COPIED_LOG,
             extra={
                 "request_ids": [d.request_id for d in demotions],
                 "parts": sum(not d.final for d in demotions),

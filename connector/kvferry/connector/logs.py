@@ -22,6 +22,18 @@ from typing import Any, TextIO
 
 from pythonjsonlogger.json import JsonFormatter
 
+# The decode engine's lines that readers outside the engine parse (the faults oracle, the benchmarks): their
+# ``msg``. Here, away from the modules that import vLLM, so readers can import them.
+READY_LOG = "kvferry connector scheduler ready"
+RETAINED_LOG = "retained"
+EVICTED_LOG = "evicting least recently used retention (over budget); freed once the registry confirms"
+FREED_LOG = "freed retained blocks"
+BUMPED_LOG = "generations bumped"
+# The host tier's (kvferry.connector.host_tier).
+COPIED_LOG = "copied to the host pool"
+MOVED_LOG = "moved to the host tier; the KV-cache blocks go once the registry accepts the move"
+POOL_FULL_LOG = "evicting least recently used host-tier retention (pool full)"
+
 
 class KvferryJsonFormatter(JsonFormatter):
     """python-json-logger configured for the services' line shape."""

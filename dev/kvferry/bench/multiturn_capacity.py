@@ -38,6 +38,15 @@ from kvferry.bench.multiturn_stats import percentile
 from kvferry.bench.multiturn_workload import WorkloadSpec, plan_conversations
 from kvferry.connector.fence import PULL_FENCE_LOG
 from kvferry.connector.host_tier import HOST_REQUEST_SUFFIX
+from kvferry.connector.logs import (
+    COPIED_LOG,
+    EVICTED_LOG,
+    FREED_LOG,
+    MOVED_LOG,
+    POOL_FULL_LOG,
+    READY_LOG,
+    RETAINED_LOG,
+)
 
 SCHEMA = "kvferry.bench.multiturn-capacity/v1"
 
@@ -50,14 +59,6 @@ TARGET_HIT_RATE = 0.99
 TARGET_CAPACITY_RATIO = 10.0
 TARGET_ITL_INCREASE = 0.10
 
-# The decode engine's connector lines (kvferry.connector.connector; that module imports vLLM).
-RETAINED_LOG = "retained"
-MOVED_LOG = "moved to the host tier; the KV-cache blocks go once the registry accepts the move"
-COPIED_LOG = "copied to the host pool"
-EVICT_LOG = "evicting least recently used retention (over budget); freed once the registry confirms"
-FREED_LOG = "freed retained blocks"
-POOL_FULL_LOG = "evicting least recently used host-tier retention (pool full)"
-READY_LOG = "kvferry connector scheduler ready"
 
 # An inter-token interval seen by the client ends a relay later than the engine step that made the token:
 # a demotion this much before the interval's start still counts as inside it.
@@ -289,7 +290,7 @@ def engine_events(
             copied.append((end - 0.001 - copy_ms / 1000, copy_ms, request_ids, int(line.get("parts") or 0)))
         elif msg == FREED_LOG:
             events.freed.append((conversation, str(line.get("tier", "")), str(line.get("reason", ""))))
-        elif msg == EVICT_LOG:
+        elif msg == EVICTED_LOG:
             events.evicted_kv.append(conversation)
         elif msg == POOL_FULL_LOG:
             events.evicted_pool.append(conversation)
