@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kvferry.connector.host_tier import (
     Demotions,
     HostPool,
@@ -124,6 +126,43 @@ def test_slots_come_in_the_lowest_run_that_fits() -> None:
     slots.free([0])
     with pytest.raises(ValueError, match="not allocated"):
         slots.free([0])
+
+
+def test_slots_given_back_in_any_order_merge_into_runs_again() -> None:
+    slots = SlotAllocator(12)
+    taken = [slots.allocate(3) or [] for _ in range(4)]
+    assert taken == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    for run in (taken[2], taken[0], taken[1]):  # out of order; 9..11 stay out
+        slots.free(reversed(run))
+    assert slots.free_count == 9
+    # One run again: nine slots from 0 fit a run of nine.
+    assert slots.allocate(9) == list(range(9))
+    slots.free([4])
+    with pytest.raises(ValueError, match="not allocated"):
+        slots.free([4])
+    with pytest.raises(ValueError, match="not allocated"):
+        slots.free([-1])
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=60))
+def test_slots_are_never_handed_out_twice_and_all_come_back(steps: list[tuple[bool, int]]) -> None:
+    slots = SlotAllocator(16)
+    out: list[list[int]] = []
+    for allocate, count in steps:
+        if allocate or not out:
+            got = slots.allocate(count)
+            held = {slot for run in out for slot in run}
+            if got is None:
+                assert count > 16 - len(held)
+                continue
+            assert len(got) == count and not held & set(got) and all(0 <= slot < 16 for slot in got)
+            out.append(got)
+        else:
+            slots.free(out.pop(count % len(out)))
+        assert slots.free_count == 16 - sum(len(run) for run in out)
+    for run in out:
+        slots.free(run)
+    assert slots.allocate(16) == list(range(16))
 
 
 def test_orders_go_out_with_a_step_and_finish_by_the_workers_counter() -> None:

@@ -28,6 +28,7 @@ No vLLM and no NIXL here: the worker and scheduler halves in kvferry.connector.c
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -100,40 +101,59 @@ def extend_remote_rows(
 
 
 class SlotAllocator:
-    """Free pool slots, handed out in ascending runs where it can (a pull of a run is one descriptor)."""
+    """Free pool slots, handed out in ascending runs where it can (a pull of a run is one descriptor).
+
+    Kept as runs of free slots, ``(first, count)`` sorted by first slot: allocating and freeing cost the
+    number of runs (few: slots come back in the runs they went out in), not the pool's size."""
 
     def __init__(self, slots: int) -> None:
         self.slots = slots
-        self._free: set[int] = set(range(slots))
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
+        self._runs: list[tuple[int, int]] = [(0, slots)] if slots else []
+        self.free_count = slots
 
     def allocate(self, count: int) -> list[int] | None:
         """``count`` free slots (the lowest run that fits, else the lowest free ones), or None."""
-        if count > len(self._free):
+        if count > self.free_count:
             return None
-        ordered = sorted(self._free)
-        taken: list[int] | None = None
-        run_start = 0
-        for index in range(1, len(ordered) + 1):
-            if index == len(ordered) or ordered[index] != ordered[index - 1] + 1:
-                if index - run_start >= count:
-                    taken = ordered[run_start : run_start + count]
-                    break
-                run_start = index
-        if taken is None:
-            taken = ordered[:count]
-        self._free.difference_update(taken)
+        fits = next((i for i, (_, length) in enumerate(self._runs) if length >= count), None)
+        taken: list[int] = []
+        while len(taken) < count:
+            index = fits if fits is not None else 0
+            first, length = self._runs[index]
+            take = min(length, count - len(taken))
+            taken.extend(range(first, first + take))
+            if take == length:
+                del self._runs[index]
+            else:
+                self._runs[index] = (first + take, length - take)
+        self.free_count -= count
         return taken
 
     def free(self, slots: Iterable[int]) -> None:
-        """Gives slots back."""
+        """Gives slots back (merged into the runs around them)."""
         for slot in slots:
-            if not 0 <= slot < self.slots or slot in self._free:
+            if not 0 <= slot < self.slots:
                 raise ValueError(f"slot {slot} is not allocated")
-            self._free.add(slot)
+            index = bisect.bisect_right(self._runs, (slot, self.slots + 1))
+            before = self._runs[index - 1] if index > 0 else None
+            if before is not None and before[0] + before[1] > slot:
+                raise ValueError(f"slot {slot} is not allocated")
+            after = self._runs[index] if index < len(self._runs) else None
+            joins_before = before is not None and before[0] + before[1] == slot
+            joins_after = after is not None and after[0] == slot + 1
+            if joins_before and joins_after:
+                assert before is not None and after is not None
+                self._runs[index - 1] = (before[0], before[1] + 1 + after[1])
+                del self._runs[index]
+            elif joins_before:
+                assert before is not None
+                self._runs[index - 1] = (before[0], before[1] + 1)
+            elif joins_after:
+                assert after is not None
+                self._runs[index] = (slot, after[1] + 1)
+            else:
+                self._runs.insert(index, (slot, 1))
+            self.free_count += 1
 
 
 @dataclass(frozen=True)
