@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from kvferry.connector.keeper import RetentionKeeper
-from kvferry.connector.retention import END_CALL_RETRY_SECONDS, EndReason, RetainedEntry, RetentionTable
+from kvferry.connector.retention import END_CALL_RETRY_SECONDS, EndReason, RetainedEntry, RetentionTable, Tier
 from kvferry.connector.sidecar_link import EndCall, RetentionReport
 
 CAP = 100.0
@@ -410,3 +410,35 @@ def test_a_report_failing_internally_is_ended_through_the_registry(clock: FakeCl
     assert freed(t) == [("definitive", True)]
     end = keeper.take_call()
     assert isinstance(end, EndCall) and (end.request_id, end.reason) == ("internal", EndReason.REFUSED)
+
+
+# --- tiers (kvferry.connector.host_tier) -----------------------------------------------------------------
+
+
+def test_a_relocation_supersedes_its_own_turn_and_the_budget_counts_the_kv_cache_only(
+    clock: FakeClock,
+) -> None:
+    t = table(clock, budget=6)
+    add(t, "r1", blocks=4)
+    publish(t, "r1", revision=10)
+    _, superseded = t.add(
+        request_id="r1.host",
+        tenant="acme",
+        conversation_id="c",
+        turn=1,
+        block_ids=range(100, 104),
+        num_tokens=64,
+        tier=Tier.HOST,
+        relocates="r1",
+    )
+    assert [e.request_id for e in superseded] == ["r1"]
+    assert (t.held_blocks(Tier.DEVICE), t.held_blocks(Tier.HOST), t.held_blocks()) == (4, 4, 8)
+    # Past the KV cache's budget of 6 only with both tiers counted: nothing to evict.
+    add(t, "r2", conversation="d", blocks=5)
+    assert t.evict_over_budget() == []
+    assert [e.request_id for e in t.live_entries(Tier.HOST)] == ["r1.host"]
+    # The move is accepted: the KV-cache retention ends with it and its blocks go a grace later.
+    publish(t, "r1.host", revision=11)
+    clock.advance(GRACE + 0.1)
+    assert freed(t) == [("r1", True)]
+    assert t.held_blocks(Tier.DEVICE) == 5

@@ -511,7 +511,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             )
         if self._link is not None:
             self._link.poke()
-        self.accounting.set_retained_blocks(self.table.held_blocks())
+        self.accounting.set_retained_blocks(self.table.held_blocks(Tier.DEVICE))
         self._timer.poke()
         logger.info(
             RETAINED_LOG,
@@ -565,7 +565,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             self._before_unconfirmed_free(unconfirmed)
         for entry in due:
             self._free(entry)
-        self.accounting.set_retained_blocks(self.table.held_blocks())
+        self.accounting.set_retained_blocks(self.table.held_blocks(Tier.DEVICE))
 
     def _before_unconfirmed_free(self, entries: list[RetainedEntry]) -> None:
         """Blocks about to be freed without the registry's confirmation (it stayed unreachable past
@@ -782,7 +782,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 },
             )
         if done:
-            self.accounting.set_retained_blocks(self.table.held_blocks())
+            self.accounting.set_retained_blocks(self.table.held_blocks(Tier.DEVICE))
             if self._link is not None:
                 self._link.poke()
             self._timer.poke()

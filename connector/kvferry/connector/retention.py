@@ -532,10 +532,11 @@ class RetentionTable:
         with self._lock:
             return request_id in self._entries
 
-    def held_blocks(self) -> int:
-        """Blocks not yet freed (live retentions, ending ones and those in their grace period)."""
+    def held_blocks(self, tier: Tier | None = None) -> int:
+        """Blocks not yet freed (live retentions, ending ones and those in their grace period), of one tier
+        or (None) of both."""
         with self._lock:
-            return sum(len(e.block_ids) for e in self._entries.values())
+            return sum(len(e.block_ids) for e in self._entries.values() if tier is None or e.tier is tier)
 
     def live_blocks(self) -> int:
         """Blocks of retentions that have not begun to end (what the budget counts)."""

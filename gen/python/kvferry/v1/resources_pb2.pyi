@@ -141,7 +141,9 @@ class EngineStats(_message.Message):
     running_requests: _builtins.int
     """Requests currently running on the engine."""
     retained_blocks: _builtins.int
-    """Blocks held by retentions right now."""
+    """Blocks of the engine's KV cache held by retentions right now (a host pool's slots are not counted: the
+    registry's records say which retentions are in the host tier).
+    """
     pulled_tokens_total: _builtins.int
     """Tokens whose KV was pulled from a remote engine, since start."""
     computed_tokens_total: _builtins.int

@@ -191,7 +191,10 @@ export interface EngineStats {
   inflightPrefillTokens: bigint;
   /** Requests currently running on the engine. */
   runningRequests: bigint;
-  /** Blocks held by retentions right now. */
+  /**
+   * Blocks of the engine's KV cache held by retentions right now (a host pool's slots are not counted: the
+   * registry's records say which retentions are in the host tier).
+   */
   retainedBlocks: bigint;
   /** Tokens whose KV was pulled from a remote engine, since start. */
   pulledTokensTotal: bigint;
