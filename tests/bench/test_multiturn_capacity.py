@@ -15,6 +15,7 @@ from kvferry.bench.multiturn_capacity import (
     HBM,
     HOST,
     SCHEMA,
+    CapacitySizing,
     CapacityTurn,
     EngineEvents,
     PoolCopy,
@@ -105,8 +106,9 @@ def test_levels_and_arms() -> None:
         parse_arms("")
 
 
-def test_sizing_holds_the_budget_s_conversations_and_not_one_more() -> None:
-    sizing = size_decode(
+def sizing_of_the_defaults() -> CapacitySizing:
+    """The bench's default run: 4 GiB of 128 KiB blocks, a budget of 2 conversations, up to 20 agents."""
+    return size_decode(
         DEFAULT,
         block_size=32,
         kv_bytes_per_token=4096,
@@ -115,6 +117,10 @@ def test_sizing_holds_the_budget_s_conversations_and_not_one_more() -> None:
         most_agents=20,
         demote_after_seconds=2.0,
     )
+
+
+def test_sizing_holds_the_budget_s_conversations_and_not_one_more() -> None:
+    sizing = sizing_of_the_defaults()
     assert sizing.kv_blocks == 32768  # 4 GiB of 128 KiB blocks
     assert sizing.first_turn_blocks == 65  # 2048 + 32 tokens
     assert sizing.conversation_blocks == 81  # 2560 + 32
@@ -375,15 +381,7 @@ def test_level_statistics_capacity_and_targets() -> None:
 
 
 def _report(miss_ttft: float = 900.0) -> dict[str, Any]:
-    sizing = size_decode(
-        DEFAULT,
-        block_size=32,
-        kv_bytes_per_token=4096,
-        kv_cache_gib=4,
-        budget_conversations=2,
-        most_agents=20,
-        demote_after_seconds=2.0,
-    )
+    sizing = sizing_of_the_defaults()
     return build_capacity_report(
         created="2026-12-06T00:00:00+00:00",
         config={"command": "kvferry bench multiturn --workload capacity"},
