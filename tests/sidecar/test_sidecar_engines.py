@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 import grpc
 import pytest
 from kvferry.pd.kvferry_params import ConversationMark
+from kvferry.sidecar.releases import TrackedRetention
 from kvferry.stack.engine import direct_turn
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
@@ -135,10 +136,14 @@ async def test_a_restarted_sidecar_reregisters_and_the_connector_follows(
     _, decode_sidecar = engine_sidecars
     tenant, conversation = unique("tenant"), unique("conv")
     await _marked_turn(engine_pair, tenant, conversation)
+    # Found by its conversation, confirmed: the book may also hold retentions of earlier tests that the
+    # connector reports again to a new sidecar (and the registry may refuse).
     await decode_sidecar.wait_for(
-        lambda: len(decode_sidecar.sidecar.book) >= 1, 20, "the retention published"
+        lambda: _confirmed(decode_sidecar, conversation) is not None, 20, "the retention published"
     )
-    request_id = decode_sidecar.sidecar.book.entries()[-1].engine_request_id
+    confirmed = _confirmed(decode_sidecar, conversation)
+    assert confirmed is not None
+    request_id = confirmed.engine_request_id
 
     # Clean shutdown deregisters the engine: its retention ends (ENGINE_GONE) and the connector hears it.
     await decode_sidecar.stop()
@@ -155,8 +160,23 @@ async def test_a_restarted_sidecar_reregisters_and_the_connector_follows(
     await restarted.wait_for(lambda: restarted.sidecar.fanout.subscriber_count >= 1, 60, "connector stream")
     assert await find_engine(registry.stub(), engine_pair.decode.engine_id) is not None
     # And the next marked turn is published through it.
-    await _marked_turn(engine_pair, tenant, unique("conv"))
-    await restarted.wait_for(lambda: len(restarted.sidecar.book) >= 1, 20, "a retention published")
+    next_conversation = unique("conv")
+    await _marked_turn(engine_pair, tenant, next_conversation)
+    await restarted.wait_for(
+        lambda: _confirmed(restarted, next_conversation) is not None, 20, "the next retention published"
+    )
+
+
+def _confirmed(sidecar: SidecarHandle, conversation: str) -> TrackedRetention | None:
+    """The retention of ``conversation`` in the sidecar's book once the registry confirmed it."""
+    return next(
+        (
+            entry
+            for entry in sidecar.sidecar.book.entries()
+            if entry.conversation_id == conversation and entry.expire_time is not None
+        ),
+        None,
+    )
 
 
 async def test_two_concurrent_turns_of_one_conversation_d_keeps_exactly_what_the_registry_serves(
