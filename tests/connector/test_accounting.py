@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 from kvferry.connector.accounting import PEER_WINDOW, Accounting, PeerPullRate, rates_moved
+from kvferry.connector.retention import Tier
 
 
 def test_counts_pulled_and_computed_tokens_and_rates() -> None:
@@ -46,10 +47,18 @@ def test_in_flight_requests_show_as_load() -> None:
 
 
 def _pull(
-    accounting: Accounting, request_id: str, peer: str, tokens: int, start: float, seconds: float
+    accounting: Accounting,
+    request_id: str,
+    peer: str,
+    tokens: int,
+    start: float,
+    seconds: float,
+    tier: Tier = Tier.DEVICE,
 ) -> bool:
     accounting.on_matched(request_id, prompt_tokens=tokens + 10, local_cached_tokens=0)
-    accounting.on_allocated(request_id, external_tokens=tokens, now=start, peer_engine_id=peer)
+    accounting.on_allocated(
+        request_id, external_tokens=tokens, now=start, peer_engine_id=peer, peer_tier=tier
+    )
     measured = accounting.on_received(request_id, now=start + seconds, failed=False)
     accounting.on_finished(request_id, now=start + seconds + 0.01)
     return measured
@@ -86,6 +95,26 @@ def test_pull_rates_are_kept_per_peer_engine() -> None:
     assert rates["d-same-gpu"].pulls == 2
     assert rates["d-other-gpu"].bytes_per_second == pytest.approx(100 * 1000 / 0.001)
     assert [p.peer_engine_id for p in accounting.snapshot().peer_pull_rates] == ["d-other-gpu", "d-same-gpu"]
+
+
+def test_a_peers_host_pool_has_a_rate_of_its_own() -> None:
+    """Pulls from a holder's host pool and from its KV cache are timed apart (the router weighs each
+    retention by the tier it is in); the handshake is the peer's, paid once for both."""
+    accounting = Accounting(kv_bytes_per_token=1000)
+    _handshake(accounting, "d1")
+    assert _pull(accounting, "r1", "d1", 100, 0.0, 0.001)
+    assert _pull(accounting, "r2", "d1", 100, 1.0, 0.1, Tier.HOST)
+    rates = accounting.snapshot().peer_pull_rates
+    assert [(p.peer_engine_id, p.tier, p.pulls) for p in rates] == [
+        ("d1", Tier.DEVICE, 1),
+        ("d1", Tier.HOST, 1),
+    ]
+    assert rates[0].bytes_per_second == pytest.approx(100 * 1000 / 0.001)
+    assert rates[1].bytes_per_second == pytest.approx(100 * 1000 / 0.1)
+    # A host-pool rate that appears or moves is worth reporting at once, as a KV-cache one is.
+    before = accounting.snapshot()
+    assert _pull(accounting, "r3", "d1", 100, 2.0, 1.0, Tier.HOST)
+    assert rates_moved(before, accounting.snapshot())
 
 
 def test_a_peer_rate_follows_its_recent_pulls_and_failed_pulls_give_none() -> None:

@@ -25,7 +25,7 @@ from kvferry.connector.connector import BUMPED_LOG, FREED_LOG
 from kvferry.connector.fence import PULL_FENCE_LOG, expand_block_runs
 from kvferry.pd.chat import ChatMessage, ChatRequest
 from kvferry.pd.engine_api import DecodeRequest, Sampling, prefill_transfer_params
-from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
+from kvferry.pd.kvferry_params import DEVICE_TIER, ConversationMark, ReleaseMark
 from kvferry.pd.reuse import RetainedKv, max_reusable_tokens
 from kvferry.pd.sequence import Pull
 from kvferry.pd.vllm_params import KvHandoff
@@ -81,6 +81,7 @@ def reuse_pull(retained: RetainedKv, prompt: Sequence[int]) -> Pull:
         retained.prefix(reusable),
         window=retained.read_window(time.monotonic(), TEST_READ_WINDOW_SECONDS, time.time()),
         generations=retained.prefix_generations(reusable),
+        tier=retained.pull_tier,
     )
 
 
@@ -94,6 +95,7 @@ async def first_token(
         pull.blocks if pull is not None else None,
         read_ms=pull.window.ms_left(time.monotonic()) if pull and pull.window else None,
         generations=pull.generations if pull is not None else None,
+        tier=pull.tier if pull is not None else DEVICE_TIER,
     )
     body = {
         "model": pair.model,

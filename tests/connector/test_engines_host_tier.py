@@ -251,6 +251,7 @@ async def test_a_pool_pull_reads_the_moved_kv_and_a_pull_of_freed_slots_is_fence
         block_size=pair.block_size,
         lease_expire_time=time.time() + 60,
         block_generations=tuple(record.block_generations),
+        tier=record.tier,
     )
     prompt_2 = await next_prompt(pair, history)
     pull = reuse_pull(retained, prompt_2)
@@ -260,6 +261,21 @@ async def test_a_pool_pull_reads_the_moved_kv_and_a_pull_of_freed_slots_is_fence
     assert fence_line(pair.prefill, f"{conversation}-t2")["fenced"] is False
     assert pull.blocks.num_tokens is not None and cached == pull.blocks.num_tokens
     assert_same_kv(pulled, recomputed)
+
+    # P times pulls from the holder's pool apart from pulls from its KV cache, and the router prices a
+    # host-tier retention by that rate. Pulled again: a peer's first pull waits for the handshake (no time).
+    again, _ = await first_token(
+        pair, prompt_2, f"{conversation}-t2-again", reuse_pull(retained, prompt_2), mark
+    )
+    assert_same_kv(again, recomputed)
+
+    def host_pool_rate() -> float:
+        engine = stack.router.engines.get(pair.prefill.engine_id)
+        return (
+            0.0 if engine is None else engine.stats.pull_rate(HOST_DECODE_ID, resources_pb2.MEMORY_TIER_HOST)
+        )
+
+    await eventually(host_pool_rate, within=15, what="P's host-pool pull rate in the router's engine table")
 
     # The client ends the conversation: the slots go back a grace later, their generations bumped.
     await stack.registry.stub().ReleaseRetention(

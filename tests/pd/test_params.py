@@ -26,6 +26,7 @@ from kvferry.pd.kvferry_params import (
     read_ms_params,
 )
 from kvferry.pd.reuse import (
+    MEMORY_TIER_HOST,
     ReadWindow,
     RetainedKv,
     max_read_window,
@@ -33,6 +34,7 @@ from kvferry.pd.reuse import (
     read_window_fits,
 )
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
+from kvferry.v1 import resources_pb2
 
 MARK = ConversationMark("acme", "c-1", 3)
 P_PARAMS = {
@@ -224,9 +226,10 @@ def test_every_kvferry_key_is_in_the_versioned_module() -> None:
         kvferry_params.PULL_OPTIONS_KEY,
         kvferry_params.READ_MS_KEY,
         kvferry_params.GENERATIONS_KEY,
+        kvferry_params.TIER_KEY,
     }
-    assert keys == {"kvferry", "kvferry_pull", "kvferry_read_ms", "kvferry_generations"}
-    assert kvferry_params.KVFERRY_PARAMS_VERSION == 6
+    assert keys == {"kvferry", "kvferry_pull", "kvferry_read_ms", "kvferry_generations", "kvferry_tier"}
+    assert kvferry_params.KVFERRY_PARAMS_VERSION == 7
     # kvferry's top-level keys never collide with vLLM's.
     assert not keys & {
         *vllm_params.REMOTE_BLOCK_KEYS,
@@ -274,3 +277,36 @@ def test_retained_kv_hands_out_the_generations_of_the_pulled_prefix() -> None:
     assert "kvferry_generations" not in prefill_transfer_params(
         None, None, read_ms=None, generations=kvferry_params.BlockGenerations((1,))
     )
+
+
+def test_a_pull_from_the_host_pool_says_so_and_a_kv_cache_pull_adds_nothing() -> None:
+    """P keeps a pull rate per holder and tier (version 7); a pull from the KV cache sends the params engines
+    before version 7 know."""
+    retained = RetainedKv(
+        engine_id="d",
+        engine_request_id="r",
+        block_ids=(7, 8),
+        num_tokens=64,
+        nixl_host="h",
+        nixl_port=1,
+        block_size=32,
+        lease_expire_time=0.0,
+        tier=MEMORY_TIER_HOST,
+    )
+    assert MEMORY_TIER_HOST == resources_pb2.MEMORY_TIER_HOST
+    assert retained.pull_tier == kvferry_params.HOST_TIER
+    params = prefill_transfer_params(None, retained.prefix(64), read_ms=None, tier=retained.pull_tier)
+    assert params["kvferry_tier"] == "host"
+    assert kvferry_params.tier_from_params(params) == kvferry_params.HOST_TIER
+    in_kv_cache = dataclasses.replace(retained, tier=0)
+    assert "kvferry_tier" not in prefill_transfer_params(
+        None, in_kv_cache.prefix(64), read_ms=None, tier=in_kv_cache.pull_tier
+    )
+    assert kvferry_params.tier_from_params({}) == kvferry_params.DEVICE_TIER
+    # Without a pull there is no tier to say.
+    assert "kvferry_tier" not in prefill_transfer_params(None, None, read_ms=None, tier="host")
+    for bad in ("gpu", 2, None):
+        with pytest.raises(ValueError, match="kvferry_tier must be one of"):
+            kvferry_params.tier_from_params({"kvferry_tier": bad})
+    with pytest.raises(ValueError, match="kvferry_tier must be one of"):
+        kvferry_params.tier_params("disk")

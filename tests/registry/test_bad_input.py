@@ -188,6 +188,10 @@ def test_good_endpoints_and_hosts_pass() -> None:
             "peer_pull_rates[0].pulls is -2",
         ),
         (
+            resources.EngineStats(peer_pull_rates=[resources.PeerPullRate(peer_engine_id="p", tier=7)]),  # type: ignore[arg-type]
+            "peer_pull_rates[0].tier is 7, not a MemoryTier",
+        ),
+        (
             resources.EngineStats(peer_pull_rates=[resources.PeerPullRate(peer_engine_id="a b")]),
             "peer_engine_id",
         ),

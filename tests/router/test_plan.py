@@ -518,3 +518,36 @@ def test_the_choice_flips_to_recompute_once_a_slow_pull_was_measured() -> None:
     assert choose() is Reuse.RECOMPUTE
     table.upsert(_registered("p1", P, _stats_proto(d1=1e10)))
     assert choose() is Reuse.PULL
+
+
+def test_a_retention_in_the_host_pool_is_priced_at_the_host_pools_measured_rate() -> None:
+    """A holder's KV cache and its host pool are pulled at rates of their own (issue 19): a fast KV-cache
+    rate does not price a pull from host memory, nor a slow host-pool rate a KV-cache pull. The pull of a
+    host-pool retention tells P the tier (it times the pull apart)."""
+    fast_kv_cache = resources_pb2.PeerPullRate(peer_engine_id="d1", bytes_per_second=1e10, pulls=4)
+    slow_host_pool = resources_pb2.PeerPullRate(
+        peer_engine_id="d1", bytes_per_second=5e6, pulls=4, tier=resources_pb2.MEMORY_TIER_HOST
+    )
+    stats = resources_pb2.EngineStats(
+        kv_bytes_per_token=10_000, peer_pull_rates=[fast_kv_cache, slow_host_pool]
+    )
+    prefill = _registered("p1", P, stats)
+    assert prefill.stats.pull_rate("d1", resources_pb2.MEMORY_TIER_HOST) == 5e6
+    assert prefill.stats.pull_rate("d1", resources_pb2.MEMORY_TIER_DEVICE) == 1e10
+    assert prefill.stats.pull_rate("d1", resources_pb2.MEMORY_TIER_UNSPECIFIED) == 1e10
+    engines = [prefill, _registered("d1", D, _stats_proto())]
+    in_kv_cache = _plan_with(retention(), engines=engines)
+    assert in_kv_cache.choice.reuse is Reuse.PULL and "pull rate: measured" in in_kv_cache.choice.reason
+    assert in_kv_cache.pull is not None and in_kv_cache.pull.tier == "device"
+    # 160 tokens x 10 kB at 5 MB/s: 0.32 s against 0.16 s of recompute.
+    in_host_pool = replace(retention(), tier=resources_pb2.MEMORY_TIER_HOST)
+    assert _plan_with(in_host_pool, engines=engines).choice.reuse is Reuse.RECOMPUTE
+    # Once the host pool pulls fast, the pull is planned with its tier.
+    fast_host_pool = resources_pb2.PeerPullRate()
+    fast_host_pool.CopyFrom(slow_host_pool)
+    fast_host_pool.bytes_per_second = 1e9
+    stats.ClearField("peer_pull_rates")
+    stats.peer_pull_rates.extend([fast_kv_cache, fast_host_pool])
+    engines[0] = _registered("p1", P, stats)
+    planned = _plan_with(in_host_pool, engines=engines)
+    assert planned.choice.reuse is Reuse.PULL and planned.pull is not None and planned.pull.tier == "host"

@@ -6,10 +6,11 @@ The rates are what the engine really got, so the router can stop trusting a prof
 for this machine: the prefill rate counts only compute (from when the pulled prefix was in, not from
 when the pull started), and pull rates are kept per peer engine, because the transport differs per
 pair (another GPU over NVLink, the same GPU through UCX's host path, another host): one figure over
-all peers would hide a pair 600x slower than the rest. The first pull from each peer is no sample: it
-waits for NIXL's handshake with that peer (1.3 s on one H200 against a 6 ms transfer, docs/calibration.md),
-a cost paid once that would price every later pull as 200x slower than it is and keep the router from
-ever pulling again. :func:`rates_moved` says when the figures
+all peers would hide a pair 600x slower than the rest; and per tier of the peer (its KV cache or its
+host pool, kvferry.connector.host_tier), since a pull from host memory runs at its own rate. The first
+pull from each peer is no sample: it waits for NIXL's handshake with that peer (1.3 s on one H200
+against a 6 ms transfer, docs/calibration.md), a cost paid once that would price every later pull as
+200x slower than it is and keep the router from ever pulling again. :func:`rates_moved` says when the figures
 changed enough to report them at once instead of at the next stats interval.
 """
 
@@ -19,9 +20,11 @@ import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from kvferry.connector.retention import Tier
+
 # Pulls per peer a peer's rate covers: few, so a changed transport shows within a few pulls.
 PEER_WINDOW = 8
-# Peers whose rates are kept (least recently pulled from dropped first).
+# Peers (and tiers) whose rates are kept (least recently pulled from dropped first).
 MAX_PEERS = 64
 
 
@@ -31,6 +34,7 @@ class _RequestRecord:
     local_cached_tokens: int = 0
     external_tokens: int = 0
     peer_engine_id: str = ""
+    peer_tier: Tier = Tier.DEVICE
     pull_started_at: float | None = None
     pull_done_at: float | None = None
     pull_done: bool = False
@@ -45,6 +49,8 @@ class PeerPullRate:
     peer_engine_id: str
     bytes_per_second: float
     pulls: int
+    # Which of the peer's tiers the pulls read.
+    tier: Tier = Tier.DEVICE
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class StatsSnapshot:
     declined_pulls_total: int
     # Pulls whose holder's generations had changed (dropped and recomputed; kvferry.connector.fence).
     fenced_pulls_total: int = 0
-    # Sorted by peer engine id.
+    # Sorted by peer engine id, then tier.
     peer_pull_rates: tuple[PeerPullRate, ...] = ()
 
 
@@ -73,7 +79,7 @@ class Accounting:
         self._requests: dict[str, _RequestRecord] = {}
         self._prefill_rates: deque[tuple[int, float]] = deque(maxlen=window)
         self._transfer_rates: deque[tuple[int, float]] = deque(maxlen=window)
-        self._peer_rates: OrderedDict[str, deque[tuple[int, float]]] = OrderedDict()
+        self._peer_rates: OrderedDict[tuple[str, Tier], deque[tuple[int, float]]] = OrderedDict()
         # Peers a pull has started from (the handshake is behind it).
         self._peers_pulled: set[str] = set()
         self.pulled_tokens_total = 0
@@ -99,9 +105,15 @@ class Accounting:
             self._version += 1
 
     def on_allocated(
-        self, request_id: str, external_tokens: int, now: float, peer_engine_id: str = ""
+        self,
+        request_id: str,
+        external_tokens: int,
+        now: float,
+        peer_engine_id: str = "",
+        peer_tier: Tier = Tier.DEVICE,
     ) -> None:
-        """``peer_engine_id``: the engine the ``external_tokens`` are pulled from ("" when unknown)."""
+        """``peer_engine_id``: the engine the ``external_tokens`` are pulled from ("" when unknown);
+        ``peer_tier``: where on it they are."""
         with self._lock:
             record = self._requests.get(request_id)
             if record is None:
@@ -110,6 +122,7 @@ class Accounting:
             if external_tokens > 0 and record.pull_started_at is None:
                 record.external_tokens = external_tokens
                 record.peer_engine_id = peer_engine_id
+                record.peer_tier = peer_tier
                 record.pull_started_at = now
                 if peer_engine_id:
                     record.handshake = peer_engine_id not in self._peers_pulled
@@ -133,16 +146,16 @@ class Accounting:
             )
             self._transfer_rates.append(sample)
             if record.peer_engine_id:
-                self._peer_window(record.peer_engine_id).append(sample)
+                self._peer_window((record.peer_engine_id, record.peer_tier)).append(sample)
             return True
 
-    def _peer_window(self, peer_engine_id: str) -> deque[tuple[int, float]]:
-        window = self._peer_rates.get(peer_engine_id)
+    def _peer_window(self, peer: tuple[str, Tier]) -> deque[tuple[int, float]]:
+        window = self._peer_rates.get(peer)
         if window is None:
-            window = self._peer_rates[peer_engine_id] = deque(maxlen=PEER_WINDOW)
+            window = self._peer_rates[peer] = deque(maxlen=PEER_WINDOW)
             while len(self._peer_rates) > MAX_PEERS:
                 self._peer_rates.popitem(last=False)
-        self._peer_rates.move_to_end(peer_engine_id)
+        self._peer_rates.move_to_end(peer)
         return window
 
     def on_finished(self, request_id: str, now: float) -> bool:
@@ -195,8 +208,8 @@ class Accounting:
                 declined_pulls_total=self.declined_pulls_total,
                 fenced_pulls_total=self.fenced_pulls_total,
                 peer_pull_rates=tuple(
-                    PeerPullRate(peer, _rate(samples), len(samples))
-                    for peer, samples in sorted(self._peer_rates.items())
+                    PeerPullRate(peer, _rate(samples), len(samples), tier)
+                    for (peer, tier), samples in sorted(self._peer_rates.items())
                 ),
             )
 
@@ -212,9 +225,11 @@ def rates_moved(previous: StatsSnapshot | None, current: StatsSnapshot, toleranc
     ``previous`` was reported, or appeared: worth reporting now rather than at the next interval."""
     if previous is None:
         return bool(current.prefill_tokens_per_second or current.peer_pull_rates)
-    before = {p.peer_engine_id: p.bytes_per_second for p in previous.peer_pull_rates}
+    before = {(p.peer_engine_id, p.tier): p.bytes_per_second for p in previous.peer_pull_rates}
     pairs = [(previous.prefill_tokens_per_second, current.prefill_tokens_per_second)]
-    pairs += [(before.get(p.peer_engine_id, 0.0), p.bytes_per_second) for p in current.peer_pull_rates]
+    pairs += [
+        (before.get((p.peer_engine_id, p.tier), 0.0), p.bytes_per_second) for p in current.peer_pull_rates
+    ]
     return any(_moved(old, new, tolerance) for old, new in pairs)
 
 

@@ -95,6 +95,7 @@ from kvferry.pd.kvferry_params import (
     PullOptions,
     ReleaseMark,
     parse_mark,
+    tier_from_params,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
@@ -394,7 +395,11 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         peer = (request.kv_transfer_params or {}).get(vllm_params.REMOTE_ENGINE_ID)
         self.accounting.on_allocated(
-            request.request_id, num_external_tokens, time.monotonic(), peer if isinstance(peer, str) else ""
+            request.request_id,
+            num_external_tokens,
+            time.monotonic(),
+            peer if isinstance(peer, str) else "",
+            self._pull_tier(request),
         )
         if options is not None:
             self._pull_options[request.request_id] = options
@@ -405,6 +410,18 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             generations = BlockGenerations.from_params(params)
             if generations is not None:
                 self._pull_generations[request.request_id] = generations.values
+
+    @staticmethod
+    def _pull_tier(request: Request) -> Tier:
+        """Which of the holder's tiers a pull reads, for its rate (a malformed value: the KV cache; the
+        pull itself does not depend on it)."""
+        try:
+            return Tier(tier_from_params(request.kv_transfer_params))
+        except ValueError as bad:
+            logger.warning(
+                "ignoring a malformed pull tier", extra={"request_id": request.request_id, "error": str(bad)}
+            )
+            return Tier.DEVICE
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)

@@ -463,7 +463,10 @@ def stats_to_proto(snapshot: StatsSnapshot) -> resources_pb2.EngineStats:
         fenced_pulls_total=snapshot.fenced_pulls_total,
         peer_pull_rates=[
             resources_pb2.PeerPullRate(
-                peer_engine_id=p.peer_engine_id, bytes_per_second=p.bytes_per_second, pulls=p.pulls
+                peer_engine_id=p.peer_engine_id,
+                bytes_per_second=p.bytes_per_second,
+                pulls=p.pulls,
+                tier=_MEMORY_TIERS[p.tier],
             )
             for p in snapshot.peer_pull_rates
         ],

@@ -482,6 +482,7 @@ async def direct_turn(
                 previous.prefix(reusable),
                 window=window,
                 generations=previous.prefix_generations(reusable),
+                tier=previous.pull_tier,
             )
     done = await run_turn(
         prefill,

@@ -14,12 +14,14 @@ from typing import Any, Literal, Protocol
 from kvferry.pd import vllm_params
 from kvferry.pd.chat import ChatRequest
 from kvferry.pd.kvferry_params import (
+    DEVICE_TIER,
     BlockGenerations,
     ConversationMark,
     Mark,
     PullOptions,
     mark_params,
     read_ms_params,
+    tier_params,
 )
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 
@@ -56,15 +58,19 @@ def prefill_transfer_params(
     read_ms: int | None,
     pull_options: PullOptions | None = None,
     generations: BlockGenerations | None = None,
+    tier: str = DEVICE_TIER,
 ) -> dict[str, Any]:
     """``kv_transfer_params`` for a prefill request (P computes, D will pull), pulling ``reuse`` first within
-    ``read_ms`` milliseconds (and checking its blocks' ``generations`` after the pull)."""
+    ``read_ms`` milliseconds (and checking its blocks' ``generations`` after the pull) from the holder's
+    ``tier``."""
     params = vllm_params.prefill_params(reuse)
     params.update(mark_params(mark))
     if reuse is not None and read_ms is not None:
         params.update(read_ms_params(read_ms))
     if reuse is not None and generations is not None:
         params.update(generations.to_params())
+    if reuse is not None:
+        params.update(tier_params(tier))
     if pull_options is not None:
         params.update(pull_options.to_params())
     return params
@@ -131,6 +137,8 @@ class PrefillRequest:
     pull_options: PullOptions | None = None
     # The generations the reused retention published for ``reuse``'s blocks (P checks them after the pull).
     generations: BlockGenerations | None = None
+    # Which of the holder's tiers ``reuse``'s blocks are in (kvferry.pd.kvferry_params.PULL_TIERS).
+    tier: str = DEVICE_TIER
     # Served through the chat endpoint (kvferry.pd.chat) instead of as a token-id completion.
     chat: ChatRequest | None = None
     # How P samples its one token: the turn's own settings when that token is the turn's first output
@@ -146,6 +154,7 @@ class PrefillRequest:
             read_ms=self.read_ms,
             pull_options=self.pull_options,
             generations=self.generations,
+            tier=self.tier,
         )
         if self.chat is not None and self.token_ids:
             params[vllm_params.PROMPT_TOKEN_IDS] = list(self.token_ids)

@@ -12,6 +12,8 @@ Wire forms (JSON, inside ``kv_transfer_params``)::
                                           conversation mark when the turn has one)
     the generations of the reused blocks: "kvferry_generations": [4503599627370497, ...]  (beside vLLM's
                                           remote_block_ids, one per block)
+    where the reused blocks are:          "kvferry_tier": "host"  (the holder's host pool; absent: its KV
+                                          cache)
     per-request pull options (tests):     "kvferry_pull": {"coalesce": false, "digest": true}
 """
 
@@ -45,8 +47,11 @@ from typing import Any
 #   6: "kvferry_generations" [int, ...] on a prefill request that pulls a retention: the generations its
 #      record published, one per entry of remote_block_ids; P reads them again from D after the pull and
 #      recomputes on any difference (pull-time fencing). Absent: no check (earlier routers).
+#   7: "kvferry_tier" ("device" or "host") on a prefill request that pulls a retention: which of the holder's
+#      tiers the blocks are in. The pull is the same either way; P keeps its measured pull rate per peer and
+#      tier (the router's cost model reads them). Absent: the KV cache.
 #
-KVFERRY_PARAMS_VERSION: int = 6
+KVFERRY_PARAMS_VERSION: int = 7
 
 # The mark: which conversation a request belongs to, or that nothing will reuse it.
 MARK_KEY = "kvferry"
@@ -64,6 +69,10 @@ LEASE_EXPIRE_KEY = "lease_expire_time"
 PULL_OPTIONS_KEY = "kvferry_pull"
 # The published generations of the blocks a prefill pulls, beside vLLM's remote_block_ids (one per block).
 GENERATIONS_KEY = "kvferry_generations"
+# Where the blocks a prefill pulls are on their holder: one of PULL_TIERS.
+TIER_KEY = "kvferry_tier"
+DEVICE_TIER, HOST_TIER = "device", "host"
+PULL_TIERS = (DEVICE_TIER, HOST_TIER)
 # Generations are below 2**53 so that every JSON parser (IEEE doubles included) carries them exactly.
 MAX_GENERATION = 2**53 - 1
 
@@ -213,3 +222,19 @@ class BlockGenerations:
         ):
             raise ValueError(f"{GENERATIONS_KEY} must be a list of integers in [0, 2**53), got {raw!r:.200}")
         return cls(values=tuple(raw))
+
+
+def tier_params(tier: str) -> dict[str, Any]:
+    """``kv_transfer_params`` saying which of the holder's tiers (one of PULL_TIERS) a pull reads; the KV
+    cache, the default, is not written (engines before version 7 see the same params as before)."""
+    if tier not in PULL_TIERS:
+        raise ValueError(f"{TIER_KEY} must be one of {PULL_TIERS}, got {tier!r:.100}")
+    return {} if tier == DEVICE_TIER else {TIER_KEY: tier}
+
+
+def tier_from_params(params: Mapping[str, Any] | None) -> str:
+    """The tier a pull reads (DEVICE_TIER when not said). Raises ValueError when malformed."""
+    raw = (params or {}).get(TIER_KEY, DEVICE_TIER)
+    if raw not in PULL_TIERS:
+        raise ValueError(f"{TIER_KEY} must be one of {PULL_TIERS}, got {raw!r:.100}")
+    return str(raw)

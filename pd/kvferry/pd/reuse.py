@@ -25,13 +25,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvferry.pd.kvferry_params import BlockGenerations
+from kvferry.pd.kvferry_params import DEVICE_TIER, HOST_TIER, BlockGenerations
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 
 # Recommended read window (seconds): half the connector's default release_grace_seconds (30).
 DEFAULT_READ_WINDOW_SECONDS = 10.0
 # A read window is safely under a release grace when it is at most this share of it (module docs).
 READ_WINDOW_SHARE_OF_GRACE = 0.5
+# kvferry.v1.MEMORY_TIER_HOST: the holder's host pool (this floor does not import the API's types).
+MEMORY_TIER_HOST = 2
 
 
 def max_read_window(release_grace_seconds: float) -> float:
@@ -161,6 +163,11 @@ class RetainedKv:
             port=self.nixl_port,
             num_tokens=num_tokens,
         )
+
+    @property
+    def pull_tier(self) -> str:
+        """Which of the holder's tiers a pull of these blocks reads (kvferry.pd.kvferry_params.PULL_TIERS)."""
+        return HOST_TIER if self.tier == MEMORY_TIER_HOST else DEVICE_TIER
 
     def prefix_generations(self, num_tokens: int) -> BlockGenerations | None:
         """The published generations of :meth:`prefix`'s blocks (None when the holder published none: the

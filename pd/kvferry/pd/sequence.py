@@ -45,7 +45,7 @@ from kvferry.pd.engine_api import (
     Sampling,
     Usage,
 )
-from kvferry.pd.kvferry_params import BlockGenerations, ConversationMark, Mark, PullOptions
+from kvferry.pd.kvferry_params import DEVICE_TIER, BlockGenerations, ConversationMark, Mark, PullOptions
 from kvferry.pd.reuse import ReadWindow
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 
@@ -60,6 +60,8 @@ class Pull:
     window: ReadWindow | None = None
     # The generations the retention published for ``blocks`` (P checks them after pulling; None: no check).
     generations: BlockGenerations | None = None
+    # Which of the holder's tiers ``blocks`` are in (kvferry.pd.kvferry_params.PULL_TIERS).
+    tier: str = DEVICE_TIER
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,7 @@ async def prefill(
             pull_options=turn.pull_options,
             chat=turn.chat,
             generations=pull.generations if pull is not None else None,
+            tier=pull.tier if pull is not None else DEVICE_TIER,
             sampling=turn.sampling if sample else None,
         )
     )

@@ -150,6 +150,10 @@ def engine_stats(stats: resources.EngineStats, name: str) -> None:
     ]
     for index, rate in enumerate(stats.peer_pull_rates):
         require_id(f"{name}.peer_pull_rates[{index}].peer_engine_id", rate.peer_engine_id)
+        if rate.tier not in resources.MemoryTier.values():
+            raise InvalidArgument(
+                f"{name}.peer_pull_rates[{index}].tier is {rate.tier}, not a MemoryTier; use {_TIERS}"
+            )
         figures += [
             (f"peer_pull_rates[{index}].bytes_per_second", rate.bytes_per_second),
             (f"peer_pull_rates[{index}].pulls", rate.pulls),

@@ -22,8 +22,16 @@ class EngineStats:
     kv_bytes_per_token: int = 0
     inflight_prefill_tokens: int = 0
     running_requests: int = 0
-    # Pull throughput this engine measured reading from each peer engine, bytes per second.
+    # Pull throughput this engine measured reading from each peer engine's KV cache, bytes per second.
     peer_pull_rates: Mapping[str, float] = field(default_factory=dict)
+    # The same from each peer's host pool (a tier of its own transport: host memory into the GPU).
+    host_pool_pull_rates: Mapping[str, float] = field(default_factory=dict)
+
+    def pull_rate(self, peer_engine_id: str, tier: int) -> float:
+        """Bytes per second measured reading ``peer_engine_id``'s ``tier`` (a ``resources_pb2.MemoryTier``);
+        0: not measured yet (the cost model's profile then stands in, until the first pull measures it)."""
+        rates = self.host_pool_pull_rates if tier == resources_pb2.MEMORY_TIER_HOST else self.peer_pull_rates
+        return rates.get(peer_engine_id, 0.0)
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,16 @@ class EngineInfo:
                 kv_bytes_per_token=s.kv_bytes_per_token,
                 inflight_prefill_tokens=s.inflight_prefill_tokens,
                 running_requests=s.running_requests,
-                peer_pull_rates={p.peer_engine_id: p.bytes_per_second for p in s.peer_pull_rates},
+                peer_pull_rates={
+                    p.peer_engine_id: p.bytes_per_second
+                    for p in s.peer_pull_rates
+                    if p.tier != resources_pb2.MEMORY_TIER_HOST
+                },
+                host_pool_pull_rates={
+                    p.peer_engine_id: p.bytes_per_second
+                    for p in s.peer_pull_rates
+                    if p.tier == resources_pb2.MEMORY_TIER_HOST
+                },
             ),
             release_grace_seconds=engine.release_grace_seconds,
         )

@@ -127,6 +127,7 @@ def plan_turn(
             window=window,
             # P checks them after pulling: blocks D freed meanwhile cost a recompute, not a wrong answer.
             generations=retained.prefix_generations(choice.pull_tokens),
+            tier=retained.pull_tier,
         )
     return TurnPlan(prefill=prefill, decode=decode, holder=holder, match=match, choice=choice, pull=pull)
 
@@ -201,7 +202,7 @@ def _choose(
         lease_seconds_left=read_seconds_left,
         rates=RateInputs(
             prefill_tokens_per_second=prefill.stats.prefill_tokens_per_second,
-            pull_bytes_per_second=prefill.stats.peer_pull_rates.get(holder.engine_id, 0.0),
+            pull_bytes_per_second=prefill.stats.pull_rate(holder.engine_id, retention.tier),
             kv_bytes_per_token=prefill.stats.kv_bytes_per_token or holder.stats.kv_bytes_per_token,
             run_blocks=mean_run_blocks(retention.block_ids[: match.blocks]),
         ),

@@ -454,9 +454,11 @@ class EngineRegistration:
         self._on_change()
 
 
-def _decision_rates(stats: resources_pb2.EngineStats | None) -> tuple[float, tuple[tuple[str, float], ...]]:
+def _decision_rates(
+    stats: resources_pb2.EngineStats | None,
+) -> tuple[float, tuple[tuple[str, int, float], ...]]:
     """The rates the router's pull-or-recompute choice reads."""
     if stats is None:
         return 0.0, ()
-    peers = tuple((p.peer_engine_id, p.bytes_per_second) for p in stats.peer_pull_rates)
+    peers = tuple((p.peer_engine_id, p.tier, p.bytes_per_second) for p in stats.peer_pull_rates)
     return stats.prefill_tokens_per_second, peers

@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvferry/v1/resources.proto\x12\nkvferry.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xce\x02\n\x0b\x45ngineStats\x12!\n\x19prefill_tokens_per_second\x18\x01 \x01(\x01\x12!\n\x19transfer_bytes_per_second\x18\x02 \x01(\x01\x12\x1a\n\x12kv_bytes_per_token\x18\x03 \x01(\x03\x12\x1f\n\x17inflight_prefill_tokens\x18\x04 \x01(\x03\x12\x18\n\x10running_requests\x18\x05 \x01(\x03\x12\x17\n\x0fretained_blocks\x18\x06 \x01(\x03\x12\x1b\n\x13pulled_tokens_total\x18\x07 \x01(\x03\x12\x1d\n\x15\x63omputed_tokens_total\x18\x08 \x01(\x03\x12\x1a\n\x12\x66\x65nced_pulls_total\x18\t \x01(\x03\x12\x31\n\x0fpeer_pull_rates\x18\n \x03(\x0b\x32\x18.kvferry.v1.PeerPullRate\"O\n\x0cPeerPullRate\x12\x16\n\x0epeer_engine_id\x18\x01 \x01(\t\x12\x18\n\x10\x62ytes_per_second\x18\x02 \x01(\x01\x12\r\n\x05pulls\x18\x03 \x01(\x03\"\xfb\x02\n\x06\x45ngine\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12$\n\x04role\x18\x03 \x01(\x0e\x32\x16.kvferry.v1.EngineRole\x12\x15\n\rhttp_endpoint\x18\x04 \x01(\t\x12\x11\n\tnixl_host\x18\x05 \x01(\t\x12\x11\n\tnixl_port\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1d\n\x15kv_compatibility_hash\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x1a\n\x12kv_capacity_blocks\x18\n \x01(\x03\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\x12&\n\x05stats\x18\x0c \x01(\x0b\x32\x17.kvferry.v1.EngineStats\x12\x31\n\rregister_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1d\n\x15release_grace_seconds\x18\x0e \x01(\x01\"\x9a\x03\n\tRetention\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x19\n\x11\x65ngine_request_id\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\x03\x12\x12\n\nnum_tokens\x18\x07 \x01(\x03\x12\x15\n\rblock_digests\x18\x08 \x03(\x0c\x12\x0c\n\x04turn\x18\t \x01(\x03\x12\x13\n\x0bttl_seconds\x18\n \x01(\x03\x12/\n\x0b\x65xpire_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0cpublish_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11\x62lock_generations\x18\r \x03(\x04\x12$\n\x04tier\x18\x0e \x01(\x0e\x32\x16.kvferry.v1.MemoryTier\x12#\n\x1brelocates_engine_request_id\x18\x0f \x01(\t\"\x8a\x01\n\x0bRunningTurn\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06holder\x18\x04 \x01(\t\x12.\n\nstart_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\"\n\x0eResponseHeader\x12\x10\n\x08revision\x18\x01 \x01(\x03*p\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02\x12\x14\n\x10\x45NGINE_ROLE_BOTH\x10\x03*\xe0\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16RELEASE_REASON_EXPIRED\x10\x01\x12\x1b\n\x17RELEASE_REASON_RELEASED\x10\x02\x12\x1d\n\x19RELEASE_REASON_SUPERSEDED\x10\x03\x12\x1e\n\x1aRELEASE_REASON_ENGINE_GONE\x10\x04\x12\x1a\n\x16RELEASE_REASON_EVICTED\x10\x05\x12\x1b\n\x17RELEASE_REASON_HARD_CAP\x10\x06*W\n\nMemoryTier\x12\x1b\n\x17MEMORY_TIER_UNSPECIFIED\x10\x00\x12\x16\n\x12MEMORY_TIER_DEVICE\x10\x01\x12\x14\n\x10MEMORY_TIER_HOST\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvferry/v1/resources.proto\x12\nkvferry.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xce\x02\n\x0b\x45ngineStats\x12!\n\x19prefill_tokens_per_second\x18\x01 \x01(\x01\x12!\n\x19transfer_bytes_per_second\x18\x02 \x01(\x01\x12\x1a\n\x12kv_bytes_per_token\x18\x03 \x01(\x03\x12\x1f\n\x17inflight_prefill_tokens\x18\x04 \x01(\x03\x12\x18\n\x10running_requests\x18\x05 \x01(\x03\x12\x17\n\x0fretained_blocks\x18\x06 \x01(\x03\x12\x1b\n\x13pulled_tokens_total\x18\x07 \x01(\x03\x12\x1d\n\x15\x63omputed_tokens_total\x18\x08 \x01(\x03\x12\x1a\n\x12\x66\x65nced_pulls_total\x18\t \x01(\x03\x12\x31\n\x0fpeer_pull_rates\x18\n \x03(\x0b\x32\x18.kvferry.v1.PeerPullRate\"u\n\x0cPeerPullRate\x12\x16\n\x0epeer_engine_id\x18\x01 \x01(\t\x12\x18\n\x10\x62ytes_per_second\x18\x02 \x01(\x01\x12\r\n\x05pulls\x18\x03 \x01(\x03\x12$\n\x04tier\x18\x04 \x01(\x0e\x32\x16.kvferry.v1.MemoryTier\"\xfb\x02\n\x06\x45ngine\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12$\n\x04role\x18\x03 \x01(\x0e\x32\x16.kvferry.v1.EngineRole\x12\x15\n\rhttp_endpoint\x18\x04 \x01(\t\x12\x11\n\tnixl_host\x18\x05 \x01(\t\x12\x11\n\tnixl_port\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1d\n\x15kv_compatibility_hash\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x1a\n\x12kv_capacity_blocks\x18\n \x01(\x03\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\x12&\n\x05stats\x18\x0c \x01(\x0b\x32\x17.kvferry.v1.EngineStats\x12\x31\n\rregister_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1d\n\x15release_grace_seconds\x18\x0e \x01(\x01\"\x9a\x03\n\tRetention\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x19\n\x11\x65ngine_request_id\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\x03\x12\x12\n\nnum_tokens\x18\x07 \x01(\x03\x12\x15\n\rblock_digests\x18\x08 \x03(\x0c\x12\x0c\n\x04turn\x18\t \x01(\x03\x12\x13\n\x0bttl_seconds\x18\n \x01(\x03\x12/\n\x0b\x65xpire_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0cpublish_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11\x62lock_generations\x18\r \x03(\x04\x12$\n\x04tier\x18\x0e \x01(\x0e\x32\x16.kvferry.v1.MemoryTier\x12#\n\x1brelocates_engine_request_id\x18\x0f \x01(\t\"\x8a\x01\n\x0bRunningTurn\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06holder\x18\x04 \x01(\t\x12.\n\nstart_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\"\n\x0eResponseHeader\x12\x10\n\x08revision\x18\x01 \x01(\x03*p\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02\x12\x14\n\x10\x45NGINE_ROLE_BOTH\x10\x03*\xe0\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16RELEASE_REASON_EXPIRED\x10\x01\x12\x1b\n\x17RELEASE_REASON_RELEASED\x10\x02\x12\x1d\n\x19RELEASE_REASON_SUPERSEDED\x10\x03\x12\x1e\n\x1aRELEASE_REASON_ENGINE_GONE\x10\x04\x12\x1a\n\x16RELEASE_REASON_EVICTED\x10\x05\x12\x1b\n\x17RELEASE_REASON_HARD_CAP\x10\x06*W\n\nMemoryTier\x12\x1b\n\x17MEMORY_TIER_UNSPECIFIED\x10\x00\x12\x16\n\x12MEMORY_TIER_DEVICE\x10\x01\x12\x14\n\x10MEMORY_TIER_HOST\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvferry.v1.resources_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINEROLE']._serialized_start=1465
-  _globals['_ENGINEROLE']._serialized_end=1577
-  _globals['_RELEASEREASON']._serialized_start=1580
-  _globals['_RELEASEREASON']._serialized_end=1804
-  _globals['_MEMORYTIER']._serialized_start=1806
-  _globals['_MEMORYTIER']._serialized_end=1893
+  _globals['_ENGINEROLE']._serialized_start=1503
+  _globals['_ENGINEROLE']._serialized_end=1615
+  _globals['_RELEASEREASON']._serialized_start=1618
+  _globals['_RELEASEREASON']._serialized_end=1842
+  _globals['_MEMORYTIER']._serialized_start=1844
+  _globals['_MEMORYTIER']._serialized_end=1931
   _globals['_ENGINESTATS']._serialized_start=76
   _globals['_ENGINESTATS']._serialized_end=410
   _globals['_PEERPULLRATE']._serialized_start=412
-  _globals['_PEERPULLRATE']._serialized_end=491
-  _globals['_ENGINE']._serialized_start=494
-  _globals['_ENGINE']._serialized_end=873
-  _globals['_RETENTION']._serialized_start=876
-  _globals['_RETENTION']._serialized_end=1286
-  _globals['_RUNNINGTURN']._serialized_start=1289
-  _globals['_RUNNINGTURN']._serialized_end=1427
-  _globals['_RESPONSEHEADER']._serialized_start=1429
-  _globals['_RESPONSEHEADER']._serialized_end=1463
+  _globals['_PEERPULLRATE']._serialized_end=529
+  _globals['_ENGINE']._serialized_start=532
+  _globals['_ENGINE']._serialized_end=911
+  _globals['_RETENTION']._serialized_start=914
+  _globals['_RETENTION']._serialized_end=1324
+  _globals['_RUNNINGTURN']._serialized_start=1327
+  _globals['_RUNNINGTURN']._serialized_end=1465
+  _globals['_RESPONSEHEADER']._serialized_start=1467
+  _globals['_RESPONSEHEADER']._serialized_end=1501
 # @@protoc_insertion_point(module_scope)

@@ -154,8 +154,8 @@ class EngineStats(_message.Message):
     """
     @_builtins.property
     def peer_pull_rates(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerPullRate]:
-        """KV pull throughput from each engine this one pulled from recently (the transport differs per
-        peer: another GPU over NVLink, the same GPU, another host).
+        """KV pull throughput from each engine this one pulled from recently, one entry per peer and tier (the
+        transport differs per peer: another GPU over NVLink, the same GPU, another host; and per tier).
         """
 
     def __init__(
@@ -189,6 +189,7 @@ class PeerPullRate(_message.Message):
     PEER_ENGINE_ID_FIELD_NUMBER: _builtins.int
     BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
     PULLS_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     peer_engine_id: _builtins.str
     """The engine the KV was read from."""
     bytes_per_second: _builtins.float
@@ -197,16 +198,22 @@ class PeerPullRate(_message.Message):
     """
     pulls: _builtins.int
     """How many pulls the figure covers."""
+    tier: Global___MemoryTier.ValueType
+    """Where on the peer the KV was read from: its KV cache or its host pool (the transports differ: a pull
+    from host memory into a GPU runs at a fraction of a GPU-to-GPU pull). Unspecified: the KV cache (an
+    engine that knows no tiers).
+    """
     def __init__(
         self,
         *,
         peer_engine_id: _builtins.str = ...,
         bytes_per_second: _builtins.float = ...,
         pulls: _builtins.int = ...,
+        tier: Global___MemoryTier.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_second", b"bytes_per_second", "peer_engine_id", b"peer_engine_id", "pulls", b"pulls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_second", b"bytes_per_second", "peer_engine_id", b"peer_engine_id", "pulls", b"pulls", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

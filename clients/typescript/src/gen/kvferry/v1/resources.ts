@@ -206,8 +206,8 @@ export interface EngineStats {
    */
   fencedPullsTotal: bigint;
   /**
-   * KV pull throughput from each engine this one pulled from recently (the transport differs per
-   * peer: another GPU over NVLink, the same GPU, another host).
+   * KV pull throughput from each engine this one pulled from recently, one entry per peer and tier (the
+   * transport differs per peer: another GPU over NVLink, the same GPU, another host; and per tier).
    */
   peerPullRates: PeerPullRate[];
 }
@@ -223,6 +223,12 @@ export interface PeerPullRate {
   bytesPerSecond: number;
   /** How many pulls the figure covers. */
   pulls: bigint;
+  /**
+   * Where on the peer the KV was read from: its KV cache or its host pool (the transports differ: a pull
+   * from host memory into a GPU runs at a fraction of a GPU-to-GPU pull). Unspecified: the KV cache (an
+   * engine that knows no tiers).
+   */
+  tier: MemoryTier;
 }
 
 /** A vLLM engine known to the registry. */
@@ -641,7 +647,7 @@ export const EngineStats: MessageFns<EngineStats> = {
 };
 
 function createBasePeerPullRate(): PeerPullRate {
-  return { peerEngineId: "", bytesPerSecond: 0, pulls: 0n };
+  return { peerEngineId: "", bytesPerSecond: 0, pulls: 0n, tier: 0 };
 }
 
 export const PeerPullRate: MessageFns<PeerPullRate> = {
@@ -657,6 +663,9 @@ export const PeerPullRate: MessageFns<PeerPullRate> = {
         throw new globalThis.Error("value provided for field message.pulls of type int64 too large");
       }
       writer.uint32(24).int64(message.pulls);
+    }
+    if (message.tier !== 0) {
+      writer.uint32(32).int32(message.tier);
     }
     return writer;
   },
@@ -698,6 +707,14 @@ export const PeerPullRate: MessageFns<PeerPullRate> = {
             message.pulls = reader.int64() as bigint;
             continue;
           }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.tier = reader.int32() as any;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -723,6 +740,7 @@ export const PeerPullRate: MessageFns<PeerPullRate> = {
         ? globalThis.Number(object.bytes_per_second)
         : 0,
       pulls: isSet(object.pulls) ? BigInt(object.pulls) : 0n,
+      tier: isSet(object.tier) ? memoryTierFromJSON(object.tier) : 0,
     };
   },
 
@@ -737,6 +755,9 @@ export const PeerPullRate: MessageFns<PeerPullRate> = {
     if (message.pulls !== 0n) {
       obj.pulls = message.pulls.toString();
     }
+    if (message.tier !== 0) {
+      obj.tier = memoryTierToJSON(message.tier);
+    }
     return obj;
   },
 
@@ -748,6 +769,7 @@ export const PeerPullRate: MessageFns<PeerPullRate> = {
     message.peerEngineId = object.peerEngineId ?? "";
     message.bytesPerSecond = object.bytesPerSecond ?? 0;
     message.pulls = (object.pulls !== undefined && object.pulls !== null) ? BigInt(object.pulls) : 0n;
+    message.tier = object.tier ?? 0;
     return message;
   },
 };
