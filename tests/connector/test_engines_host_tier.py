@@ -174,11 +174,7 @@ async def test_an_idle_retention_moves_to_the_host_pool_and_the_next_turn_pulls_
 
     # The KV-cache blocks go back to vLLM once the move was accepted, a grace later.
     def kv_cache_freed() -> list[dict[str, object]]:
-        return [
-            e
-            for e in stack.decode.connector_events("freed retained blocks")
-            if e["request_id"] == first_request
-        ]
+        return [e for e in stack.decode.connector_events(FREED_LOG) if e["request_id"] == first_request]
 
     freed = await eventually(kv_cache_freed, within=ENGINE_SETTINGS.release_grace_seconds + 30)
     assert freed[0]["reason"] == "superseded" and freed[0]["confirmed"] is True
@@ -206,9 +202,7 @@ async def test_an_idle_retention_moves_to_the_host_pool_and_the_next_turn_pulls_
     # Turn 2's retention supersedes the pool's: its slots go back (and their generations move on).
     def pool_freed() -> list[dict[str, object]]:
         return [
-            e
-            for e in stack.decode.connector_events("freed retained blocks")
-            if e["request_id"] == record.engine_request_id
+            e for e in stack.decode.connector_events(FREED_LOG) if e["request_id"] == record.engine_request_id
         ]
 
     freed_pool = await eventually(pool_freed, within=ENGINE_SETTINGS.release_grace_seconds + 30)

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvferry.connector.logs import FREED_LOG
+
 if TYPE_CHECKING:
     from kvferry.stack.engine import ConnectorKind
 
@@ -207,7 +209,7 @@ def _window(connector: str, phase: str, engines: tuple[Any, ...], args: argparse
 
 def _count_frees(engine: Any) -> int:
     try:
-        return int(engine.log_path.read_text(errors="replace").count('"msg": "freed retained blocks"'))
+        return int(engine.log_path.read_text(errors="replace").count(f'"msg": "{FREED_LOG}"'))
     except OSError:
         return 0
 

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvferry.connector.logs import FREED_LOG, RETAINED_LOG
+
 
 def log_events(path: Path) -> Iterator[dict[str, Any]]:
     """The JSON lines of a log file (other lines, e.g. a crash's traceback, are skipped)."""
@@ -101,9 +103,9 @@ def check(
             message = event.get("msg")
             if message == "pool started":
                 freed, live = set(), {}  # a new incarnation: empty memory
-            elif message == "retained":
+            elif message == RETAINED_LOG:
                 live[event["request_id"]] = len(event.get("block_ids", ()))
-            elif message == "freed retained blocks":
+            elif message == FREED_LOG:
                 report.frees += 1
                 reason = str(event.get("reason"))
                 report.frees_by_reason[reason] = report.frees_by_reason.get(reason, 0) + 1

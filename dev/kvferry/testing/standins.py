@@ -44,6 +44,7 @@ import httpx
 import uvicorn
 from kvferry.connector.accounting import Accounting
 from kvferry.connector.keeper import RetentionKeeper
+from kvferry.connector.logs import FREED_LOG, RETAINED_LOG
 from kvferry.connector.read_deadlines import pull_allowed, read_deadline, read_may_start
 from kvferry.connector.retention import RetainedEntry, RetentionTable
 from kvferry.connector.sidecar_link import BackgroundLoop, SidecarLink
@@ -235,7 +236,7 @@ class StandInEngine:
         generations = self.pool.free(entry.block_ids, entry.request_id)
         self.accounting.set_retained_blocks(self.table.held_blocks())
         log.info(
-            "freed retained blocks",
+            FREED_LOG,
             extra={
                 "request_id": entry.request_id,
                 "tenant": entry.tenant,
@@ -518,7 +519,7 @@ class StandInEngine:
         if self.settings.unsafe_free_at_finish:
             self.pool.free(blocks, request_id)
         log.info(
-            "retained",
+            RETAINED_LOG,
             extra={
                 "request_id": request_id,
                 "tenant": mark.tenant,
