@@ -162,6 +162,8 @@ async def test_a_reuse_whose_blocks_d_still_holds_passes_the_fence(engine_pair: 
     line = fence_line(engine_pair.prefill, f"{conversation}-t2")
     assert line["fenced"] is False
     assert line["remote_engine_id"] == engine_pair.decode.engine_id
+    # P and D on one host: P compared D's generations in D's mapped file, no NIXL request.
+    assert line["generations_from"] == "shared memory"
     assert pull.generations is not None
     assert expand_block_runs(line["block_runs"]) == (
         list(pull.blocks.block_ids[0]),

@@ -4,6 +4,7 @@ way the worker's ``_pop_done_transfers`` does. The same path inside real engines
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
@@ -62,7 +63,7 @@ def pair() -> Iterator[Pair]:
     _register(holder_agent, holder)
     _register(reader_agent, reader)
     name = reader_agent.add_remote_agent(holder_agent.get_agent_metadata())  # type: ignore[attr-defined]
-    fence = PullFence(reader_agent, reader, wait_seconds=0.5)
+    fence = PullFence(reader_agent, reader, wait_seconds=0.5, map_same_host=False)
     fence.add_peer(name, holder.describe())
     holder.generations[:] = range(100, 100 + BLOCKS)
     yield Pair(holder, reader, fence, name)
@@ -228,7 +229,9 @@ class _SlowAgent:
 
 
 def test_a_read_not_done_in_time_is_reported_at_a_later_poll(pair: Pair) -> None:
-    slow = PullFence(_SlowAgent(pair.fence._agent, polls=3), pair.reader, wait_seconds=0.0)
+    slow = PullFence(
+        _SlowAgent(pair.fence._agent, polls=3), pair.reader, wait_seconds=0.0, map_same_host=False
+    )
     slow.add_peer(pair.holder_name, pair.holder.describe())
     slow.expect("later", [110, 111])
     pulled = pair.pulled([3, 4], [10, 11])
@@ -252,6 +255,7 @@ def test_a_read_that_never_finishes_fences_at_the_timeout(pair: Pair) -> None:
         wait_seconds=0.0,
         timeout_seconds=5.0,
         clock=lambda: now[0],
+        map_same_host=False,
     )
     stuck.add_peer(pair.holder_name, pair.holder.describe())
     stuck.expect("stuck", [110])
@@ -270,7 +274,7 @@ def test_the_generation_array_rides_in_vllm_s_handshake_payload() -> None:
     from kvferry.connector.generations import GenerationArray
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
 
-    array = GenerationArray(address=0x7F00_0000_1000, num_blocks=64, pid=1234, fd=17)
+    array = GenerationArray(address=0x7F00_0000_1000, num_blocks=64, pid=1234, fd=17, identity=99)
     wire = msgspec.msgpack.Encoder().encode(
         KvferryHandshakePayload("hash", b"agent", kvferry_generations=array)
     )
@@ -354,3 +358,58 @@ def test_a_pull_s_generations_must_fit_its_remote_blocks(generations: object, pr
         params["kvferry_generations"] = generations
     found = _generations_problem(params)
     assert (found is None) if problem is None else (found is not None and problem in found)
+
+
+@pytest.fixture
+def mapped_pair(pair: Pair) -> PullFence:
+    """A reader on the holder's host: it maps the holder's generation file (this process's own, here)."""
+    fence = PullFence(pair.fence._agent, pair.reader, wait_seconds=0.5)
+    fence.add_peer(pair.holder_name, pair.holder.describe())
+    return fence
+
+
+def test_a_holder_on_the_same_host_is_read_through_shared_memory(pair: Pair, mapped_pair: PullFence) -> None:
+    """No NIXL request for the generations (nothing to post); the same verdicts as over NIXL."""
+    remote = [20, 21, 22, 23]
+    mapped_pair.expect("mapped-ok", [100 + b for b in remote])
+    assert mapped_pair.settle({"mapped-ok"}, set(), lambda _: pair.pulled([1, 2, 3, 4], remote)) == (
+        {"mapped-ok"},
+        set(),
+    )
+    verdict = mapped_pair.verdicts[-1]
+    assert verdict.fenced is False
+    assert all(read.handle is None and read.mapped is not None for read in verdict.reads)
+    assert verdict.fields(0.0)["generations_from"] == "shared memory" and verdict.polls == 0
+    # A block the holder freed since the retention was published fences the pull (scattered ids too).
+    remote = [24, 30, 25]
+    mapped_pair.expect("mapped-stale", [100 + b for b in remote])
+    pair.holder.generations[30] += 1
+    try:
+        done, failed = mapped_pair.settle({"mapped-stale"}, set(), lambda _: pair.pulled([5, 6, 7], remote))
+    finally:
+        pair.holder.generations[30] -= 1
+    assert done == failed == {"mapped-stale"}
+    assert mapped_pair.verdicts[-1].read == [124, 131, 125]
+
+
+def test_a_file_that_is_not_the_advertised_one_is_read_over_nixl(pair: Pair) -> None:
+    """The pid and fd may name another file (another process took them): its identity differs, so the
+    reader falls back to NIXL's READ; a holder that advertises no identity (older) is read over NIXL."""
+    array = pair.holder.describe()
+    for advertised in (
+        dataclasses.replace(array, identity=array.identity ^ 1),
+        dataclasses.replace(array, identity=0),
+    ):
+        mapped, why = GenerationFile.map_peer(advertised)
+        assert mapped is None and why
+        fence = PullFence(pair.fence._agent, pair.reader, wait_seconds=0.5)
+        fence.add_peer(pair.holder_name, advertised)
+        fence.expect("fallback", [110, 111])
+        assert fence.settle({"fallback"}, set(), lambda _: pair.pulled([3, 4], [10, 11])) == (
+            {"fallback"},
+            set(),
+        )
+        verdict = fence.verdicts[-1]
+        assert verdict.fenced is False and verdict.fields(0.0)["generations_from"] == "nixl"
+    mapped, why = GenerationFile.map_peer(dataclasses.replace(array, pid=2**22 + 17))
+    assert mapped is None and "/proc/" in why

@@ -155,3 +155,22 @@ def test_counter_is_the_highest_of_the_ranks() -> None:
     finally:
         for f in files:
             f.close()
+
+
+def test_a_peer_on_the_same_host_maps_the_file_read_only_once_its_identity_matches() -> None:
+    from kvferry.connector.generations import IDENTITY
+
+    holder = GenerationFile.create(8)
+    try:
+        array = holder.describe()
+        assert array.identity == int(holder.counters[IDENTITY]) != 0
+        holder.generations[:] = range(50, 58)
+        peer, why = GenerationFile.map_peer(array)
+        assert peer is not None and why == ""
+        assert peer.generations.tolist() == list(range(50, 58))
+        holder.generations[3] += 1  # the holder's bump is seen through the mapping
+        assert int(peer.generations[3]) == 54
+        with pytest.raises(ValueError):
+            peer.generations[0] = 1  # read-only: a reader never writes a holder's generations
+    finally:
+        holder.close()

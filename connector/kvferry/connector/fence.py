@@ -8,15 +8,19 @@ time: the pull is *fenced*: the connector reports it failed through vLLM's own l
 the scheduler recomputes the prompt (``kv_load_failure_policy: "recompute"``). A timing bug anywhere
 upstream then costs a recompute, never a wrong answer.
 
-The generation READ goes to the same NIXL agent(s) the data came from, into this worker's landing
-array at the pulled blocks' local ids. Everything but the read itself is made ready while the data is
-still in flight (:meth:`PullFence.prepare`, right after vLLM posted the data READ): the block id arrays,
-the expected generations and NIXL's transfer request, built by index from descriptor lists prepared once
-(one 8-byte descriptor per block: the landing array at start, each holder's generation array at its
-handshake; NIXL merges runs of ids consecutive on both sides into one descriptor). When vLLM sees the
-data done, what is left is posting that request, waiting for it briefly (``wait_seconds``, spinning on
-NIXL's status, which also drives its progress; a READ that takes longer is checked again at the next
-poll) and comparing. The read is posted only then: it must start after the data READ completed.
+A holder on the same host (its generation file mappable through ``/proc``, its identity checked:
+:meth:`GenerationFile.map_peer`) is not asked over NIXL: its generations are compared where they are,
+read-only, once the data READ completed, with nothing to post (on one GPU, posting the generation READ
+was most of the fence's ~0.1 ms). Otherwise the generation READ goes to the same NIXL agent(s) the data
+came from, into this worker's landing array at the pulled blocks' local ids. Everything but the read
+itself is made ready while the data is still in flight (:meth:`PullFence.prepare`, right after vLLM
+posted the data READ): the block id arrays, the expected generations and NIXL's transfer request, built
+by index from descriptor lists prepared once (one 8-byte descriptor per block: the landing array at
+start, each holder's generation array at its handshake; NIXL merges runs of ids consecutive on both
+sides into one descriptor). When vLLM sees the data done, what is left is posting that request, waiting
+for it briefly (``wait_seconds``, spinning on NIXL's status, which also drives its progress; a READ that
+takes longer is checked again at the next poll) and comparing. The read is posted only then: it must
+start after the data READ completed.
 
 Each checked pull is logged as one ``kv pull fence`` line (:data:`PULL_FENCE_LOG`), its blocks and
 expected generations as runs (:func:`block_generation_runs`), for an oracle to read beside the holder's
@@ -53,6 +57,7 @@ _MAX_EXPECTATIONS = 4096
 _MAX_SPENT = 16
 # How vLLM's and NIXL's Python API name the local side of a prepared descriptor list.
 _LOCAL_SIDE = "NIXL_INIT_AGENT"
+_CHANGED = "generations changed: the holder freed blocks since the retention was published"
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class _Read:
     agent_name: str | bytes
     handle: Any = None
     done: bool = False
+    # The holder's generations mapped on this host: compared in place, no NIXL request.
+    mapped: npt.NDArray[np.uint64] | None = None
 
 
 @dataclass
@@ -81,6 +88,8 @@ class _Peer:
     array: GenerationArray | None
     descriptors: Any = None
     problem: str | None = None
+    # The holder's file, mapped read-only when it runs on this host (no descriptors then).
+    mapped: GenerationFile | None = None
 
 
 @dataclass
@@ -92,8 +101,9 @@ class FenceCheck:
     pulled: PulledBlocks
     expected: npt.NDArray[np.uint64]
     prepared: float
-    # The pulled blocks' local ids (converted once: a pull lists hundreds of blocks).
+    # The pulled blocks' local and remote ids (converted once: a pull lists hundreds of blocks).
     local_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    remote_ids: slice | npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # Where their generations land in the landing array (a slice when the ids are one run, no copy)
     # and the expected generations' bytes: set at prepare, so that the verdict is one byte comparison.
     landed_at: slice | npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -137,6 +147,7 @@ class FenceCheck:
             if self.posted is not None and self.started is not None
             else 0.0,
             "polls": self.polls,
+            "generations_from": "shared memory" if any(r.mapped is not None for r in self.reads) else "nixl",
             "unix_time": unix_time,
         }
         if self.fenced:
@@ -187,7 +198,8 @@ class PullFence:
     ``agent`` is the worker's own NIXL agent (not vLLM's wrapped one: these READs are not KV and
     must not be coalesced or counted as pulls); ``file`` is this worker's generation file, whose
     ``landing`` array receives the holders' generations and whose counters the scheduler reports.
-    The file must be registered with ``agent`` before the first peer is added.
+    The file must be registered with ``agent`` before the first peer is added. ``map_same_host``: holders
+    on this host are read through their mapped file (False: always over NIXL).
     """
 
     def __init__(
@@ -198,8 +210,10 @@ class PullFence:
         wait_seconds: float,
         timeout_seconds: float = 10.0,
         clock: Callable[[], float] = time.perf_counter,
+        map_same_host: bool = True,
     ) -> None:
         self._agent = agent
+        self.map_same_host = map_same_host
         self._file = file
         self.wait_seconds = wait_seconds
         self.timeout_seconds = timeout_seconds
@@ -226,6 +240,16 @@ class PullFence:
         self._peers[agent_name] = peer
         if array is None:
             return
+        if self.map_same_host:
+            peer.mapped, why_not = GenerationFile.map_peer(array)
+            logger.info(
+                "reading a holder's generations from shared memory (same host)"
+                if peer.mapped is not None
+                else "reading a holder's generations over NIXL",
+                extra={"agent": str(agent_name), **({"why": why_not} if why_not else {})},
+            )
+            if peer.mapped is not None:
+                return
         try:
             if self._landing is None:
                 self._landing = self._agent.prep_xfer_dlist(
@@ -358,11 +382,8 @@ class PullFence:
         if local_ids.min() < 0 or local_ids.max() >= self._file.num_blocks:
             check.fail(f"local block ids outside this worker's {self._file.num_blocks} blocks")
             return
-        first, count = int(local_ids[0]), len(local_ids)
-        if count == 1 or (int(local_ids[-1]) - first == count - 1 and bool((np.diff(local_ids) == 1).all())):
-            check.landed_at = slice(first, first + count)
-        else:
-            check.landed_at = local_ids
+        check.landed_at = _as_run(local_ids)
+        check.remote_ids = _as_run(remote_ids)
         check.expected_bytes = check.expected.astype(self._file.landing.dtype).tobytes()
         local_index = local_ids.astype(np.int32)
         remote_index = remote_ids.astype(np.int32)
@@ -373,11 +394,14 @@ class PullFence:
             if peer is None or peer.array is None:
                 check.fail("the holder advertised no generation array (fencing off, or not kvferry's)")
                 return
-            if peer.descriptors is None:
-                check.fail(peer.problem or "the holder's generation descriptors are not prepared")
-                return
             if remote_ids.max() >= peer.array.num_blocks or remote_ids.min() < 0:
                 check.fail(f"remote block ids outside the holder's {peer.array.num_blocks} blocks")
+                return
+            if peer.mapped is not None:
+                read.mapped = peer.mapped.generations
+                continue
+            if peer.descriptors is None:
+                check.fail(peer.problem or "the holder's generation descriptors are not prepared")
                 return
             try:
                 read.handle = self._agent.make_prepped_xfer(
@@ -393,6 +417,8 @@ class PullFence:
         if check.fenced is not None:
             return
         for read in check.reads:
+            if read.mapped is not None:
+                continue  # compared in place once polled
             try:
                 state = self._agent.transfer(read.handle)
             except Exception as error:
@@ -419,6 +445,16 @@ class PullFence:
         for read in check.reads:
             if read.done:
                 continue
+            if read.mapped is not None:
+                # The data READ is done (this runs after it was seen done): a block the holder freed since
+                # the retention was published shows its bumped generation here.
+                read.done = True
+                found = read.mapped[check.remote_ids]
+                if found.tobytes() != check.expected_bytes:
+                    check.read = found.tolist()
+                    check.fail(_CHANGED)
+                    return
+                continue
             check.polls += 1
             try:
                 state = self._agent.check_xfer_state(read.handle)
@@ -437,12 +473,15 @@ class PullFence:
                 self._release_all(check)
                 return
         # Every holder agent answered: compare what landed with what the retention published.
+        if all(read.mapped is not None for read in check.reads):
+            check.fenced = False
+            return
         landed = self._file.landing[check.landed_at]
         if landed.tobytes() == check.expected_bytes:
             check.fenced = False
         else:
             check.read = landed.tolist()
-            check.fail("generations changed: the holder freed blocks since the retention was published")
+            check.fail(_CHANGED)
 
     def _release_spent(self) -> None:
         spent, self._spent = self._spent, []
@@ -490,6 +529,14 @@ class PullFence:
 
     def pending(self) -> Iterable[str]:
         return list(self._pending)
+
+
+def _as_run(ids: npt.NDArray[np.int64]) -> slice | npt.NDArray[np.int64]:
+    """``ids`` as a slice when they are one run of consecutive ids (indexing then copies nothing)."""
+    first, count = int(ids[0]), len(ids)
+    if count == 1 or (int(ids[-1]) - first == count - 1 and bool((np.diff(ids) == 1).all())):
+        return slice(first, first + count)
+    return ids
 
 
 def _block_rows(address: int, num_blocks: int, device_id: int) -> npt.NDArray[np.uint64]:

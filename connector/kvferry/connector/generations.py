@@ -16,12 +16,15 @@ out as three arrays of uint64::
   moment a block returns to the pool, and read remotely over NIXL by prefill engines.
 - ``landing``: where this worker's own fence READs put the holder's generations, one slot per local
   block id (a pulled block lands in one local block, so concurrent pulls never share a slot).
-- ``counters``: the worker's fence counters, read by the scheduler for the engine's stats.
+- ``counters``: the worker's fence counters, read by the scheduler for the engine's stats; the last
+  slot holds the file's identity, a random number peers compare before they trust a mapping of it.
 
 Why host memory, even on GPU engines: the scheduler (a CPU process) must make a bump visible
 before it returns the block, with a plain store and no kernel launch or copy; NIXL's backends READ
 host memory from any peer (UCX over RDMA or TCP, shared memory on one host); and the file is a few
-bytes per block, so reading it costs one small transfer per run of blocks.
+bytes per block, so reading it costs one small transfer per run of blocks. A prefill engine on the
+same host maps a holder's file read-only instead (:meth:`GenerationFile.map_peer`) and compares the
+generations in place: no NIXL request to post (its fixed cost, ~0.1 ms, was most of a fence on one GPU).
 
 Why a memfd: vLLM runs the scheduler and the workers in different processes; the worker creates
 the file and registers it with its NIXL agent before the handshake metadata is built (so peers can
@@ -50,6 +53,9 @@ COUNTER_SLOTS = 8
 FENCED_PULLS, CHECKED_PULLS = 0, 1
 # The sequence number of the last host-tier demotion the worker copied (kvferry.connector.host_tier).
 DEMOTED = 2
+# The file's identity (random, never 0): a peer that mapped a file through /proc checks it is the one the
+# holder advertised, not another process's that took the same pid and fd.
+IDENTITY = COUNTER_SLOTS - 1
 # Generations start at a random base per engine incarnation, so a record from an engine that
 # restarted never matches the new one's blocks. Below 2**52 (plus bumps) they stay exact in JSON
 # numbers of any client (IEEE doubles), which carry them to the prefill engine.
@@ -65,7 +71,8 @@ class GenerationArray:
     """Where a worker's generations are: what it tells its scheduler and its peers (handshake).
 
     ``address``/``device_id`` locate the generations in the worker's NIXL registration (DRAM);
-    ``pid``/``fd`` let the engine's own scheduler map the same file.
+    ``pid``/``fd`` let the engine's own scheduler, and peers on the same host, map the same file, whose
+    ``identity`` they check (0: not advertised, an older holder: peers read over NIXL).
     """
 
     address: int
@@ -73,6 +80,7 @@ class GenerationArray:
     pid: int
     fd: int
     device_id: int = 0
+    identity: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -82,13 +90,14 @@ class GenerationArray:
 class GenerationFile:
     """One worker's shared generation file (see the module doc), created or attached."""
 
-    def __init__(self, fd: int, num_blocks: int, *, owner: bool) -> None:
+    def __init__(self, fd: int, num_blocks: int, *, owner: bool, writable: bool = True) -> None:
         if num_blocks <= 0:
             raise GenerationError(f"a generation file needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self._fd = fd
         self._owner = owner
-        self._map = mmap.mmap(fd, self.file_bytes(num_blocks))
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        self._map = mmap.mmap(fd, self.file_bytes(num_blocks), access=access)
         words: Generations = np.frombuffer(self._map, dtype=np.uint64)
         self.generations: Generations = words[:num_blocks]
         self.landing: Generations = words[num_blocks : 2 * num_blocks]
@@ -103,10 +112,39 @@ class GenerationFile:
         fd = os.memfd_create("kvferry-generations", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, cls.file_bytes(num_blocks))
-            return cls(fd, num_blocks, owner=True)
+            file = cls(fd, num_blocks, owner=True)
         except BaseException:
             os.close(fd)
             raise
+        file.counters[IDENTITY] = np.uint64(secrets.randbits(63) | 1)
+        return file
+
+    @classmethod
+    def map_peer(cls, array: GenerationArray) -> tuple[GenerationFile | None, str]:
+        """A holder's file mapped read-only, when the holder runs on this host and lets this process open
+        its ``/proc/<pid>/fd`` (same user, same pid namespace); else None. With why, for the log."""
+        if not array.identity:
+            return None, "the holder advertises no file identity"
+        path = f"/proc/{array.pid}/fd/{array.fd}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as error:
+            return None, f"{path}: {error.strerror}"
+        try:
+            if os.fstat(fd).st_size < cls.file_bytes(array.num_blocks):
+                raise GenerationError(f"{path} is smaller than {array.num_blocks} blocks' generations")
+            file = cls(fd, array.num_blocks, owner=False, writable=False)
+        except (OSError, ValueError, GenerationError) as error:
+            os.close(fd)
+            return None, f"{path}: {error}"
+        if int(file.counters[IDENTITY]) != array.identity:
+            file.close()
+            return None, f"{path} is another file (identity differs)"
+        # The map keeps the pages: no descriptor stays open, and the map goes with its last view (a
+        # reader's verdicts may hold some after the holder is gone).
+        os.close(fd)
+        file._fd = -1
+        return file, ""
 
     @classmethod
     def attach(cls, array: GenerationArray) -> GenerationFile:
@@ -132,6 +170,7 @@ class GenerationFile:
             num_blocks=self.num_blocks,
             pid=os.getpid(),
             fd=self._fd,
+            identity=int(self.counters[IDENTITY]),
         )
 
     def registration(self) -> tuple[int, int]:
@@ -144,7 +183,8 @@ class GenerationFile:
         try:
             self._map.close()
         finally:
-            os.close(self._fd)
+            if self._fd >= 0:
+                os.close(self._fd)
 
 
 class GenerationBook:

@@ -9,7 +9,9 @@ progress thread sleeping ``--holder-progress-delay-us`` between polls, as kvferr
 registered beside them. Each run, the reader does what the connector's worker does for one pull:
 posts the data READ of ``--prompt-tokens`` tokens (one descriptor per region, as coalesced pulls are
 posted), prepares the fence check (``PullFence.prepare``), spins until the data is DONE, then settles
-the check (``PullFence.settle``: posts the generation READ, waits for it, compares, logs). Prints per
+the check (``PullFence.settle``: compares the holder's generations in its file, mapped since both run
+on this host, as a prefill engine on its holder's host does; with ``--generations-over-nixl``, posts the
+generation READ, waits for it and compares, as across hosts; then logs). Prints per
 run the pull (posting to DONE), the fence (``fence_ms``: from the data done to the verdict), the
 whole ``settle`` call (the fence plus its JSON log line), the preparation done while the data was in
 flight, and the NIXL calls inside the fence; then the medians. The target (issue 13): fence at most
@@ -82,6 +84,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--holder-progress-delay-us", type=int, default=None, help="default: kvferry's nixl_progress_delay_us"
     )
+    parser.add_argument(
+        "--generations-over-nixl",
+        action="store_true",
+        help="READ the holder's generations over NIXL even though it runs on this host (default: compare "
+        "them in its mapped file, as a prefill engine on the holder's host does)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         f"{blocks} blocks ({blocks * BLOCK_TOKENS} tokens, "
         f"{blocks * region_block_bytes * 2 * layers / 2**20:.1f} MiB) a pull, "
         f"holder progress delay {delay_us} us, fence_wait_us {wait_us}, generations change every "
-        f"{args.generation_run_blocks} blocks; "
+        f"{args.generation_run_blocks} blocks, generations read "
+        f"{'over NIXL' if args.generations_over_nixl else 'in the mapped file'}; "
         f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}",
         flush=True,
     )
@@ -138,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             wait_us / 1e6,
             max(1, args.generation_run_blocks),
             args.prepare_at_done,
+            not args.generations_over_nixl,
         )
     finally:
         here.close()
@@ -281,6 +291,7 @@ def _reader(
     wait_seconds: float,
     run_blocks: int,
     prepare_at_done: bool,
+    map_same_host: bool,
 ) -> list[NixlFenceRun]:
     from kvferry.connector.fence import PulledBlocks, PullFence
     from kvferry.connector.logs import hand_over_held
@@ -290,7 +301,7 @@ def _reader(
     metadata, array, holder_regions = conn.recv()
     holder = side.agent.add_remote_agent(metadata)
     agent = _TimedAgent(side.agent)
-    fence = PullFence(agent, side.file, wait_seconds=wait_seconds)
+    fence = PullFence(agent, side.file, wait_seconds=wait_seconds, map_same_host=map_same_host)
     fence.add_peer(holder, array)
     # Two warm-ups: the first READ between two agents also connects them.
     results: list[NixlFenceRun] = []
