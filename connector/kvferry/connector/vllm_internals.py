@@ -149,16 +149,7 @@ def check_vllm() -> str:
         missing.append("NixlPullConnectorScheduler.set_xfer_handshake_metadata")
     missing += [
         f"NixlBaseConnectorWorker.{n}"
-        for n in (
-            "_recving_metadata",
-            "_remote_agents",
-            "xfer_handshake_metadata",
-            # The host tier (module doc, 10).
-            "dst_xfer_side_handles",
-            "dst_num_blocks",
-            "dst_region_num_blocks",
-            "dst_region_mem_types",
-        )
+        for n in ("_recving_metadata", "_remote_agents", "xfer_handshake_metadata")
         if n not in worker_source
     ]
     if missing:
@@ -486,6 +477,24 @@ def with_fresh_agent_metadata(agent_metadata_bytes: bytes, agent_metadata: bytes
     decoded = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(agent_metadata_bytes)
     decoded.agent_metadata = agent_metadata
     return bytes(msgspec.msgpack.Encoder().encode(decoded))
+
+
+# What the host tier reads and replaces in vLLM's worker (module doc, 10): checked only where a host pool is
+# made or read, so an engine without one runs on a vLLM that lacks them (the GPU tools' vLLM 0.25 does).
+_HOST_TIER_WORKER_STATE = (
+    "dst_xfer_side_handles",
+    "dst_num_blocks",
+    "dst_region_num_blocks",
+    "dst_region_mem_types",
+)
+
+
+def missing_host_tier_internals() -> list[str]:
+    """The worker state the host tier needs that this vLLM lacks (empty: it has all of it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+
+    source = inspect.getsource(NixlPullConnectorWorker.__mro__[1].__init__)
+    return [f"NixlBaseConnectorWorker.{n}" for n in _HOST_TIER_WORKER_STATE if n not in source]
 
 
 def holder_blocks(worker: Any, engine_id: str, tp_rank: int) -> tuple[Any, list[int], str]:
