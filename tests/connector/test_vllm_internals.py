@@ -20,10 +20,14 @@ def test_the_installed_vllm_has_every_internal_the_connector_uses() -> None:
 def test_the_host_tiers_internals_are_checked_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """The installed vLLM has them; one that lacks them (the GPU tools' vLLM 0.25) still passes check_vllm,
     and only an engine that makes or reads a host pool is told what is missing."""
-    assert vi.missing_host_tier_internals() == []
+    assert vi.missing_host_tier_internals() == ()
     monkeypatch.setattr(vi, "_HOST_TIER_WORKER_STATE", ("dst_region_num_blocks", "dst_region_gone"))
-    assert vi.missing_host_tier_internals() == ["NixlBaseConnectorWorker.dst_region_gone"]
-    vi.check_vllm()
+    vi.missing_host_tier_internals.cache_clear()
+    try:
+        assert vi.missing_host_tier_internals() == ("NixlBaseConnectorWorker.dst_region_gone",)
+        vi.check_vllm()
+    finally:
+        vi.missing_host_tier_internals.cache_clear()
 
 
 def test_version_parsing() -> None:

@@ -62,6 +62,7 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import queue
@@ -489,12 +490,14 @@ _HOST_TIER_WORKER_STATE = (
 )
 
 
-def missing_host_tier_internals() -> list[str]:
-    """The worker state the host tier needs that this vLLM lacks (empty: it has all of it)."""
+@functools.cache
+def missing_host_tier_internals() -> tuple[str, ...]:
+    """The worker state the host tier needs that this vLLM lacks (empty: it has all of it). Read once per
+    process (vLLM's source file; asked at start and at every handshake with a holder that has a pool)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
 
     source = inspect.getsource(NixlPullConnectorWorker.__mro__[1].__init__)
-    return [f"NixlBaseConnectorWorker.{n}" for n in _HOST_TIER_WORKER_STATE if n not in source]
+    return tuple(f"NixlBaseConnectorWorker.{n}" for n in _HOST_TIER_WORKER_STATE if n not in source)
 
 
 def holder_blocks(worker: Any, engine_id: str, tp_rank: int) -> tuple[Any, list[int], str]:
