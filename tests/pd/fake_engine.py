@@ -47,6 +47,9 @@ class FakeEngine:
     pull_declined: bool = False
     report_cached_tokens: bool = True
     stall: asyncio.Event | None = None
+    # Prefills wait for it before answering; those cancelled meanwhile are listed (vLLM aborts them).
+    prefill_gate: asyncio.Event | None = None
+    prefills_cancelled: list[str | None] = field(default_factory=list)
     on_finished: Callable[[FakeEngine, DecodeRequest], None] | None = None
     first_text: str | None = None
     prefills: list[PrefillRequest] = field(default_factory=list)
@@ -79,6 +82,12 @@ class FakeEngine:
         request.transfer_params()  # what the real client checks before sending
         self.prefills.append(request)
         self._check("prefill")
+        if self.prefill_gate is not None:
+            try:
+                await self.prefill_gate.wait()
+            except asyncio.CancelledError:
+                self.prefills_cancelled.append(request.request_id)
+                raise
         offered = (request.reuse.num_tokens or 0) if request.reuse is not None else 0
         cached = 0 if self.pull_declined else offered
         num_blocks = -(-len(request.token_ids) // self.block_size)

@@ -19,6 +19,7 @@ import pytest
 from kvferry.registry.config import RegistryConfig
 from kvferry.registry.server import create_registry
 from kvferry.stack.etcd_process import EtcdProcess, free_port
+from kvferry.testing.fault_proxy import FaultProxy
 from kvferry.testing.standin_engine import (
     StandInEngine,
     standin_detokenize,
@@ -856,6 +857,53 @@ async def test_non_streaming_client_that_leaves_aborts_the_decode(stack: Stack) 
             await asyncio.sleep(0.02)
     finally:
         stack.decode.decode_token_delay_seconds = 0.0
+
+
+async def test_p_s_request_goes_out_beside_a_slow_mark_and_a_refused_mark_stops_the_turn(
+    router_factory: RouterFactory, standin_factory: StandInFactory, router_registry_address: str
+) -> None:
+    """The router's registry calls cross a proxy adding 0.3 s each way: the mark (an etcd write behind
+    the registry) answers long after the retention index (fed by a watch) and the token prompt are ready."""
+    model = f"standin-{uuid.uuid4().hex[:6]}"
+    prefill = await standin_factory("prefill", model=model, prefill_token_delay_seconds=0.002)
+    decode = await standin_factory("decode", model=model, decode_token_delay_seconds=0.05)
+    proxy = FaultProxy(router_registry_address)
+    await proxy.start()
+    try:
+        router = await router_factory(registry_address=proxy.endpoint)
+        await wait_for_engines(router, {prefill.engine_id, decode.engine_id})
+        proxy.latency_seconds = 0.3
+        stub = Stack(model, prefill, decode, router).grpc_stub()
+        conv = f"beside-{uuid.uuid4().hex[:8]}"
+
+        def turn(tokens: list[int], max_tokens: int) -> router_pb2.GenerateRequest:
+            return router_pb2.GenerateRequest(
+                conversation_id=conv,
+                model=model,
+                tokens=router_pb2.TokenPrompt(token_ids=tokens),
+                sampling=router_pb2.SamplingParams(max_tokens=max_tokens),
+            )
+
+        history = list(range(20, 220))
+        _, answer, first = await generate(stub, turn(history, 4))
+        assert first.turn == 1
+        index = router.index
+        assert index is not None
+        await eventually(lambda: (record := index.find("acme", conv)) is not None and record.turn == 1)
+        # Turn 2 pulls turn 1; P's request goes out while the mark is still on its way.
+        second_turn = asyncio.ensure_future(generate(stub, turn([*history, *answer, 7, 8], 40)))
+        await eventually(lambda: prefill.counters.prefill_requests == 2, within=0.5, what="P's request")
+        assert decode.counters.decode_requests == 1
+        await eventually(lambda: decode.counters.decode_requests == 2, what="turn 2's decode, once marked")
+        # Turn 3 while turn 2 streams (40 tokens at 50 ms): P gets its request, then the mark is refused.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate(stub, turn([*history, *answer, 7, 8, 9], 4))
+        assert refused.value.code() == grpc.StatusCode.ABORTED
+        assert prefill.counters.prefill_requests == 3 and decode.counters.decode_requests == 2
+        _, _, second = await second_turn
+        assert (second.turn, second.reuse) == (2, router_pb2.REUSE_DECISION_PULL)
+    finally:
+        await proxy.stop()
 
 
 # -- one turn in flight per conversation, across router replicas --------------------------------------

@@ -45,6 +45,7 @@ from kvferry.runtime.errors import Aborted, ErrorKind, ResourceExhausted, Servic
 from kvferry.v1 import resources_pb2
 
 from tests.pd.fake_engine import FakeEngine, render
+from tests.sidecar.helpers import eventually
 
 BS = 4
 SALT = "kv-a"
@@ -79,6 +80,8 @@ class FakeRegistry:
         # What BeginTurn says was retained when it took the mark (None: the truth).
         self.retained_turn_at_mark: int | None = None
         self.retained_request_id_at_mark: str | None = None
+        # BeginTurn waits for it (a mark slower than the prompt and the lookup).
+        self.mark_gate: asyncio.Event | None = None
 
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None:
         self.lookups += 1
@@ -90,6 +93,8 @@ class FakeRegistry:
         self, tenant: str, conversation_id: str, request_id: str, *, holder: str, ttl_seconds: int
     ) -> BegunTurn:
         await asyncio.sleep(0)
+        if self.mark_gate is not None:
+            await self.mark_gate.wait()
         if self.down or self.marks_down:
             raise RegistryUnavailable("fake registry down")
         held = self.marks.setdefault((tenant, conversation_id), request_id)
@@ -684,6 +689,95 @@ async def test_without_its_mark_a_turn_neither_reuses_nor_retains(cluster: Clust
     _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
     assert (second.reuse, second.turn, second.pulled_tokens) == (Reuse.NONE, 0, 0)
     assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark()
+
+
+async def _run_turn(cluster: Cluster, prepared: PreparedTurn) -> tuple[list[TextOut], TurnResult]:
+    texts: list[TextOut] = []
+    result = None
+    async for event in cluster.runner.execute(prepared):
+        if isinstance(event, TextOut):
+            texts.append(event)
+        elif isinstance(event, TurnResult):
+            result = event
+    assert result is not None
+    return texts, result
+
+
+async def test_p_s_request_goes_out_beside_a_slow_mark_and_nothing_reaches_d_or_the_client_before_it(
+    cluster: Cluster,
+) -> None:
+    await cluster.turn(PROMPT)
+    cluster.registry.mark_gate = gate = asyncio.Event()
+    prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
+    assert prepared.marking is not None and prepared.mark is None
+    running = asyncio.ensure_future(_run_turn(cluster, prepared))
+    # P's request (pulling turn 1) went out and P answered; D and the client wait for the mark.
+    await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
+    await asyncio.sleep(0.05)
+    assert cluster.fakes["p1"].prefills[-1].reuse is not None and len(cluster.fakes["d1"].decodes) == 1
+    assert not running.done()
+    gate.set()
+    texts, result = await running
+    assert [t.token_ids for t in texts] == [(101,), (102,), (103,)]
+    assert (result.reuse, result.pulled_tokens, result.turn) == (Reuse.PULL, 40, 2)
+    assert cluster.fakes["d1"].decodes[-1].mark == ConversationMark("acme", "c1", 2)
+    assert cluster.registry.marks == {} and cluster.idle()
+
+
+async def test_a_mark_refused_while_p_s_request_is_out_cancels_it(cluster: Cluster) -> None:
+    await cluster.turn(PROMPT)
+    cluster.registry.mark_gate = gate = asyncio.Event()
+    cluster.fakes["p1"].prefill_gate = asyncio.Event()
+    prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
+    running = asyncio.ensure_future(_run_turn(cluster, prepared))
+    await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
+    cluster.registry.marks[("acme", "c1")] = "kvf-another-turn"
+    gate.set()
+    with pytest.raises(Aborted, match="kvf-another-turn"):
+        await running
+    # P aborts the request (its connection closed); D never hears of the turn.
+    assert cluster.fakes["p1"].prefills_cancelled == [f"{prepared.request_id}-1-p"]
+    assert len(cluster.fakes["d1"].decodes) == 1 and cluster.idle()
+    assert cluster.registry.marks == {("acme", "c1"): "kvf-another-turn"}
+
+
+async def test_a_mark_that_does_not_confirm_the_lookup_drops_p_s_request_and_plans_again(
+    cluster: Cluster,
+) -> None:
+    await cluster.turn(PROMPT)
+    cluster.registry.mark_gate = gate = asyncio.Event()
+    cluster.fakes["p1"].prefill_gate = asyncio.Event()
+    prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
+    running = asyncio.ensure_future(_run_turn(cluster, prepared))
+    await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
+    # The retention ended after the lookup, before the mark's transaction.
+    del cluster.registry.retentions[("acme", "c1")]
+    cluster.fakes["p1"].prefill_gate = None
+    gate.set()
+    _, result = await running
+    # The pulling request was cancelled; the next one, planned on the registry's answer, recomputes.
+    assert cluster.fakes["p1"].prefills_cancelled == [f"{prepared.request_id}-1-p"]
+    planned_again = cluster.fakes["p1"].prefills[-1]
+    assert planned_again.request_id == f"{prepared.request_id}-2-p" and planned_again.reuse is None
+    assert (result.reuse, result.pulled_tokens, result.turn) == (Reuse.NONE, 0, 1)
+    assert cluster.registry.marks == {} and cluster.idle()
+
+
+async def test_without_its_mark_a_turn_whose_p_went_out_beside_it_neither_reuses_nor_retains(
+    cluster: Cluster,
+) -> None:
+    await cluster.turn(PROMPT)
+    cluster.registry.mark_gate = gate = asyncio.Event()
+    prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
+    running = asyncio.ensure_future(_run_turn(cluster, prepared))
+    await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
+    cluster.registry.marks_down = True
+    gate.set()
+    _, second = await running
+    # P's pulling answer is dropped; the turn runs again by recompute and D frees its blocks.
+    assert (second.reuse, second.turn, second.pulled_tokens) == (Reuse.NONE, 0, 0)
+    assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark() and len(cluster.fakes["d1"].decodes) == 2
+    assert cluster.idle()
 
 
 def test_p_s_token_first_is_on_by_default_and_turned_off_by_flag_or_environment() -> None:

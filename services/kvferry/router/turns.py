@@ -6,7 +6,10 @@
   conversation, across router replicas: a second one is refused, ABORTED / HTTP 409, naming the running
   one) and looking its retention up - in the router's retention index when it can answer, else in the
   registry; the mark's answer confirms it (the lookup opens the retention's read window:
-  :class:`~kvferry.pd.reuse.ReadWindow`); 3. check the length against the model's limit.
+  :class:`~kvferry.pd.reuse.ReadWindow`); 3. check the length against the model's limit. A mark still in
+  flight once the prompt and the lookup are ready is not waited for here: ``execute`` sends P's request
+  beside it and settles it before anything reaches D or the client (a refusal cancels P's request; a mark
+  that does not confirm the lookup drops it and plans the turn again).
 ``execute`` (an async stream of :class:`TextOut`, then one :class:`TurnResult`):
   4-6. plan the attempt (:func:`kvferry.router.plan.plan_turn`: the proven prefix, pull or recompute,
   the engines); 7. run :func:`kvferry.pd.sequence.prefill_then_decode`: prefill with ``max_tokens=1``
@@ -30,7 +33,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -54,6 +57,7 @@ from kvferry.pd.sequence import (
     prefill_then_decode,
     with_first_token,
 )
+from kvferry.pd.sequence import TurnEvent as SequenceEvent
 from kvferry.router.cost import CostSettings, Reuse
 from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.router.limits import TenantLimits, TenantLimitSettings, TurnSlot
@@ -203,6 +207,10 @@ class PreparedTurn:
     index_revision: int = 0
     # The prompt's digests for the prefix check, hashed while the mark was in flight (None: not hashed).
     prompt_digests: PromptDigests | None = None
+    # The mark, still in flight when the prompt and the lookup were ready: the first attempt's P request goes
+    # out beside it, and the turn settles it (``mark``, and the lookup it confirms) before anything reaches D
+    # or the client. None: settled in ``prepare`` (or no conversation).
+    marking: asyncio.Future[_MarkTaken | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -255,6 +263,24 @@ class RetentionPort(Protocol):
 class _MarkTaken:
     mark: TurnMark
     begun: BegunTurn
+
+
+@dataclass(frozen=True)
+class _Settled:
+    """The turn's mark (None: not taken) and the retention the turn runs with."""
+
+    mark: TurnMark | None
+    retention: RetentionRecord | None
+    window: ReadWindow | None
+    registry_ok: bool
+
+
+@dataclass(frozen=True)
+class _MarkSettled:
+    """``_run`` to ``execute``: the turn's mark, taken beside P's request, is settled (the turn as it runs
+    from here)."""
+
+    turn: PreparedTurn
 
 
 @dataclass(frozen=True)
@@ -362,6 +388,9 @@ class TurnRunner:
             else None
         )
         tokenizing = asyncio.ensure_future(self._tokenize(model, request.prompt))
+        # The mark still in flight once the prompt and the lookup are ready: P's request goes out beside it
+        # (kvferry.router.turns._run settles it before anything reaches D or the client).
+        pending: asyncio.Future[_MarkTaken | None] | None = None
         try:
             if marking is not None:
                 # A turn refused its mark fails at once, without waiting for the tokenizer.
@@ -373,16 +402,14 @@ class TurnRunner:
             if marking is not None and not marking.done() and lookup is not None and lookup.done():
                 # The mark is still in flight: hash the prompt for the prefix check now, not after it.
                 hashed = self._hash_ahead(model, token_ids, lookup)
-            mark = await marking if marking is not None else None
-            retention, window, registry_ok = await lookup if lookup is not None else (None, None, True)
-            if conversation_id and mark is not None and registry_ok:
-                if not mark.begun.confirms(retention):
-                    # The lookup is not what the registry held when the mark was taken (a turn was published
-                    # or ended in between, the index lags, or the record's engine left): the registry's
-                    # answer now is current (the mark holds the conversation still).
-                    retention, window, registry_ok = await self._lookup(
-                        tenant, conversation_id, self._clock(), from_registry=True
-                    )
+            looked_up = await lookup if lookup is not None else (None, None, True)
+            if marking is not None and not marking.done():
+                pending = marking
+                settled = _Settled(None, *looked_up)
+            elif marking is not None:
+                settled = await self._settle(tenant, conversation_id, marking.result(), looked_up)
+            else:
+                settled = _Settled(None, *looked_up)
         except BaseException as error:
             for task in (lookup, tokenizing):
                 if task is not None:
@@ -397,15 +424,13 @@ class TurnRunner:
         max_model_len = min(
             (e.max_model_len for e in self._model_engines(model) if e.max_model_len), default=0
         )
-        held_mark = mark.mark if mark is not None else None
-        if conversation_id and held_mark is None:
-            # Without its mark a turn runs unguarded: it neither reuses nor retains, as without a lookup.
-            retention, window, registry_ok = None, None, False
         try:
             max_tokens = self._check_length(len(token_ids), request.sampling.max_tokens, max_model_len, model)
         except BaseException:
-            if held_mark is not None:
-                await self._release(held_mark)
+            if settled.mark is not None:
+                await self._release(settled.mark)
+            if pending is not None:
+                await self._drop_mark(pending)
             raise
         chat = None
         if isinstance(request.prompt, ChatPrompt):
@@ -419,14 +444,36 @@ class TurnRunner:
             token_ids=token_ids,
             sampling=Sampling(**_sampling_fields(request.sampling, max_tokens)),
             chat=chat,
-            retention=retention,
-            registry_ok=registry_ok,
+            retention=settled.retention,
+            registry_ok=settled.registry_ok,
             started=started,
-            read_window=window,
-            mark=held_mark,
+            read_window=settled.window,
+            mark=settled.mark,
+            marking=pending,
             index_revision=index_revision,
             prompt_digests=hashed,
         )
+
+    async def _settle(
+        self,
+        tenant: str,
+        conversation_id: str | None,
+        taken: _MarkTaken | None,
+        looked_up: tuple[RetentionRecord | None, ReadWindow | None, bool],
+    ) -> _Settled:
+        """The turn's mark and the retention it runs with, from the mark's answer and the lookup made beside
+        it. Without its mark a turn runs unguarded: it neither reuses nor retains."""
+        if taken is None:
+            return _Settled(None, None, None, False)
+        retention, window, registry_ok = looked_up
+        if registry_ok and not taken.begun.confirms(retention):
+            # The lookup is not what the registry held when the mark was taken (a turn was published or ended
+            # in between, the index lags, or the record's engine left): the registry's answer now is current
+            # (the mark holds the conversation still).
+            retention, window, registry_ok = await self._lookup(
+                tenant, conversation_id, self._clock(), from_registry=True
+            )
+        return _Settled(taken.mark, retention, window, registry_ok)
 
     def _hash_ahead(
         self,
@@ -642,6 +689,11 @@ class TurnRunner:
                         break
                     finally:
                         otel_context.detach(token)
+                    if isinstance(event, _MarkSettled):
+                        turn = event.turn
+                        if turn.mark is not None:
+                            turn.mark.keeper = asyncio.ensure_future(self._keep_mark(turn.mark))
+                        continue
                     if isinstance(event, TurnResult):
                         published = event.turn > 0
                         if turn.slot is not None:
@@ -659,6 +711,8 @@ class TurnRunner:
                 if turn.mark is not None:
                     # Before the client hears of the failure: it may send the turn again at once.
                     await self._release(turn.mark)
+                elif turn.marking is not None:
+                    await self._drop_mark(turn.marking)
             raise
         finally:
             turn.span.end()
@@ -669,13 +723,15 @@ class TurnRunner:
                 if turn.mark.keeper is not None:
                     turn.mark.keeper.cancel()
                 self._spawn(self._release(turn.mark))
+            elif turn.marking is not None:
+                self._spawn(self._drop_mark(turn.marking))
             if turn.retention is not None and not published:
                 # Every turn keeps the conversation's KV alive: a published turn brings a fresh lease;
                 # otherwise (not retained, failed, aborted) the previous retention is renewed. Done
                 # after the turn, off the time to first token.
                 self._spawn(self._renew(request.tenant.name, turn.retention.conversation_id))
 
-    async def _run(self, turn: PreparedTurn) -> AsyncGenerator[TurnEvent | TurnResult, None]:
+    async def _run(self, turn: PreparedTurn) -> AsyncGenerator[TurnEvent | TurnResult | _MarkSettled, None]:
         """The attempts: plan, then the engines' prefill-then-decode; an engine failing before any output is
         retried by recompute on other engines."""
         mark = self._mark(turn)
@@ -685,7 +741,12 @@ class TurnRunner:
         # P's token already shown when the decode after it failed: the retry continues after it.
         shown: PrefillToken | None = None
         ttft_ms = 0.0
-        for attempt in range(1, self._settings.max_attempts + 1):
+        attempt = 0
+        # Requests sent: an attempt discarded when the turn's mark settled (below) is not counted as one.
+        sent = 0
+        while attempt < self._settings.max_attempts:
+            attempt += 1
+            sent += 1
             plan = plan_turn(
                 turn.token_ids,
                 retention,
@@ -708,7 +769,7 @@ class TurnRunner:
                 # Unretained turns still get a mark: the engine frees their blocks at once.
                 mark=mark if mark is not None else ReleaseMark(),
                 pull=plan.pull,
-                request_id=f"{turn.request_id}-{attempt}",
+                request_id=f"{turn.request_id}-{sent}",
                 chat=turn.chat,
                 first_token_from_prefill=self._settings.first_token_from_prefill and shown is None,
             )
@@ -733,7 +794,59 @@ class TurnRunner:
                         clock=self._clock,
                     )
                 ) as events:
-                    async for event in events:
+                    stream: AsyncIterator[SequenceEvent] = events
+                    if turn.marking is not None:
+                        # P's request went out beside the mark: it is settled before anything reaches D or
+                        # the client. P's request keeps going when the mark confirms the lookup it was
+                        # planned on (the usual case); otherwise it is dropped (cancelled, so P aborts it, if
+                        # P has not answered yet) and the turn planned again.
+                        answered = asyncio.ensure_future(anext(events))
+                        try:
+                            racing: list[asyncio.Future[Any]] = [answered, turn.marking]
+                            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+                            settled = await self._settle(
+                                turn.request.tenant.name,
+                                turn.request.conversation_id,
+                                await turn.marking,
+                                (turn.retention, turn.read_window, turn.registry_ok),
+                            )
+                        except BaseException:
+                            await _dropped(answered)
+                            raise
+                        stands = settled.registry_ok == turn.registry_ok and _same_record(
+                            settled.retention, turn.retention
+                        )
+                        turn = (
+                            dataclasses.replace(turn, mark=settled.mark, marking=None)
+                            if stands
+                            else dataclasses.replace(
+                                turn,
+                                mark=settled.mark,
+                                retention=settled.retention,
+                                read_window=settled.window,
+                                registry_ok=settled.registry_ok,
+                                marking=None,
+                                prompt_digests=None,
+                            )
+                        )
+                        yield _MarkSettled(turn)
+                        if not stands:
+                            await _dropped(answered)
+                            log.info(
+                                "the turn's mark did not confirm its lookup; planning again",
+                                extra={
+                                    "request_id": turn.request_id,
+                                    "conversation_id": turn.request.conversation_id,
+                                    "retained_turn": turn.retention.turn if turn.retention else 0,
+                                    "registry_ok": turn.registry_ok,
+                                },
+                            )
+                            mark = self._mark(turn)
+                            retention, window = turn.retention, turn.read_window
+                            attempt -= 1
+                            continue
+                        stream = _prefetched(answered, events)
+                    async for event in stream:
                         if isinstance(event, Prefilled):
                             prefilled = event
                             self._load.add_prefill(plan.prefill.engine_id, -computed)
@@ -968,3 +1081,28 @@ def _engine_failure(engine: EngineInfo, role: str, error: Exception) -> _EngineF
     if isinstance(error, EngineHttpError) and 400 <= error.status_code < 500:
         raise InvalidArgument(f"the {role} engine rejected the request: {error.message}") from None
     return _EngineFailure(engine.engine_id, role, error)
+
+
+def _same_record(a: RetentionRecord | None, b: RetentionRecord | None) -> bool:
+    """Whether two lookups found the same retention (a renewal moves only its lease)."""
+    if a is None or b is None:
+        return a is b
+    return (a.engine_id, a.engine_request_id, a.turn) == (b.engine_id, b.engine_request_id, b.turn)
+
+
+async def _prefetched(
+    first: asyncio.Future[SequenceEvent], rest: AsyncIterator[SequenceEvent]
+) -> AsyncIterator[SequenceEvent]:
+    """``first``'s event (fetched from ``rest`` while the turn's mark settled), then the rest of ``rest``."""
+    yield await first
+    async for event in rest:
+        yield event
+
+
+async def _dropped(request: asyncio.Future[Any]) -> None:
+    """Cancels a request that will not be used (an HTTP request cancelled closes its connection: the engine
+    aborts it) and waits for it to end, its outcome retrieved."""
+    request.cancel()
+    await asyncio.wait({request})
+    if not request.cancelled():
+        request.exception()
