@@ -195,7 +195,10 @@ class Cluster:
         return await self.runner.prepare(request)
 
     async def turn(self, prompt: list[int] | str, **options: object) -> tuple[list[TextOut], TurnResult]:
-        prepared = await self.prepare(prompt, **options)  # type: ignore[arg-type]
+        return await self.run(await self.prepare(prompt, **options))  # type: ignore[arg-type]
+
+    async def run(self, prepared: PreparedTurn) -> tuple[list[TextOut], TurnResult]:
+        """A prepared turn to its end: its text outputs and its result."""
         texts: list[TextOut] = []
         result = None
         async for event in self.runner.execute(prepared):
@@ -691,18 +694,6 @@ async def test_without_its_mark_a_turn_neither_reuses_nor_retains(cluster: Clust
     assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark()
 
 
-async def _run_turn(cluster: Cluster, prepared: PreparedTurn) -> tuple[list[TextOut], TurnResult]:
-    texts: list[TextOut] = []
-    result = None
-    async for event in cluster.runner.execute(prepared):
-        if isinstance(event, TextOut):
-            texts.append(event)
-        elif isinstance(event, TurnResult):
-            result = event
-    assert result is not None
-    return texts, result
-
-
 async def test_p_s_request_goes_out_beside_a_slow_mark_and_nothing_reaches_d_or_the_client_before_it(
     cluster: Cluster,
 ) -> None:
@@ -710,7 +701,7 @@ async def test_p_s_request_goes_out_beside_a_slow_mark_and_nothing_reaches_d_or_
     cluster.registry.mark_gate = gate = asyncio.Event()
     prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
     assert prepared.marking is not None and prepared.mark is None
-    running = asyncio.ensure_future(_run_turn(cluster, prepared))
+    running = asyncio.ensure_future(cluster.run(prepared))
     # P's request (pulling turn 1) went out and P answered; D and the client wait for the mark.
     await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
     await asyncio.sleep(0.05)
@@ -729,7 +720,7 @@ async def test_a_mark_refused_while_p_s_request_is_out_cancels_it(cluster: Clust
     cluster.registry.mark_gate = gate = asyncio.Event()
     cluster.fakes["p1"].prefill_gate = asyncio.Event()
     prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
-    running = asyncio.ensure_future(_run_turn(cluster, prepared))
+    running = asyncio.ensure_future(cluster.run(prepared))
     await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
     cluster.registry.marks[("acme", "c1")] = "kvf-another-turn"
     gate.set()
@@ -748,7 +739,7 @@ async def test_a_mark_that_does_not_confirm_the_lookup_drops_p_s_request_and_pla
     cluster.registry.mark_gate = gate = asyncio.Event()
     cluster.fakes["p1"].prefill_gate = asyncio.Event()
     prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
-    running = asyncio.ensure_future(_run_turn(cluster, prepared))
+    running = asyncio.ensure_future(cluster.run(prepared))
     await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
     # The retention ended after the lookup, before the mark's transaction.
     del cluster.registry.retentions[("acme", "c1")]
@@ -769,7 +760,7 @@ async def test_without_its_mark_a_turn_whose_p_went_out_beside_it_neither_reuses
     await cluster.turn(PROMPT)
     cluster.registry.mark_gate = gate = asyncio.Event()
     prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
-    running = asyncio.ensure_future(_run_turn(cluster, prepared))
+    running = asyncio.ensure_future(cluster.run(prepared))
     await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
     cluster.registry.marks_down = True
     gate.set()

@@ -266,7 +266,7 @@ class _MarkTaken:
 
 
 @dataclass(frozen=True)
-class _Settled:
+class _Settlement:
     """The turn's mark (None: not taken) and the retention the turn runs with."""
 
     mark: TurnMark | None
@@ -389,7 +389,7 @@ class TurnRunner:
         )
         tokenizing = asyncio.ensure_future(self._tokenize(model, request.prompt))
         # The mark still in flight once the prompt and the lookup are ready: P's request goes out beside it
-        # (kvferry.router.turns._run settles it before anything reaches D or the client).
+        # (``_run`` settles it before anything reaches D or the client).
         pending: asyncio.Future[_MarkTaken | None] | None = None
         try:
             if marking is not None:
@@ -405,11 +405,11 @@ class TurnRunner:
             looked_up = await lookup if lookup is not None else (None, None, True)
             if marking is not None and not marking.done():
                 pending = marking
-                settled = _Settled(None, *looked_up)
+                settled = _Settlement(None, *looked_up)
             elif marking is not None:
                 settled = await self._settle(tenant, conversation_id, marking.result(), looked_up)
             else:
-                settled = _Settled(None, *looked_up)
+                settled = _Settlement(None, *looked_up)
         except BaseException as error:
             for task in (lookup, tokenizing):
                 if task is not None:
@@ -460,11 +460,11 @@ class TurnRunner:
         conversation_id: str | None,
         taken: _MarkTaken | None,
         looked_up: tuple[RetentionRecord | None, ReadWindow | None, bool],
-    ) -> _Settled:
+    ) -> _Settlement:
         """The turn's mark and the retention it runs with, from the mark's answer and the lookup made beside
         it. Without its mark a turn runs unguarded: it neither reuses nor retains."""
         if taken is None:
-            return _Settled(None, None, None, False)
+            return _Settlement(None, None, None, False)
         retention, window, registry_ok = looked_up
         if registry_ok and not taken.begun.confirms(retention):
             # The lookup is not what the registry held when the mark was taken (a turn was published or ended
@@ -473,7 +473,7 @@ class TurnRunner:
             retention, window, registry_ok = await self._lookup(
                 tenant, conversation_id, self._clock(), from_registry=True
             )
-        return _Settled(taken.mark, retention, window, registry_ok)
+        return _Settlement(taken.mark, retention, window, registry_ok)
 
     def _hash_ahead(
         self,
