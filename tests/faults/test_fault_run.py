@@ -17,7 +17,10 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_every_fault_kind_once_serves_nothing_freed_and_leaks_nothing(tmp_path: Path) -> None:
-    result = run_faults(StackSettings(work_dir=tmp_path / "faults"), turns=150, faults_per_kind=1)
+    progress: list[str] = []
+    result = run_faults(
+        StackSettings(work_dir=tmp_path / "faults"), turns=150, faults_per_kind=1, progress=progress.append
+    )
     summary = result.summary()
     assert summary["violations"] == [], summary
     assert result.faults == {kind.value: 1 for kind in FaultKind}
@@ -28,6 +31,10 @@ def test_every_fault_kind_once_serves_nothing_freed_and_leaks_nothing(tmp_path: 
     assert result.oracle.reads == result.oracle.pulls - result.oracle.failed_pulls
     assert result.held_blocks_at_end == 0
     assert result.oracle.leaked_blocks == 0
+    # The run said what it was doing, phase by phase (the bench prints it).
+    faults = len(FaultKind)
+    assert any(line.startswith(f"faults {faults}/{faults} injected; turns ") for line in progress), progress
+    assert progress[-1] == "checking the engines' logs (the oracle)", progress
 
 
 def test_the_oracle_sees_a_decode_engine_that_frees_what_the_registry_serves(tmp_path: Path) -> None:

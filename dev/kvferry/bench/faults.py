@@ -4,7 +4,8 @@ every fault kind of issue 13 is injected; then the oracle (kvferry.testing.oracl
 block was served after D freed it, that every fenced pull became a recompute, and that no block leaked.
 
 Prints turns answered / reused / recomputed / failed, faults injected per kind, fenced pulls,
-served-after-freed and leaked blocks; exits 1 when the oracle finds a violation.
+served-after-freed and leaked blocks; exits 1 when the oracle finds a violation. Progress (the run's phases,
+and every ~10 s the faults and turns so far) goes to standard error.
 
 Needs the kvferry-dev distribution (``tools/setup`` installs it): the harness (kvferry.testing) lives there.
 """
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         conversations=args.conversations,
         concurrency=args.concurrency,
         seed=args.seed,
+        progress=lambda line: print(f"[faults] {line}", file=sys.stderr, flush=True),
     )
     summary = result.summary()
     _print(summary, workdir)

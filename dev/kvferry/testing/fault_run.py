@@ -14,7 +14,7 @@ import random
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,12 +163,19 @@ def run_faults(
     conversations: int = 12,
     concurrency: int = 3,
     seed: int = 13,
+    progress: Callable[[str], None] | None = None,
+    progress_every_seconds: float = 10.0,
 ) -> FaultRunResult:
+    """``progress``: told what the run is doing (its phases, and while faults are injected, at most every
+    ``progress_every_seconds``, the faults and turns so far)."""
     started = time.monotonic()
+    say = progress or (lambda line: None)
     with LoopThread("kvferry-faults") as loop:
         stack = FaultStack(settings, loop)
         try:
+            say("starting etcd (3 members), registry replicas, sidecars, router and stand-in engines")
             stack.start()
+            say(f"stack up in {time.monotonic() - started:.0f} s")
             talk = Conversations(stack.router_url, conversations, seed)
             stop, paced = threading.Event(), threading.Event()
             schedule = [kind for kind in kinds for _ in range(faults_per_kind)]
@@ -182,7 +189,8 @@ def run_faults(
                 talk.run(stop, concurrency, turns, paced, pace), loop.loop
             )
             inject_errors: dict[str, str] = {}
-            for kind in schedule:
+            told = time.monotonic()
+            for done, kind in enumerate(schedule, 1):
                 try:
                     stack.inject(kind, on_concurrent=lambda: loop.run(talk.concurrent_pair()))
                 except (TimeoutError, OSError, subprocess.SubprocessError, RuntimeError) as error:
@@ -192,16 +200,27 @@ def run_faults(
                     stack.injected[kind.value] -= 1
                     stack.heal_all()
                 time.sleep(0.2)
+                if time.monotonic() - told >= progress_every_seconds or done == len(schedule):
+                    told = time.monotonic()
+                    counts = talk.counts
+                    say(
+                        f"faults {done}/{len(schedule)} injected; turns {counts.sent}/{turns} sent, "
+                        f"{counts.answered} answered, {counts.failed} failed; {told - started:.0f} s"
+                    )
             paced.clear()
             stack.heal_all()
             stack.wait_ready()
+            say(f"faults healed; the remaining {max(0, turns - talk.counts.sent)} turns run without faults")
             # The rest of the turns run without faults; then the load stops.
             while not load.done() and talk.counts.sent < turns:
                 time.sleep(0.2)
             stop.set()
             load.result(timeout=120)
             loop.run(talk.close())
+            limit = _drain_limit(settings)
+            say(f"turns done; waiting for D to free every retained block (at most {limit:.0f} s)")
             held = _drain(stack)
+            say("checking the engines' logs (the oracle)")
             oracle = check([stack.logs / "decode.log"], [stack.logs / "prefill.log"], held)
             return FaultRunResult(
                 turns=talk.counts,
@@ -218,10 +237,17 @@ def run_faults(
 def _drain(stack: FaultStack) -> int | None:
     """Waits until D holds no block (every retention's lease ran out and its grace passed, or the hard
     cap), at most lease + grace + hard cap; returns what D still holds then."""
-    settings = stack.settings
-    limit = settings.retention_ttl_seconds + settings.hard_cap_seconds + 3 * settings.grace_seconds + 10
     try:
-        wait_until(lambda: stack.held_blocks() == 0, limit, "D freeing every retained block", interval=0.5)
+        wait_until(
+            lambda: stack.held_blocks() == 0,
+            _drain_limit(stack.settings),
+            "D freeing every retained block",
+            interval=0.5,
+        )
     except TimeoutError:
         pass
     return stack.held_blocks()
+
+
+def _drain_limit(settings: StackSettings) -> float:
+    return settings.retention_ttl_seconds + settings.hard_cap_seconds + 3 * settings.grace_seconds + 10
