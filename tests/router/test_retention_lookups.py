@@ -1,7 +1,7 @@
 """A turn's retention lookup through the router's retention index (RetentionLookups, TurnRunner with an
-index): served in process when the index holds the conversation, from the registry on a miss, while the
-index is not synced or its stream is broken, and after the index saw the retention end; a stale hit is
-caught by the turn's mark; a turn's publication seen in the index; the setting that turns the index
+index): served in process while the index is serving, whether it holds the conversation or not (also after
+it saw the retention end), from the registry while it is not synced or its stream is broken; a stale hit or
+miss is caught by the turn's mark; a turn's publication seen in the index; the setting that turns the index
 off. No servers: the index is fed by an in-memory stream; the same paths against the real registry and
 router are in test_router_index.py."""
 
@@ -145,20 +145,21 @@ async def test_the_index_holds_records_packed_and_skips_one_it_cannot_hold() -> 
     assert found.path == "index" and found.retention is not None
     assert isinstance(found.retention.block_digests, PackedDigests)
     assert found.retention.block_ids == array("q", (7, 8, 9))
-    assert skipped.path == "miss"  # the registry is asked, the index keeps serving
+    assert skipped.path == "miss"  # the index keeps serving; the turn's mark finds the record
+    assert registry.lookups == 0
 
 
-async def test_a_miss_asks_the_registry() -> None:
+async def test_a_miss_is_answered_by_the_index_without_asking_the_registry() -> None:
     registry, watch = FakeRegistry(), Watch()
-    # Published a moment ago: the registry has it, the index not yet.
+    # Published a moment ago: the registry has it, the index not yet (the turn's mark finds it: below).
     registry.retentions[TENANT.name, "c1"] = record()
     index = RetentionIndex(watch)
     lookups = RetentionLookups(registry, index)
     async with following(index):
         await synced(watch, index)
         found = await lookups.lookup(TENANT.name, "c1")
-    assert found.path == "miss" and found.retention == record()
-    assert registry.lookups == 1
+    assert found.path == "miss" and found.retention is None
+    assert registry.lookups == 0
 
 
 async def test_before_the_snapshot_and_while_the_stream_is_broken_lookups_ask_the_registry() -> None:
@@ -206,7 +207,7 @@ async def test_an_ended_retention_is_a_miss_and_one_past_its_first_lease_end_a_h
         assert (found.path, found.retention) == ("miss", None)
         found = await lookups.lookup(TENANT.name, "c2")
         assert (found.path, found.retention) == ("index", record("c2", expire_time=NOW - 5))
-    assert registry.lookups == 1
+    assert registry.lookups == 0
 
 
 async def test_without_an_index_and_when_asked_every_lookup_goes_to_the_registry() -> None:
@@ -263,8 +264,8 @@ async def test_a_turn_s_publication_is_seen_in_the_index_without_polling_the_reg
         _, first = await cluster.turn(PROMPT)
         _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
     assert (first.turn, second.turn, second.reuse) == (1, 2, Reuse.PULL)
-    # Turn 1's lookup missed (nothing retained yet); nothing else asked the registry.
-    assert cluster.registry.lookups == 1
+    # Turn 1's lookup missed (nothing retained yet) and its mark confirmed that: nothing asked the registry.
+    assert cluster.registry.lookups == 0
     await cluster.background()
 
 
@@ -283,6 +284,23 @@ async def test_a_stale_hit_is_caught_by_the_mark_and_looked_up_in_the_registry()
         _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
     # The mark read no retained turn, unlike the index: the registry was asked, and it holds none.
     assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.NONE, 0, 1)
+    assert cluster.registry.lookups == before + 1 + 1  # the recheck, the publication poll
+    await cluster.background()
+
+
+async def test_a_stale_miss_is_caught_by_the_mark_and_looked_up_in_the_registry() -> None:
+    watch = Watch()
+    cluster = Cluster(index=RetentionIndex(watch))
+    assert cluster.index is not None
+    async with following(cluster.index):
+        await synced(watch, cluster.index)
+        # Turn 1 is published in the registry; the index has not heard yet (another router's turn, a lagging
+        # watch).
+        await cluster.turn(PROMPT)
+        before = cluster.registry.lookups
+        _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
+    # The index held none; the mark read turn 1: the registry was asked, and the turn pulled it.
+    assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.PULL, len(PROMPT), 2)
     assert cluster.registry.lookups == before + 1 + 1  # the recheck, the publication poll
     await cluster.background()
 

@@ -54,12 +54,12 @@ async def test_a_turn_s_lookup_is_read_from_the_router_s_index(standin_stack: St
     assert first.turn == 1
     # Published through the registry's watch into the index (the registry confirmed it already).
     await eventually(lambda: indexed_turn(router, conv) == 1)
-    from_index, from_registry = lookups(router, "index"), lookups(router, "miss")
+    from_index, missed = lookups(router, "index"), lookups(router, "miss")
     history += [("assistant", text), ("user", "And now the next question.")]
     _, _, second = await generate(stub, chat_request(conv, stack.model, history))
     assert (second.turn, second.reuse) == (2, router_pb2.REUSE_DECISION_PULL) and second.pulled_tokens > 0
     assert lookups(router, "index") == from_index + 1
-    assert lookups(router, "miss") == from_registry
+    assert lookups(router, "miss") == missed
 
 
 async def test_a_router_is_ready_once_its_index_is_synced_and_rebuilds_it_after_a_restart(

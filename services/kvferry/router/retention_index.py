@@ -172,8 +172,9 @@ class RetentionSource(Protocol):
     async def get_retention(self, tenant: str, conversation_id: str) -> RetentionRecord | None: ...
 
 
-# Where a lookup was answered: "index" (in process), else the registry and why (the index missed, was not
-# serving, is turned off, or the caller asked the registry).
+# Where a lookup was answered: "index" (in process: it holds the conversation's record) or "miss" (in process:
+# it holds none), else the registry and why (the index was not serving, is turned off, or the caller asked the
+# registry).
 LookupPath = Literal["index", "miss", "not_synced", "off", "registry"]
 
 
@@ -186,8 +187,10 @@ class Lookup:
 class RetentionLookups:
     """A turn's retention lookup: read from ``index`` while it is serving, else ``GetRetention``.
 
-    A hit is a hint the turn confirms (the turn's mark reads the retained turn in the registry); a miss
-    asks the registry, which may hold a record newer than the index. ``index`` None: always the registry.
+    What the index says, a record or none, is a hint the turn confirms: the turn's mark reads the registry's
+    record in its own transaction, and the turn asks the registry when the two differ (a record published
+    or ended since the index heard of it). A miss is thus answered in process too, so a conversation's first
+    turn asks the registry nothing beside its mark. ``index`` None: always the registry.
     """
 
     def __init__(self, registry: RetentionSource, index: RetentionIndex | None) -> None:
@@ -206,9 +209,7 @@ class RetentionLookups:
             path = "not_synced"
         else:
             found = self.index.find(tenant, conversation_id)
-            if found is not None:
-                return Lookup(found, "index")
-            path = "miss"
+            return Lookup(found, "index" if found is not None else "miss")
         return Lookup(await self._registry.get_retention(tenant, conversation_id), path)
 
     def indexed_turn(self, tenant: str, conversation_id: str, after_revision: int) -> int | None:
