@@ -694,16 +694,27 @@ async def test_without_its_mark_a_turn_neither_reuses_nor_retains(cluster: Clust
     assert cluster.fakes["d1"].decodes[-1].mark == ReleaseMark()
 
 
+async def _p_out_beside_a_slow_mark(
+    cluster: Cluster, *, hold_p: bool = False
+) -> tuple[asyncio.Event, PreparedTurn, asyncio.Future[tuple[list[TextOut], TurnResult]]]:
+    """Turn 1, then turn 2 prepared while its mark waits for the returned gate, and run until P has its
+    request (``hold_p``: P holds it unanswered)."""
+    await cluster.turn(PROMPT)
+    cluster.registry.mark_gate = gate = asyncio.Event()
+    if hold_p:
+        cluster.fakes["p1"].prefill_gate = asyncio.Event()
+    prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
+    running = asyncio.ensure_future(cluster.run(prepared))
+    await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
+    return gate, prepared, running
+
+
 async def test_p_s_request_goes_out_beside_a_slow_mark_and_nothing_reaches_d_or_the_client_before_it(
     cluster: Cluster,
 ) -> None:
-    await cluster.turn(PROMPT)
-    cluster.registry.mark_gate = gate = asyncio.Event()
-    prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
+    gate, prepared, running = await _p_out_beside_a_slow_mark(cluster)
     assert prepared.marking is not None and prepared.mark is None
-    running = asyncio.ensure_future(cluster.run(prepared))
     # P's request (pulling turn 1) went out and P answered; D and the client wait for the mark.
-    await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
     await asyncio.sleep(0.05)
     assert cluster.fakes["p1"].prefills[-1].reuse is not None and len(cluster.fakes["d1"].decodes) == 1
     assert not running.done()
@@ -716,12 +727,7 @@ async def test_p_s_request_goes_out_beside_a_slow_mark_and_nothing_reaches_d_or_
 
 
 async def test_a_mark_refused_while_p_s_request_is_out_cancels_it(cluster: Cluster) -> None:
-    await cluster.turn(PROMPT)
-    cluster.registry.mark_gate = gate = asyncio.Event()
-    cluster.fakes["p1"].prefill_gate = asyncio.Event()
-    prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
-    running = asyncio.ensure_future(cluster.run(prepared))
-    await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
+    gate, prepared, running = await _p_out_beside_a_slow_mark(cluster, hold_p=True)
     cluster.registry.marks[("acme", "c1")] = "kvf-another-turn"
     gate.set()
     with pytest.raises(Aborted, match="kvf-another-turn"):
@@ -735,12 +741,7 @@ async def test_a_mark_refused_while_p_s_request_is_out_cancels_it(cluster: Clust
 async def test_a_mark_that_does_not_confirm_the_lookup_drops_p_s_request_and_plans_again(
     cluster: Cluster,
 ) -> None:
-    await cluster.turn(PROMPT)
-    cluster.registry.mark_gate = gate = asyncio.Event()
-    cluster.fakes["p1"].prefill_gate = asyncio.Event()
-    prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
-    running = asyncio.ensure_future(cluster.run(prepared))
-    await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
+    gate, prepared, running = await _p_out_beside_a_slow_mark(cluster, hold_p=True)
     # The retention ended after the lookup, before the mark's transaction.
     del cluster.registry.retentions[("acme", "c1")]
     cluster.fakes["p1"].prefill_gate = None
@@ -757,11 +758,7 @@ async def test_a_mark_that_does_not_confirm_the_lookup_drops_p_s_request_and_pla
 async def test_without_its_mark_a_turn_whose_p_went_out_beside_it_neither_reuses_nor_retains(
     cluster: Cluster,
 ) -> None:
-    await cluster.turn(PROMPT)
-    cluster.registry.mark_gate = gate = asyncio.Event()
-    prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
-    running = asyncio.ensure_future(cluster.run(prepared))
-    await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
+    gate, _, running = await _p_out_beside_a_slow_mark(cluster)
     cluster.registry.marks_down = True
     gate.set()
     _, second = await running
