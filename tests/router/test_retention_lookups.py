@@ -288,6 +288,30 @@ async def test_a_stale_hit_is_caught_by_the_mark_and_looked_up_in_the_registry()
     await cluster.background()
 
 
+async def test_a_record_the_index_found_is_pulled_only_after_the_mark_confirmed_it() -> None:
+    """The index may hold a record of an engine incarnation that is gone (an engine restarted: its block ids
+    now hold other requests' KV), which the registry would not serve: no P request pulls it before the
+    turn's mark answered (a turn with nothing to pull sends P's request beside the mark: test_turns.py)."""
+    watch = Watch()
+    cluster = Cluster(index=RetentionIndex(watch))
+    assert cluster.index is not None
+    async with following(cluster.index):
+        await synced(watch, cluster.index)
+        await cluster.turn(PROMPT)
+        watch.send(PUBLISHED, cluster.registry.retentions[TENANT.name, "c1"])
+        await eventually(lambda: cluster.index is not None and len(cluster.index) == 1)
+        cluster.registry.mark_gate = gate = asyncio.Event()
+        preparing = asyncio.ensure_future(cluster.prepare([*PROMPT, 101, 102, 103, 7]))
+        await asyncio.sleep(0.05)
+        assert not preparing.done() and len(cluster.fakes["p1"].prefills) == 1
+        gate.set()
+        prepared = await preparing
+        assert prepared.marking is None and prepared.mark is not None
+        _, second = await cluster.run(prepared)
+    assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.PULL, len(PROMPT), 2)
+    await cluster.background()
+
+
 async def test_a_stale_miss_is_caught_by_the_mark_and_looked_up_in_the_registry() -> None:
     watch = Watch()
     cluster = Cluster(index=RetentionIndex(watch))

@@ -859,11 +859,12 @@ async def test_non_streaming_client_that_leaves_aborts_the_decode(stack: Stack) 
         stack.decode.decode_token_delay_seconds = 0.0
 
 
-async def test_p_s_request_goes_out_beside_a_slow_mark_and_a_refused_mark_stops_the_turn(
+async def test_a_first_turn_s_request_goes_out_beside_a_slow_mark_and_a_refused_mark_stops_the_turn(
     router_factory: RouterFactory, standin_factory: StandInFactory, router_registry_address: str
 ) -> None:
     """The router's registry calls cross a proxy adding 0.3 s each way: the mark (an etcd write behind
-    the registry) answers long after the retention index (fed by a watch) and the token prompt are ready."""
+    the registry) answers long after the retention index (fed by a watch; it holds no record of a new
+    conversation, so there is nothing to pull) and the token prompt are ready."""
     model = f"standin-{uuid.uuid4().hex[:6]}"
     prefill = await standin_factory("prefill", model=model, prefill_token_delay_seconds=0.002)
     decode = await standin_factory("decode", model=model, decode_token_delay_seconds=0.05)
@@ -872,6 +873,9 @@ async def test_p_s_request_goes_out_beside_a_slow_mark_and_a_refused_mark_stops_
     try:
         router = await router_factory(registry_address=proxy.endpoint)
         await wait_for_engines(router, {prefill.engine_id, decode.engine_id})
+        index = router.index
+        assert index is not None
+        await eventually(lambda: index.serving, what="the router's retention index")
         proxy.latency_seconds = 0.3
         stub = Stack(model, prefill, decode, router).grpc_stub()
         conv = f"beside-{uuid.uuid4().hex[:8]}"
@@ -885,22 +889,21 @@ async def test_p_s_request_goes_out_beside_a_slow_mark_and_a_refused_mark_stops_
             )
 
         history = list(range(20, 220))
-        _, answer, first = await generate(stub, turn(history, 4))
-        assert first.turn == 1
-        index = router.index
-        assert index is not None
-        await eventually(lambda: (record := index.find("acme", conv)) is not None and record.turn == 1)
-        # Turn 2 pulls turn 1; P's request goes out while the mark is still on its way.
-        second_turn = asyncio.ensure_future(generate(stub, turn([*history, *answer, 7, 8], 40)))
-        await eventually(lambda: prefill.counters.prefill_requests == 2, within=0.5, what="P's request")
-        assert decode.counters.decode_requests == 1
-        await eventually(lambda: decode.counters.decode_requests == 2, what="turn 2's decode, once marked")
-        # Turn 3 while turn 2 streams (40 tokens at 50 ms): P gets its request, then the mark is refused.
+        # P's request goes out while the mark is still on its way; D is asked once it is taken.
+        first_turn = asyncio.ensure_future(generate(stub, turn(history, 40)))
+        await eventually(lambda: prefill.counters.prefill_requests == 1, within=0.5, what="P's request")
+        assert decode.counters.decode_requests == 0
+        await eventually(lambda: decode.counters.decode_requests == 1, what="the turn's decode, once marked")
+        # Another turn of the conversation while the first streams (40 tokens at 50 ms): P gets its request,
+        # then the mark is refused and the turn never reaches D.
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await generate(stub, turn([*history, *answer, 7, 8, 9], 4))
+            await generate(stub, turn([*history, 9], 4))
         assert refused.value.code() == grpc.StatusCode.ABORTED
-        assert prefill.counters.prefill_requests == 3 and decode.counters.decode_requests == 2
-        _, _, second = await second_turn
+        assert prefill.counters.prefill_requests == 2 and decode.counters.decode_requests == 1
+        _, answer, first = await first_turn
+        assert first.turn == 1
+        # The next turn pulls turn 1 (a record the router's index holds: its P request waits for the mark).
+        _, _, second = await generate(stub, turn([*history, *answer, 7, 8], 4))
         assert (second.turn, second.reuse) == (2, router_pb2.REUSE_DECISION_PULL)
     finally:
         await proxy.stop()

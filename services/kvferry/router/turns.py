@@ -7,9 +7,10 @@
   one) and looking its retention up - in the router's retention index when it can answer, else in the
   registry; the mark's answer confirms it (the lookup opens the retention's read window:
   :class:`~kvferry.pd.reuse.ReadWindow`); 3. check the length against the model's limit. A mark still in
-  flight once the prompt and the lookup are ready is not waited for here: ``execute`` sends P's request
-  beside it and settles it before anything reaches D or the client (a refusal cancels P's request; a mark
-  that does not confirm the lookup drops it and plans the turn again).
+  flight once the prompt and the lookup are ready is not waited for here unless the lookup is a record the
+  index found (which may be of an engine incarnation that is gone): ``execute`` sends P's request beside it
+  and settles it before anything reaches D or the client (a refusal cancels P's request; a mark that does not
+  confirm the lookup drops it and plans the turn again).
 ``execute`` (an async stream of :class:`TextOut`, then one :class:`TurnResult`):
   4-6. plan the attempt (:func:`kvferry.router.plan.plan_turn`: the proven prefix, pull or recompute,
   the engines); 7. run :func:`kvferry.pd.sequence.prefill_then_decode`: prefill with ``max_tokens=1``
@@ -36,7 +37,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvferry.pd.chat import ChatRequest
 from kvferry.pd.engine_api import (
@@ -265,6 +266,18 @@ class _MarkTaken:
     begun: BegunTurn
 
 
+class _LookedUp(NamedTuple):
+    """A turn's retention lookup: the record (None: none), its read window, whether the registry answered."""
+
+    retention: RetentionRecord | None
+    window: ReadWindow | None
+    registry_ok: bool
+    # Found in the router's retention index: a hint until the turn's mark confirms it. The index may still
+    # hold a record of an engine incarnation that is gone (the engine restarted: those block ids now hold
+    # other requests' KV), which the registry would not serve; nothing pulls it before the mark's answer.
+    from_index: bool = False
+
+
 @dataclass(frozen=True)
 class _Settlement:
     """The turn's mark (None: not taken) and the retention the turn runs with."""
@@ -402,14 +415,16 @@ class TurnRunner:
             if marking is not None and not marking.done() and lookup is not None and lookup.done():
                 # The mark is still in flight: hash the prompt for the prefix check now, not after it.
                 hashed = self._hash_ahead(model, token_ids, lookup)
-            looked_up = await lookup if lookup is not None else (None, None, True)
-            if marking is not None and not marking.done():
+            looked_up = await lookup if lookup is not None else _LookedUp(None, None, True)
+            if marking is not None and not marking.done() and not looked_up.from_index:
+                # Nothing to pull, or the registry's own answer (a record it serves): P's request may go out
+                # before the mark's answer. A record the index found waits for it.
                 pending = marking
-                settled = _Settlement(None, *looked_up)
+                settled = _Settlement(None, looked_up.retention, looked_up.window, looked_up.registry_ok)
             elif marking is not None:
-                settled = await self._settle(tenant, conversation_id, marking.result(), looked_up)
+                settled = await self._settle(tenant, conversation_id, await marking, looked_up)
             else:
-                settled = _Settlement(None, *looked_up)
+                settled = _Settlement(None, looked_up.retention, looked_up.window, looked_up.registry_ok)
         except BaseException as error:
             for task in (lookup, tokenizing):
                 if task is not None:
@@ -459,27 +474,24 @@ class TurnRunner:
         tenant: str,
         conversation_id: str | None,
         taken: _MarkTaken | None,
-        looked_up: tuple[RetentionRecord | None, ReadWindow | None, bool],
+        looked_up: _LookedUp,
     ) -> _Settlement:
         """The turn's mark and the retention it runs with, from the mark's answer and the lookup made beside
         it. Without its mark a turn runs unguarded: it neither reuses nor retains."""
         if taken is None:
             return _Settlement(None, None, None, False)
-        retention, window, registry_ok = looked_up
-        if registry_ok and not taken.begun.confirms(retention):
+        if looked_up.registry_ok and not taken.begun.confirms(looked_up.retention):
             # The lookup is not what the registry held when the mark was taken (a turn was published or ended
             # in between, the index lags, or the record's engine left): the registry's answer now is current
             # (the mark holds the conversation still).
-            retention, window, registry_ok = await self._lookup(
-                tenant, conversation_id, self._clock(), from_registry=True
-            )
-        return _Settlement(taken.mark, retention, window, registry_ok)
+            looked_up = await self._lookup(tenant, conversation_id, self._clock(), from_registry=True)
+        return _Settlement(taken.mark, looked_up.retention, looked_up.window, looked_up.registry_ok)
 
     def _hash_ahead(
         self,
         model: str,
         token_ids: tuple[int, ...],
-        lookup: asyncio.Future[tuple[RetentionRecord | None, ReadWindow | None, bool]],
+        lookup: asyncio.Future[_LookedUp],
     ) -> PromptDigests | None:
         if lookup.cancelled() or lookup.exception() is not None:
             return None
@@ -542,13 +554,13 @@ class TurnRunner:
 
     async def _lookup(
         self, tenant: str, conversation_id: str | None, looked_up_at: float, *, from_registry: bool = False
-    ) -> tuple[RetentionRecord | None, ReadWindow | None, bool]:
+    ) -> _LookedUp:
         """The conversation's retention and its read window, opened at ``looked_up_at``: *before* the
         registry is asked (the registry may end the retention right after it answered, and D's grace then
         runs from there), or before the mark that confirms an index hit is asked. ``from_registry``: not
         from the index."""
         if conversation_id is None:
-            return None, None, True
+            return _LookedUp(None, None, True)
         try:
             found = await self._lookups.lookup(tenant, conversation_id, from_registry=from_registry)
         except RegistryUnavailable as error:
@@ -557,15 +569,15 @@ class TurnRunner:
                 "registry unavailable: serving the turn by recompute",
                 extra={"conversation_id": conversation_id, "error": str(error)},
             )
-            return None, None, False
+            return _LookedUp(None, None, False)
         self.telemetry.retention_lookup(found.path)
         retention = found.retention
         if retention is None:
-            return None, None, True
+            return _LookedUp(None, None, True)
         # D frees a retention only after the registry ended it, plus a grace of at least twice the window
         # (rule 1): the window needs no bound from the lease, which renewals move without telling anyone.
         window = ReadWindow.opened(looked_up_at, self._settings.read_window_seconds)
-        return retention, window, True
+        return _LookedUp(retention, window, True, from_index=found.path == "index")
 
     async def _renew(self, tenant: str, conversation_id: str) -> None:
         try:
@@ -808,7 +820,7 @@ class TurnRunner:
                                 turn.request.tenant.name,
                                 turn.request.conversation_id,
                                 await turn.marking,
-                                (turn.retention, turn.read_window, turn.registry_ok),
+                                _LookedUp(turn.retention, turn.read_window, turn.registry_ok),
                             )
                         except BaseException:
                             await _dropped(answered)
