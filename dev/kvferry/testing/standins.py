@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -81,7 +82,9 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.generations = [0] * num_blocks
+        # A random base per process, as the connector's (kvferry.connector.generations): a record of an
+        # engine that restarted never matches the new one's generations.
+        self.generations = [secrets.randbits(52)] * num_blocks
         self.contents: list[bytes] = [b""] * num_blocks
         self.owners: list[str | None] = [None] * num_blocks
 
