@@ -14,11 +14,11 @@ from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 from kvferry.router.aiohttp_transport import AiohttpTransport
 
 
-def client(url: str, read_timeout: float = 0.3) -> VllmEngineClient:
+def client(url: str, read_timeout: float = 0.3, connect_timeout: float = 0.5) -> VllmEngineClient:
     return VllmEngineClient(
         url,
         "m",
-        timeouts=HttpTimeouts(connect=0.5, read=read_timeout),
+        timeouts=HttpTimeouts(connect=connect_timeout, read=read_timeout),
         transport=AiohttpTransport(max_connections=4),
     )
 
@@ -42,7 +42,8 @@ async def test_engine_that_never_answers_times_out_as_unavailable() -> None:
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        async with client(f"http://127.0.0.1:{port}") as engine:
+        # A connect timeout a loaded machine cannot miss: the server accepts at once, the answer never comes.
+        async with client(f"http://127.0.0.1:{port}", connect_timeout=10) as engine:
             with pytest.raises(EngineUnavailableError) as failed:
                 await engine.prefill(PrefillRequest(token_ids=(1, 2, 3)))
             assert "ReadTimeout" in str(failed.value)
