@@ -23,6 +23,7 @@ from kvferry.router.cost import Reuse
 from kvferry.router.registry_client import RetentionRecord
 from kvferry.router.retention_index import RetentionIndex, RetentionLookups
 from kvferry.router.server import RouterConfig
+from kvferry.router.turns import TurnResult
 from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
@@ -226,15 +227,21 @@ async def test_without_an_index_and_when_asked_every_lookup_goes_to_the_registry
 # -- the turn ----------------------------------------------------------------------------------
 
 
+async def _turn_one_indexed(cluster: Cluster, watch: Watch) -> TurnResult:
+    """Turn 1 of conversation c1, its publication then heard by the index."""
+    _, first = await cluster.turn(PROMPT)
+    watch.send(PUBLISHED, cluster.registry.retentions[TENANT.name, "c1"])
+    await eventually(lambda: cluster.index is not None and len(cluster.index) == 1)
+    return first
+
+
 async def test_a_turn_s_lookup_is_read_from_the_index_and_confirmed_by_its_mark() -> None:
     watch = Watch()
     cluster = Cluster(index=RetentionIndex(watch))
     assert cluster.index is not None
     async with following(cluster.index):
         await synced(watch, cluster.index)
-        _, first = await cluster.turn(PROMPT)
-        watch.send(PUBLISHED, cluster.registry.retentions[TENANT.name, "c1"])
-        await eventually(lambda: cluster.index is not None and len(cluster.index) == 1)
+        first = await _turn_one_indexed(cluster, watch)
         before = cluster.registry.lookups
         _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
     assert (first.turn, second.turn, second.reuse) == (1, 2, Reuse.PULL)
@@ -275,9 +282,7 @@ async def test_a_stale_hit_is_caught_by_the_mark_and_looked_up_in_the_registry()
     assert cluster.index is not None
     async with following(cluster.index):
         await synced(watch, cluster.index)
-        await cluster.turn(PROMPT)
-        watch.send(PUBLISHED, cluster.registry.retentions[TENANT.name, "c1"])
-        await eventually(lambda: cluster.index is not None and len(cluster.index) == 1)
+        await _turn_one_indexed(cluster, watch)
         # The registry ended the retention; the index has not heard yet.
         del cluster.registry.retentions[TENANT.name, "c1"]
         before = cluster.registry.lookups
@@ -291,24 +296,69 @@ async def test_a_stale_hit_is_caught_by_the_mark_and_looked_up_in_the_registry()
 async def test_a_record_the_index_found_is_pulled_only_after_the_mark_confirmed_it() -> None:
     """The index may hold a record of an engine incarnation that is gone (an engine restarted: its block ids
     now hold other requests' KV), which the registry would not serve: no P request pulls it before the
-    turn's mark answered (a turn with nothing to pull sends P's request beside the mark: test_turns.py)."""
+    turn's mark answered."""
     watch = Watch()
     cluster = Cluster(index=RetentionIndex(watch))
     assert cluster.index is not None
     async with following(cluster.index):
         await synced(watch, cluster.index)
-        await cluster.turn(PROMPT)
-        watch.send(PUBLISHED, cluster.registry.retentions[TENANT.name, "c1"])
-        await eventually(lambda: cluster.index is not None and len(cluster.index) == 1)
+        await _turn_one_indexed(cluster, watch)
         cluster.registry.mark_gate = gate = asyncio.Event()
-        preparing = asyncio.ensure_future(cluster.prepare([*PROMPT, 101, 102, 103, 7]))
+        prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
+        assert prepared.marking is not None and prepared.retention_from_index
+        running = asyncio.ensure_future(cluster.run(prepared))
         await asyncio.sleep(0.05)
-        assert not preparing.done() and len(cluster.fakes["p1"].prefills) == 1
+        assert not running.done() and len(cluster.fakes["p1"].prefills) == 1
         gate.set()
-        prepared = await preparing
-        assert prepared.marking is None and prepared.mark is not None
-        _, second = await cluster.run(prepared)
+        _, second = await running
     assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.PULL, len(PROMPT), 2)
+    assert [p.request_id for p in cluster.fakes["p1"].prefills[1:]] == [f"{prepared.request_id}-1-p"]
+    await cluster.background()
+
+
+async def test_a_stale_hit_planned_to_pull_is_planned_again_before_any_request() -> None:
+    """The mark, answered before P's request, does not confirm the index's record: the turn is planned on
+    the registry's answer, and its request is the turn's first (nothing was sent or dropped)."""
+    watch = Watch()
+    cluster = Cluster(index=RetentionIndex(watch))
+    assert cluster.index is not None
+    async with following(cluster.index):
+        await synced(watch, cluster.index)
+        await _turn_one_indexed(cluster, watch)
+        cluster.registry.mark_gate = gate = asyncio.Event()
+        prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
+        running = asyncio.ensure_future(cluster.run(prepared))
+        await asyncio.sleep(0.05)
+        del cluster.registry.retentions[TENANT.name, "c1"]
+        gate.set()
+        _, second = await running
+    assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.NONE, 0, 1)
+    sent = cluster.fakes["p1"].prefills[1:]
+    assert [p.request_id for p in sent] == [f"{prepared.request_id}-1-p"] and sent[0].reuse is None
+    assert cluster.fakes["p1"].prefills_cancelled == []
+    await cluster.background()
+
+
+async def test_an_index_hit_the_turn_does_not_pull_sends_p_s_request_beside_the_mark() -> None:
+    """A turn that pulls nothing of the record its index found (here: the prompt does not continue it, so
+    the plan recomputes) needs no answer from the mark before P's request."""
+    watch = Watch()
+    cluster = Cluster(index=RetentionIndex(watch))
+    assert cluster.index is not None
+    async with following(cluster.index):
+        await synced(watch, cluster.index)
+        await _turn_one_indexed(cluster, watch)
+        cluster.registry.mark_gate = gate = asyncio.Event()
+        prepared = await cluster.prepare([5, *PROMPT])
+        assert prepared.marking is not None and prepared.retention_from_index
+        running = asyncio.ensure_future(cluster.run(prepared))
+        await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
+        assert cluster.fakes["p1"].prefills[-1].reuse is None and not running.done()
+        assert len(cluster.fakes["d1"].decodes) == 1
+        gate.set()
+        _, second = await running
+    assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.NONE, 0, 2)
+    assert cluster.fakes["p1"].prefills_cancelled == []
     await cluster.background()
 
 

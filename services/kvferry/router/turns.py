@@ -212,6 +212,9 @@ class PreparedTurn:
     # out beside it, and the turn settles it (``mark``, and the lookup it confirms) before anything reaches D
     # or the client. None: settled in ``prepare`` (or no conversation).
     marking: asyncio.Future[_MarkTaken | None] | None = None
+    # ``retention`` is the router's index's, not yet confirmed by ``marking``: a plan that pulls it waits
+    # for the mark's answer before P's request (see ``_LookedUp.from_index``).
+    retention_from_index: bool = False
 
 
 @dataclass(frozen=True)
@@ -416,9 +419,9 @@ class TurnRunner:
                 # The mark is still in flight: hash the prompt for the prefix check now, not after it.
                 hashed = self._hash_ahead(model, token_ids, lookup)
             looked_up = await lookup if lookup is not None else _LookedUp(None, None, True)
-            if marking is not None and not marking.done() and not looked_up.from_index:
-                # Nothing to pull, or the registry's own answer (a record it serves): P's request may go out
-                # before the mark's answer. A record the index found waits for it.
+            if marking is not None and not marking.done():
+                # P's request may go out before the mark's answer, unless it pulls a record the index found
+                # (``_run`` waits for the mark then).
                 pending = marking
                 settled = _Settlement(None, looked_up.retention, looked_up.window, looked_up.registry_ok)
             elif marking is not None:
@@ -465,6 +468,7 @@ class TurnRunner:
             read_window=settled.window,
             mark=settled.mark,
             marking=pending,
+            retention_from_index=pending is not None and looked_up.from_index,
             index_revision=index_revision,
             prompt_digests=hashed,
         )
@@ -486,6 +490,39 @@ class TurnRunner:
             # (the mark holds the conversation still).
             looked_up = await self._lookup(tenant, conversation_id, self._clock(), from_registry=True)
         return _Settlement(taken.mark, looked_up.retention, looked_up.window, looked_up.registry_ok)
+
+    async def _settled(self, turn: PreparedTurn) -> tuple[PreparedTurn, bool]:
+        """The turn once its mark in flight (``turn.marking``) answered, and whether the mark confirmed the
+        lookup the turn was planned on (False: the turn runs with the registry's current answer, planned
+        again)."""
+        assert turn.marking is not None
+        settled = await self._settle(
+            turn.request.tenant.name,
+            turn.request.conversation_id,
+            await turn.marking,
+            _LookedUp(turn.retention, turn.read_window, turn.registry_ok),
+        )
+        if settled.registry_ok == turn.registry_ok and _same_record(settled.retention, turn.retention):
+            return dataclasses.replace(turn, mark=settled.mark, marking=None), True
+        log.info(
+            "the turn's mark did not confirm its lookup; planning again",
+            extra={
+                "request_id": turn.request_id,
+                "conversation_id": turn.request.conversation_id,
+                "retained_turn": settled.retention.turn if settled.retention else 0,
+                "registry_ok": settled.registry_ok,
+            },
+        )
+        changed = dataclasses.replace(
+            turn,
+            mark=settled.mark,
+            retention=settled.retention,
+            read_window=settled.window,
+            registry_ok=settled.registry_ok,
+            marking=None,
+            prompt_digests=None,
+        )
+        return changed, False
 
     def _hash_ahead(
         self,
@@ -771,6 +808,17 @@ class TurnRunner:
                 exclude=frozenset(failed),
                 hashed=turn.prompt_digests,
             )
+            if turn.marking is not None and turn.retention_from_index and plan.pull is not None:
+                # A record the index found is pulled only once the mark confirmed it: the index may still
+                # hold a record of an engine incarnation that is gone.
+                turn, stands = await self._settled(turn)
+                yield _MarkSettled(turn)
+                mark = self._mark(turn)
+                if not stands:
+                    retention, window = turn.retention, turn.read_window
+                    attempt -= 1
+                    sent -= 1
+                    continue
             engine_turn = EngineTurn(
                 token_ids=turn.token_ids if shown is None else turn.token_ids + shown.token_ids,
                 sampling=turn.sampling
@@ -814,45 +862,13 @@ class TurnRunner:
                         # P has not answered yet) and the turn planned again.
                         answered = asyncio.ensure_future(anext(events))
                         try:
-                            racing: list[asyncio.Future[Any]] = [answered, turn.marking]
-                            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-                            settled = await self._settle(
-                                turn.request.tenant.name,
-                                turn.request.conversation_id,
-                                await turn.marking,
-                                _LookedUp(turn.retention, turn.read_window, turn.registry_ok),
-                            )
+                            turn, stands = await self._settled(turn)
                         except BaseException:
                             await _dropped(answered)
                             raise
-                        stands = settled.registry_ok == turn.registry_ok and _same_record(
-                            settled.retention, turn.retention
-                        )
-                        turn = (
-                            dataclasses.replace(turn, mark=settled.mark, marking=None)
-                            if stands
-                            else dataclasses.replace(
-                                turn,
-                                mark=settled.mark,
-                                retention=settled.retention,
-                                read_window=settled.window,
-                                registry_ok=settled.registry_ok,
-                                marking=None,
-                                prompt_digests=None,
-                            )
-                        )
                         yield _MarkSettled(turn)
                         if not stands:
                             await _dropped(answered)
-                            log.info(
-                                "the turn's mark did not confirm its lookup; planning again",
-                                extra={
-                                    "request_id": turn.request_id,
-                                    "conversation_id": turn.request.conversation_id,
-                                    "retained_turn": turn.retention.turn if turn.retention else 0,
-                                    "registry_ok": turn.registry_ok,
-                                },
-                            )
                             mark = self._mark(turn)
                             retention, window = turn.retention, turn.read_window
                             attempt -= 1
