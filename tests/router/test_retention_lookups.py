@@ -23,7 +23,7 @@ from kvferry.router.cost import Reuse
 from kvferry.router.registry_client import RetentionRecord
 from kvferry.router.retention_index import RetentionIndex, RetentionLookups
 from kvferry.router.server import RouterConfig
-from kvferry.router.turns import TurnResult
+from kvferry.router.turns import PreparedTurn, TurnResult
 from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
@@ -293,10 +293,12 @@ async def test_a_stale_hit_is_caught_by_the_mark_and_looked_up_in_the_registry()
     await cluster.background()
 
 
-async def test_a_record_the_index_found_is_pulled_only_after_the_mark_confirmed_it() -> None:
-    """The index may hold a record of an engine incarnation that is gone (an engine restarted: its block ids
-    now hold other requests' KV), which the registry would not serve: no P request pulls it before the
-    turn's mark answered."""
+@contextlib.asynccontextmanager
+async def _turn_two_beside_a_slow_mark(
+    prompt: list[int],
+) -> AsyncIterator[tuple[Cluster, asyncio.Event, PreparedTurn]]:
+    """Turn 1 of c1, heard by the index; then turn 2 (``prompt``) prepared while its mark waits for the
+    returned gate."""
     watch = Watch()
     cluster = Cluster(index=RetentionIndex(watch))
     assert cluster.index is not None
@@ -304,8 +306,17 @@ async def test_a_record_the_index_found_is_pulled_only_after_the_mark_confirmed_
         await synced(watch, cluster.index)
         await _turn_one_indexed(cluster, watch)
         cluster.registry.mark_gate = gate = asyncio.Event()
-        prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
+        prepared = await cluster.prepare(prompt)
         assert prepared.marking is not None and prepared.retention_from_index
+        yield cluster, gate, prepared
+    await cluster.background()
+
+
+async def test_a_record_the_index_found_is_pulled_only_after_the_mark_confirmed_it() -> None:
+    """The index may hold a record of an engine incarnation that is gone (an engine restarted: its block ids
+    now hold other requests' KV), which the registry would not serve: no P request pulls it before the
+    turn's mark answered."""
+    async with _turn_two_beside_a_slow_mark([*PROMPT, 101, 102, 103, 7]) as (cluster, gate, prepared):
         running = asyncio.ensure_future(cluster.run(prepared))
         await asyncio.sleep(0.05)
         assert not running.done() and len(cluster.fakes["p1"].prefills) == 1
@@ -313,20 +324,12 @@ async def test_a_record_the_index_found_is_pulled_only_after_the_mark_confirmed_
         _, second = await running
     assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.PULL, len(PROMPT), 2)
     assert [p.request_id for p in cluster.fakes["p1"].prefills[1:]] == [f"{prepared.request_id}-1-p"]
-    await cluster.background()
 
 
 async def test_a_stale_hit_planned_to_pull_is_planned_again_before_any_request() -> None:
     """The mark, answered before P's request, does not confirm the index's record: the turn is planned on
     the registry's answer, and its request is the turn's first (nothing was sent or dropped)."""
-    watch = Watch()
-    cluster = Cluster(index=RetentionIndex(watch))
-    assert cluster.index is not None
-    async with following(cluster.index):
-        await synced(watch, cluster.index)
-        await _turn_one_indexed(cluster, watch)
-        cluster.registry.mark_gate = gate = asyncio.Event()
-        prepared = await cluster.prepare([*PROMPT, 101, 102, 103, 7])
+    async with _turn_two_beside_a_slow_mark([*PROMPT, 101, 102, 103, 7]) as (cluster, gate, prepared):
         running = asyncio.ensure_future(cluster.run(prepared))
         await asyncio.sleep(0.05)
         del cluster.registry.retentions[TENANT.name, "c1"]
@@ -336,21 +339,12 @@ async def test_a_stale_hit_planned_to_pull_is_planned_again_before_any_request()
     sent = cluster.fakes["p1"].prefills[1:]
     assert [p.request_id for p in sent] == [f"{prepared.request_id}-1-p"] and sent[0].reuse is None
     assert cluster.fakes["p1"].prefills_cancelled == []
-    await cluster.background()
 
 
 async def test_an_index_hit_the_turn_does_not_pull_sends_p_s_request_beside_the_mark() -> None:
     """A turn that pulls nothing of the record its index found (here: the prompt does not continue it, so
     the plan recomputes) needs no answer from the mark before P's request."""
-    watch = Watch()
-    cluster = Cluster(index=RetentionIndex(watch))
-    assert cluster.index is not None
-    async with following(cluster.index):
-        await synced(watch, cluster.index)
-        await _turn_one_indexed(cluster, watch)
-        cluster.registry.mark_gate = gate = asyncio.Event()
-        prepared = await cluster.prepare([5, *PROMPT])
-        assert prepared.marking is not None and prepared.retention_from_index
+    async with _turn_two_beside_a_slow_mark([5, *PROMPT]) as (cluster, gate, prepared):
         running = asyncio.ensure_future(cluster.run(prepared))
         await eventually(lambda: len(cluster.fakes["p1"].prefills) == 2)
         assert cluster.fakes["p1"].prefills[-1].reuse is None and not running.done()
@@ -359,7 +353,6 @@ async def test_an_index_hit_the_turn_does_not_pull_sends_p_s_request_beside_the_
         _, second = await running
     assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.NONE, 0, 2)
     assert cluster.fakes["p1"].prefills_cancelled == []
-    await cluster.background()
 
 
 async def test_a_stale_miss_is_caught_by_the_mark_and_looked_up_in_the_registry() -> None:
