@@ -24,6 +24,7 @@ from kvferry.router.registry_client import RetentionRecord
 from kvferry.router.retention_index import RetentionIndex, RetentionLookups
 from kvferry.router.server import RouterConfig
 from kvferry.router.turns import PreparedTurn, TurnResult
+from kvferry.runtime.errors import Aborted
 from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
@@ -339,6 +340,17 @@ async def test_a_stale_hit_planned_to_pull_is_planned_again_before_any_request()
     sent = cluster.fakes["p1"].prefills[1:]
     assert [p.request_id for p in sent] == [f"{prepared.request_id}-1-p"] and sent[0].reuse is None
     assert cluster.fakes["p1"].prefills_cancelled == []
+
+
+async def test_a_mark_refused_before_an_index_pull_sends_p_nothing() -> None:
+    async with _turn_two_beside_a_slow_mark([*PROMPT, 101, 102, 103, 7]) as (cluster, gate, prepared):
+        running = asyncio.ensure_future(cluster.run(prepared))
+        cluster.registry.marks[TENANT.name, "c1"] = "kvf-another-turn"
+        gate.set()
+        with pytest.raises(Aborted, match="kvf-another-turn"):
+            await running
+    assert len(cluster.fakes["p1"].prefills) == 1 and len(cluster.fakes["d1"].decodes) == 1
+    assert cluster.registry.marks == {(TENANT.name, "c1"): "kvf-another-turn"} and cluster.idle()
 
 
 async def test_an_index_hit_the_turn_does_not_pull_sends_p_s_request_beside_the_mark() -> None:

@@ -295,8 +295,8 @@ class _Settlement:
 
 @dataclass(frozen=True)
 class _MarkSettled:
-    """``_run`` to ``execute``: the turn's mark, taken beside P's request, is settled (the turn as it runs
-    from here)."""
+    """``_run`` to ``execute``: the turn's mark, still in flight when the turn was prepared, is settled (the
+    turn as it runs from here)."""
 
     turn: PreparedTurn
 
