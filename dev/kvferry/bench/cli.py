@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 
 BENCHMARKS: list[tuple[str, str, str]] = [
     ("registry", "kvferry.bench.registry", "registry throughput/latency and live-retention capacity"),
@@ -36,4 +37,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # SIGTERM (`timeout`, a supervisor, a closed terminal) unwinds like an error, so each benchmark's own
+    # cleanup stops the processes it started; a benchmark may put its own handler in place of this one.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     return int(args._bench_run(args))
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import fcntl
 import json
-import signal
 import statistics
 import tempfile
 import time
@@ -109,8 +108,6 @@ def run(args: argparse.Namespace) -> int:
         logged = [r for r in logged if r.pulled_tokens >= args.min_tokens]
         print_table(logged)
         return 0 if logged else 1
-    # A SIGTERM (e.g. from `timeout`) unwinds normally, so the engines are stopped.
-    signal.signal(signal.SIGTERM, _raise_system_exit)
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="kvferry-bench-fence-"))).resolve()
     lock = None
     if not args.no_lock:
@@ -135,10 +132,6 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"engine logs: {workdir}")
     return 0 if runs else 1
-
-
-def _raise_system_exit(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def engines(args: argparse.Namespace, workdir: Path) -> tuple[EngineProcess, EngineProcess]:

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import fcntl
 import json
-import signal
 import sys
 import tempfile
 import time
@@ -60,8 +59,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # A SIGTERM (e.g. from `timeout`) unwinds normally, so the engines are stopped.
-    signal.signal(signal.SIGTERM, _raise_system_exit)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvferry-bench-idle-"))
     connectors = [c.strip() for c in str(args.connectors).split(",") if c.strip()]
     for name in connectors:
@@ -85,10 +82,6 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps([asdict(s) for s in samples], indent=2))
     print(f"engine logs: {workdir}")
     return 0
-
-
-def _raise_system_exit(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def measure_connector(connector: ConnectorKind, args: argparse.Namespace, workdir: Path) -> list[Sample]:
