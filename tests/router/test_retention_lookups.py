@@ -228,6 +228,18 @@ async def test_without_an_index_and_when_asked_every_lookup_goes_to_the_registry
 # -- the turn ----------------------------------------------------------------------------------
 
 
+@contextlib.asynccontextmanager
+async def _synced_cluster() -> AsyncIterator[tuple[Cluster, Watch]]:
+    """A cluster whose router reads a retention index, followed and synced while the block runs."""
+    watch = Watch()
+    cluster = Cluster(index=RetentionIndex(watch))
+    assert cluster.index is not None
+    async with following(cluster.index):
+        await synced(watch, cluster.index)
+        yield cluster, watch
+    await cluster.background()
+
+
 async def _turn_one_indexed(cluster: Cluster, watch: Watch) -> TurnResult:
     """Turn 1 of conversation c1, its publication then heard by the index."""
     _, first = await cluster.turn(PROMPT)
@@ -237,11 +249,7 @@ async def _turn_one_indexed(cluster: Cluster, watch: Watch) -> TurnResult:
 
 
 async def test_a_turn_s_lookup_is_read_from_the_index_and_confirmed_by_its_mark() -> None:
-    watch = Watch()
-    cluster = Cluster(index=RetentionIndex(watch))
-    assert cluster.index is not None
-    async with following(cluster.index):
-        await synced(watch, cluster.index)
+    async with _synced_cluster() as (cluster, watch):
         first = await _turn_one_indexed(cluster, watch)
         before = cluster.registry.lookups
         _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
@@ -250,39 +258,29 @@ async def test_a_turn_s_lookup_is_read_from_the_index_and_confirmed_by_its_mark(
     # Only the publication wait asked the registry (the index never heard of turn 2 here): the lookup was
     # the index's.
     assert cluster.registry.lookups == before + 1
-    await cluster.background()
 
 
 async def test_a_turn_s_publication_is_seen_in_the_index_without_polling_the_registry() -> None:
-    watch = Watch()
-    cluster = Cluster(index=RetentionIndex(watch))
-    assert cluster.index is not None
+    async with _synced_cluster() as (cluster, watch):
 
-    def publish(engine: FakeEngine, request: DecodeRequest) -> None:
-        # What etcd's watch does after the sidecar's publish: the index hears of it.
-        cluster.registry.publish(engine, request)
-        mark = request.mark
-        if isinstance(mark, ConversationMark):
-            watch.send(PUBLISHED, cluster.registry.retentions[mark.tenant, mark.conversation_id])
+        def publish(engine: FakeEngine, request: DecodeRequest) -> None:
+            # What etcd's watch does after the sidecar's publish: the index hears of it.
+            cluster.registry.publish(engine, request)
+            mark = request.mark
+            if isinstance(mark, ConversationMark):
+                watch.send(PUBLISHED, cluster.registry.retentions[mark.tenant, mark.conversation_id])
 
-    for fake in cluster.fakes.values():
-        fake.on_finished = publish
-    async with following(cluster.index):
-        await synced(watch, cluster.index)
+        for fake in cluster.fakes.values():
+            fake.on_finished = publish
         _, first = await cluster.turn(PROMPT)
         _, second = await cluster.turn([*PROMPT, 101, 102, 103, 7])
     assert (first.turn, second.turn, second.reuse) == (1, 2, Reuse.PULL)
     # Turn 1's lookup missed (nothing retained yet) and its mark confirmed that: nothing asked the registry.
     assert cluster.registry.lookups == 0
-    await cluster.background()
 
 
 async def test_a_stale_hit_is_caught_by_the_mark_and_looked_up_in_the_registry() -> None:
-    watch = Watch()
-    cluster = Cluster(index=RetentionIndex(watch))
-    assert cluster.index is not None
-    async with following(cluster.index):
-        await synced(watch, cluster.index)
+    async with _synced_cluster() as (cluster, watch):
         await _turn_one_indexed(cluster, watch)
         # The registry ended the retention; the index has not heard yet.
         del cluster.registry.retentions[TENANT.name, "c1"]
@@ -291,7 +289,6 @@ async def test_a_stale_hit_is_caught_by_the_mark_and_looked_up_in_the_registry()
     # The mark read no retained turn, unlike the index: the registry was asked, and it holds none.
     assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.NONE, 0, 1)
     assert cluster.registry.lookups == before + 1 + 1  # the recheck, the publication poll
-    await cluster.background()
 
 
 @contextlib.asynccontextmanager
@@ -300,17 +297,12 @@ async def _turn_two_beside_a_slow_mark(
 ) -> AsyncIterator[tuple[Cluster, asyncio.Event, PreparedTurn]]:
     """Turn 1 of c1, heard by the index; then turn 2 (``prompt``) prepared while its mark waits for the
     returned gate."""
-    watch = Watch()
-    cluster = Cluster(index=RetentionIndex(watch))
-    assert cluster.index is not None
-    async with following(cluster.index):
-        await synced(watch, cluster.index)
+    async with _synced_cluster() as (cluster, watch):
         await _turn_one_indexed(cluster, watch)
         cluster.registry.mark_gate = gate = asyncio.Event()
         prepared = await cluster.prepare(prompt)
         assert prepared.marking is not None and prepared.retention_from_index
         yield cluster, gate, prepared
-    await cluster.background()
 
 
 async def test_a_record_the_index_found_is_pulled_only_after_the_mark_confirmed_it() -> None:
@@ -368,11 +360,7 @@ async def test_an_index_hit_the_turn_does_not_pull_sends_p_s_request_beside_the_
 
 
 async def test_a_stale_miss_is_caught_by_the_mark_and_looked_up_in_the_registry() -> None:
-    watch = Watch()
-    cluster = Cluster(index=RetentionIndex(watch))
-    assert cluster.index is not None
-    async with following(cluster.index):
-        await synced(watch, cluster.index)
+    async with _synced_cluster() as (cluster, _):
         # Turn 1 is published in the registry; the index has not heard yet (another router's turn, a lagging
         # watch).
         await cluster.turn(PROMPT)
@@ -381,7 +369,6 @@ async def test_a_stale_miss_is_caught_by_the_mark_and_looked_up_in_the_registry(
     # The index held none; the mark read turn 1: the registry was asked, and the turn pulled it.
     assert (second.reuse, second.pulled_tokens, second.turn) == (Reuse.PULL, len(PROMPT), 2)
     assert cluster.registry.lookups == before + 1 + 1  # the recheck, the publication poll
-    await cluster.background()
 
 
 def _router_config(argv: list[str], environ: dict[str, str]) -> RouterConfig:
