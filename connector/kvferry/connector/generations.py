@@ -62,6 +62,11 @@ IDENTITY = COUNTER_SLOTS - 1
 _BASE_BITS = 52
 
 
+def random_base() -> int:
+    """An engine incarnation's first generation (every block starts there)."""
+    return secrets.randbits(_BASE_BITS)
+
+
 class GenerationError(RuntimeError):
     """The generation file cannot be created or shared; raised at engine start."""
 
@@ -208,7 +213,7 @@ class GenerationBook:
         on_bump: Callable[[list[int], list[int]], None] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
-        self.base = secrets.randbits(_BASE_BITS) if base is None else base
+        self.base = random_base() if base is None else base
         self._values: Generations = np.full(num_blocks, self.base, dtype=np.uint64)
         self._files: list[GenerationFile] = []
         self._published: set[int] = set()

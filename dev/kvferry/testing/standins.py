@@ -31,7 +31,6 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import signal
 import socket
 import sys
@@ -44,6 +43,7 @@ from typing import Any
 import httpx
 import uvicorn
 from kvferry.connector.accounting import Accounting
+from kvferry.connector.generations import random_base
 from kvferry.connector.keeper import RetentionKeeper
 from kvferry.connector.logs import FREED_LOG, RETAINED_LOG
 from kvferry.connector.read_deadlines import pull_allowed, read_deadline, read_may_start
@@ -82,9 +82,9 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        # A random base per process, as the connector's (kvferry.connector.generations): a record of an
-        # engine that restarted never matches the new one's generations.
-        self.generations = [secrets.randbits(52)] * num_blocks
+        # A random base per process, as the connector's: a record of an engine that restarted never matches
+        # the new one's generations.
+        self.generations = [random_base()] * num_blocks
         self.contents: list[bytes] = [b""] * num_blocks
         self.owners: list[str | None] = [None] * num_blocks
 
