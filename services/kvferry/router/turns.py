@@ -493,7 +493,7 @@ class TurnRunner:
             looked_up = await self._lookup(tenant, conversation_id, self._clock(), from_registry=True)
         return _Settlement(taken.mark, looked_up.retention, looked_up.window, looked_up.registry_ok)
 
-    async def _settled(self, turn: PreparedTurn) -> tuple[PreparedTurn, bool]:
+    async def _settle_marking(self, turn: PreparedTurn) -> tuple[PreparedTurn, bool]:
         """The turn once its mark in flight (``turn.marking``) answered, and whether the mark confirmed the
         lookup the turn was planned on (False: the turn runs with the registry's current answer, planned
         again)."""
@@ -811,7 +811,7 @@ class TurnRunner:
             if turn.marking is not None and turn.retention_from_index and plan.pull is not None:
                 # A record the index found is pulled only once the mark confirmed it: the index may still
                 # hold a record of an engine incarnation that is gone.
-                turn, stands = await self._settled(turn)
+                turn, stands = await self._settle_marking(turn)
                 yield _MarkSettled(turn)
                 mark = self._mark(turn)
                 if not stands:
@@ -862,7 +862,7 @@ class TurnRunner:
                         # P has not answered yet) and the turn planned again.
                         answered = asyncio.ensure_future(anext(events))
                         try:
-                            turn, stands = await self._settled(turn)
+                            turn, stands = await self._settle_marking(turn)
                         except BaseException:
                             await _dropped(answered)
                             raise
