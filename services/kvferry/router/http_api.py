@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Mapping
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 from kvferry.pd.chat import ChatDelta
@@ -45,6 +46,7 @@ from kvferry.router.tenants import ApiKeys, Tenant
 from kvferry.router.turns import (
     ChatOut,
     ChatPrompt,
+    MarkAhead,
     PreparedTurn,
     SamplingOptions,
     TextOut,
@@ -301,34 +303,45 @@ class HttpApi:
     async def chat_completions(self, request: Request) -> Response:
         try:
             tenant = self._tenant(request)
-            call = parse_chat(load_json_object(await self._read_body(request)))
-            turn_request = self._chat_turn(request, tenant, call)
+            async with self._mark_ahead(request, tenant) as ahead:
+                call = parse_chat(load_json_object(await self._read_body(request)))
+                turn_request = self._chat_turn(request, tenant, call)
+                return await self._serve(
+                    request,
+                    turn_request,
+                    lambda turn, events: self._relay_chat(turn, events, call.include_usage),
+                    self._chat_answer,
+                    ahead,
+                )
         except ServiceError as error:
             return error_response(error)
-        return await self._serve(
-            request,
-            turn_request,
-            lambda turn, events: self._relay_chat(turn, events, call.include_usage),
-            self._chat_answer,
-        )
 
     async def completions(self, request: Request) -> Response:
         try:
             tenant = self._tenant(request)
-            call = parse_completion(load_json_object(await self._read_body(request)))
-            turn_request = self._completion_turn(request, tenant, call)
+            async with self._mark_ahead(request, tenant) as ahead:
+                call = parse_completion(load_json_object(await self._read_body(request)))
+                turn_request = self._completion_turn(request, tenant, call)
+                return await self._serve(
+                    request,
+                    turn_request,
+                    lambda turn, events: self._stream_completion(turn, events, call.include_usage),
+                    self._completion_answer,
+                    ahead,
+                )
         except ServiceError as error:
             return error_response(error)
-        return await self._serve(
-            request,
-            turn_request,
-            lambda turn, events: self._stream_completion(turn, events, call.include_usage),
-            self._completion_answer,
-        )
 
     async def create_response(self, request: Request) -> Response:
         try:
             tenant = self._tenant(request)
+            async with self._mark_ahead(request, tenant) as ahead:
+                return await self._create_response(request, tenant, ahead)
+        except ServiceError as error:
+            return error_response(error)
+
+    async def _create_response(self, request: Request, tenant: Tenant, ahead: MarkAhead | None) -> Response:
+        try:
             call = parse_responses(load_json_object(await self._read_body(request)))
             previous = None
             if call.body.previous_response_id is not None:
@@ -356,6 +369,7 @@ class HttpApi:
             turn_request,
             lambda turn, events: self._stream_response(events, responding),
             lambda turn, events: self._response_answer(events, responding),
+            ahead,
         )
 
     async def get_response(self, request: Request) -> Response:
@@ -408,6 +422,15 @@ class HttpApi:
             stream=call.stream,
         )
 
+    def _mark_ahead(self, request: Request, tenant: Tenant) -> AbstractAsyncContextManager[MarkAhead | None]:
+        """The turn's mark, asked for now when the ``X-Conversation-Id`` header names the conversation (the
+        header is the turn's conversation whenever it is sent): its round trip overlaps reading and
+        checking the body. A header that is not a conversation id is refused later, as without it."""
+        header = request.headers.get(CONVERSATION_HEADER)
+        if header is None or check_id("conversation_id", header) is not None:
+            return contextlib.nullcontext()
+        return self._runner.mark_ahead(tenant, header)
+
     async def _conversation_call(
         self, request: Request, call: Callable[[Tenant, str], Awaitable[Response]]
     ) -> Response:
@@ -440,11 +463,12 @@ class HttpApi:
         turn_request: TurnRequest,
         stream: Callable[[PreparedTurn, ClosingEvents], AsyncGenerator[bytes, None]],
         answer: Callable[[PreparedTurn, ClosingEvents], Awaitable[Response]],
+        ahead: MarkAhead | None,
     ) -> Response:
         """Runs the turn; a failure before its first output gets a real status, later ones end the stream.
         A client that goes away aborts the turn (its engine requests) in both forms."""
         try:
-            turn = await self._runner.prepare(turn_request)
+            turn = await self._runner.prepare(turn_request, ahead)
         except ServiceError as error:
             return error_response(error)
         headers = {CONVERSATION_HEADER: turn_request.conversation_id} if turn_request.conversation_id else {}

@@ -30,6 +30,7 @@ renewed every turn. The engines and the registry come in through ports (:class:`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -271,6 +272,26 @@ class _MarkTaken:
     begun: BegunTurn
 
 
+def _new_request_id() -> str:
+    return f"kvf-{uuid.uuid4().hex[:20]}"
+
+
+@dataclass
+class MarkAhead:
+    """A turn's mark asked for before its request was read whole: a header named the conversation, so the
+    mark's round trip (an etcd write behind the registry) overlaps reading and checking the body (~2 ms for
+    25,000 token ids). The turn prepared with it adopts the mark; a request that never becomes a turn drops
+    it (:meth:`TurnRunner.mark_ahead`)."""
+
+    tenant: str
+    conversation_id: str
+    request_id: str
+    # When the mark was asked: a lookup it confirms opens its read window here (earlier is safe).
+    asked_at: float
+    marking: asyncio.Future[_MarkTaken | None]
+    adopted: bool = False
+
+
 class _LookedUp(NamedTuple):
     """A turn's retention lookup: the record (None: none), its read window, whether the registry answered."""
 
@@ -364,9 +385,37 @@ class TurnRunner:
         tenant.check_model(model)
         return model
 
-    async def prepare(self, request: TurnRequest) -> PreparedTurn:
+    @contextlib.asynccontextmanager
+    async def mark_ahead(self, tenant: Tenant, conversation_id: str) -> AsyncIterator[MarkAhead]:
+        """Asks for a turn's mark now, before the request is read whole; :meth:`prepare` adopts it when the
+        turn is of that conversation. Not adopted by the end of the block (the body was refused, the tenant
+        is over its limit, the client went away), the mark is cleared: before the error is out, as for any
+        turn refused before it ran."""
+        request_id = _new_request_id()
+        asked_at = self._clock()
+        ahead = MarkAhead(
+            tenant.name,
+            conversation_id,
+            request_id,
+            asked_at,
+            asyncio.ensure_future(self._begin_turn(tenant.name, conversation_id, request_id)),
+        )
+        cancelled = False
+        try:
+            yield ahead
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            if not ahead.adopted:
+                if cancelled:
+                    self._spawn(self._drop_mark(ahead.marking))
+                else:
+                    await self._drop_mark(ahead.marking)
+
+    async def prepare(self, request: TurnRequest, ahead: MarkAhead | None = None) -> PreparedTurn:
         """Everything before the engines: may raise a ``ServiceError``. Opens the turn's span, which
-        :meth:`execute` ends."""
+        :meth:`execute` ends. ``ahead``: the turn's mark, asked for already (:meth:`mark_ahead`)."""
         started = time.perf_counter()
         span = self.telemetry.start_turn(request.conversation_id)
         slot: TurnSlot | None = None
@@ -375,7 +424,7 @@ class TurnRunner:
             with trace.use_span(
                 span, end_on_exit=False, record_exception=False, set_status_on_exception=False
             ):
-                prepared = await self._prepare(request, started)
+                prepared = await self._prepare(request, started, ahead)
             slot.charge(len(prepared.token_ids))
         except BaseException as error:
             if slot is not None:
@@ -385,21 +434,26 @@ class TurnRunner:
             raise
         return dataclasses.replace(prepared, span=span, slot=slot)
 
-    async def _prepare(self, request: TurnRequest, started: float) -> PreparedTurn:
+    async def _prepare(self, request: TurnRequest, started: float, ahead: MarkAhead | None) -> PreparedTurn:
         model = self.resolve_model(request.model, request.tenant)
-        request_id = f"kvf-{uuid.uuid4().hex[:20]}"
         tenant, conversation_id = request.tenant.name, request.conversation_id
         # The mark, the lookup and the tokenization run together: an uncontended turn waits for none of the
         # registry calls unless they are slower than tokenizing. The read window opens before the mark is
         # asked: a lookup the mark confirms was current when the registry read the mark's transaction.
-        looked_up_at = self._clock()
+        marking: asyncio.Future[_MarkTaken | None] | None
+        if ahead is not None and (ahead.tenant, ahead.conversation_id) == (tenant, conversation_id):
+            ahead.adopted = True
+            request_id, looked_up_at, marking = ahead.request_id, ahead.asked_at, ahead.marking
+        else:
+            request_id = _new_request_id()
+            looked_up_at = self._clock()
+            marking = (
+                asyncio.ensure_future(self._begin_turn(tenant, conversation_id, request_id))
+                if conversation_id
+                else None
+            )
         # What the router's index held before this turn ran: its publication comes after.
         index_revision = self._lookups.index.revision if self._lookups.index is not None else 0
-        marking = (
-            asyncio.ensure_future(self._begin_turn(tenant, conversation_id, request_id))
-            if conversation_id
-            else None
-        )
         lookup = (
             asyncio.ensure_future(self._lookup(tenant, conversation_id, looked_up_at))
             if conversation_id
@@ -412,7 +466,7 @@ class TurnRunner:
         try:
             if marking is not None:
                 # A turn refused its mark fails at once, without waiting for the tokenizer.
-                await asyncio.wait({marking, tokenizing}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((marking, tokenizing), return_when=asyncio.FIRST_COMPLETED)
                 if marking.done():
                     marking.result()
             token_ids = await tokenizing
