@@ -48,6 +48,36 @@ def test_router_bench_runs_paced_stand_ins_and_reports_what_the_router_adds(tmp_
     assert added["path"] == "router-noreuse" and added["concurrency"] == 2
 
 
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_router_bench_measures_the_http_apis_with_reuse(tmp_path: Path, api: str) -> None:
+    out = tmp_path / "bench-router.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvferry.cli.main",
+            "bench",
+            "router",
+            f"--api={api}",
+            "--concurrency=1",
+            "--samples=4",
+            "--turns=2",
+            "--max-tokens=3",
+            "--paths=direct,router",
+            f"--work-dir={tmp_path / 'work'}",
+            f"--output={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    levels = {level["path"]: level for level in report["levels"]}
+    assert set(levels) == {"direct", "router"} and report["api"] == api
+    assert levels["router"]["turns"] >= 4 and levels["router"]["pulled_tokens"] > 0, "turn 2 reused turn 1"
+
+
 def test_a_terminated_router_bench_stops_every_process_it_started(tmp_path: Path) -> None:
     """SIGTERM (``timeout``, a supervisor) unwinds the bench: its etcd, registry, stand-ins and routers stop
     with it rather than outliving it."""

@@ -150,9 +150,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--api",
-        choices=["grpc", "chat"],
+        choices=["grpc", "completions", "chat"],
         default="grpc",
-        help="grpc: router turns over gRPC with token-id prompts, direct turns over /v1/completions; chat: "
+        help="grpc: router turns over gRPC with token-id prompts, direct turns over /v1/completions; "
+        "completions: router turns over HTTP /v1/completions with token-id prompts (streamed, conversation "
+        "in X-Conversation-Id; each turn adds new tokens, not the reply), direct turns as for grpc; chat: "
         "router turns over HTTP /v1/chat/completions (streamed, usage in the last chunk), direct turns "
         "through the engines' own chat endpoint (prefill with max_tokens 1, then the streamed decode), as "
         "vLLM's disaggregated proxy calls them",
@@ -256,7 +258,10 @@ async def _measure(
                     http_url = routers[policy][1] if policy else ""
                     level = await _run_chat_level(args, path, concurrency, http_url, engines, model)
                 else:
-                    level = await _run_level(args, path, concurrency, channels.get(policy), engines, model)
+                    http_url = routers[policy][1] if policy else ""
+                    level = await _run_level(
+                        args, path, concurrency, channels.get(policy), engines, model, http_url
+                    )
                 if proc is not None:
                     level.router_cpu_s = proc_cpu_seconds([proc.pid]) - cpu_before
                 rows.append(level.summary())
@@ -357,7 +362,12 @@ async def _run_level(
     channel: grpc.aio.Channel | None,
     engines: list[_DirectEngines],
     model: str,
+    http_url: str = "",
 ) -> LevelResult:
+    """One level of token-id turns: through the router's gRPC API (``--api grpc``) or its HTTP
+    /v1/completions (``--api completions``, streamed; the prompt grows by new tokens only, as in
+    tools/gpu/stack_conversation.py), or the engines called directly."""
+    import aiohttp
     from kvferry.pd.engine_api import DecodeChunk, Sampling
     from kvferry.pd.engine_client import VllmEngineClient
     from kvferry.pd.sequence import EngineTurn, PrefillToken, prefill_then_decode
@@ -378,8 +388,43 @@ async def _run_level(
     )
     timings: list[TurnTiming] = []
     run_id = f"{path}-{concurrency}-{time.monotonic_ns()}"
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency * 2 + 8))
+    headers = {"Authorization": f"Bearer {BENCH_API_KEY}", "Content-Type": "application/json"}
+
+    async def router_completion(conv: str, tokens: list[int], retain: bool) -> tuple[TurnTiming, list[int]]:
+        # Encoded before the clock starts, as a client holding the body would send it.
+        content = json.dumps(
+            {
+                "model": model,
+                "prompt": tokens,
+                "max_tokens": args.max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "retain": retain,
+            }
+        ).encode()
+        started = time.perf_counter()
+        ttft = 0.0
+        pulled = 0
+        async with session.post(
+            http_url + "/v1/completions", data=content, headers={**headers, "X-Conversation-Id": conv}
+        ) as response:
+            if response.status != 200:
+                raise RuntimeError(f"router answered {response.status}: {await response.text()}")
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("choices") and not ttft:
+                    ttft = time.perf_counter() - started
+                if event.get("usage"):
+                    pulled = event["usage"].get("pulled_tokens", 0)
+        return TurnTiming(ttft, time.perf_counter() - started, pulled), []
 
     async def router_turn(conv: str, tokens: list[int], retain: bool) -> tuple[TurnTiming, list[int]]:
+        if args.api == "completions":
+            return await router_completion(conv, tokens, retain)
         assert stub is not None
         request = router_pb2.GenerateRequest(
             conversation_id=conv,
@@ -445,16 +490,17 @@ async def _run_level(
 
     # One warm-up turn per path opens connections and fills caches.
     warmup = [1000 + i for i in range(args.prompt_tokens)]
-    if path == "direct":
-        await direct_turn(f"{run_id}-warmup", 1, warmup)
-    else:
-        await router_turn(f"{run_id}-warmup", warmup, retain=path != "router-noretain")
-    started = time.perf_counter()
     try:
+        if path == "direct":
+            await direct_turn(f"{run_id}-warmup", 1, warmup)
+        else:
+            await router_turn(f"{run_id}-warmup", warmup, retain=path != "router-noretain")
+        started = time.perf_counter()
         await asyncio.gather(*(client(i) for i in range(concurrency)))
     finally:
         await prefill.aclose()
         await decode.aclose()
+        await session.close()
     wall = time.perf_counter() - started
     return LevelResult(
         path=path,

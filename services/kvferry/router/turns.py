@@ -272,6 +272,10 @@ class _MarkTaken:
     begun: BegunTurn
 
 
+# Loop turns a registry call takes to reach gRPC core from its first step (measured: 3 to 6 halve the wait).
+_LOOP_TURNS_TO_SEND_A_CALL = 6
+
+
 def _new_request_id() -> str:
     return f"kvf-{uuid.uuid4().hex[:20]}"
 
@@ -402,6 +406,11 @@ class TurnRunner:
         )
         cancelled = False
         try:
+            # The mark's RPC reaches gRPC core (which sends it on its own thread) only after a few turns of
+            # the loop (its task, the tracing interceptor's, the call's); the body that follows is read and
+            # checked without yielding (~2 ms for 25,000 ids), so let the RPC go out first.
+            for _ in range(_LOOP_TURNS_TO_SEND_A_CALL):
+                await asyncio.sleep(0)
             yield ahead
         except asyncio.CancelledError:
             cancelled = True
