@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from kvferry.router.http_api import CONVERSATION_HEADER
 from kvferry.testing.fault_stack import API_KEY, FaultKind, FaultStack, StackSettings
 from kvferry.testing.loop_thread import LoopThread
 from kvferry.testing.oracle import OracleReport, check
@@ -66,7 +67,9 @@ class FaultRunResult:
 
 
 class Conversations:
-    """Multi-turn conversations through the router's HTTP API (token prompts), counted."""
+    """Multi-turn conversations through the router's HTTP API (token prompts), counted. Odd-numbered
+    conversations name themselves in the ``X-Conversation-Id`` header (the router asks for the turn's mark
+    before it reads the body), even ones in the body's ``conversation_id``."""
 
     def __init__(self, router_url: str, count: int, seed: int = 13) -> None:
         self.router_url = router_url
@@ -88,10 +91,17 @@ class Conversations:
         history = self._histories[conversation]
         prompt = history + self._user_tokens()
         self.counts.sent += 1
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "conversation_id": conversation}
+        body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
+        headers = {}
+        if int(conversation.removeprefix("conv-")) % 2:
+            headers[CONVERSATION_HEADER] = conversation
+        else:
+            body["conversation_id"] = conversation
         for attempt in range(6):
             try:
-                response = await self._client.post(f"{self.router_url}/v1/completions", json=body)
+                response = await self._client.post(
+                    f"{self.router_url}/v1/completions", json=body, headers=headers
+                )
                 status = str(response.status_code)
             except httpx.HTTPError as error:
                 response, status = None, type(error).__name__
