@@ -32,7 +32,10 @@ ACME_TENANT, GLOBEX_TENANT = Tenant("acme"), Tenant("globex")
 
 def test_a_tenant_past_its_cap_is_refused_and_others_are_not() -> None:
     limits = TenantLimits(TenantLimitSettings(max_concurrent_turns=2, retry_after_seconds=3))
-    first, second = limits.admit(ACME_TENANT), limits.admit(ACME_TENANT)
+    first = limits.admit(ACME_TENANT)
+    assert not limits.refuses(ACME_TENANT)
+    second = limits.admit(ACME_TENANT)
+    assert limits.refuses(ACME_TENANT) and not limits.refuses(GLOBEX_TENANT)
     with pytest.raises(ResourceExhausted, match="2 turns in flight") as refused:
         limits.admit(ACME_TENANT)
     assert refused.value.retry_after_seconds == 3
@@ -87,6 +90,7 @@ def test_the_token_bucket_admits_while_not_empty_and_says_when_to_retry() -> Non
     for at, tokens, expected in TOKEN_BUCKET_STEPS:
         clock.now = at
         step = (at, tokens, expected)
+        assert limits.refuses(ACME_TENANT) == (expected != "admit"), step
         if expected == "admit":
             slot = limits.admit(ACME_TENANT)
             slot.charge(tokens or 0)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from kvferry.router.conversations import Conversations
 from kvferry.router.http_api import HttpApi
-from kvferry.router.limits import TenantLimits, TenantLimitSettings
+from kvferry.router.limits import TenantLimits, TenantLimitSettings, TurnSlot
 from kvferry.router.openai_responses import ResponseStore
 from kvferry.router.tenants import ApiKeys
 
@@ -94,7 +94,7 @@ async def test_a_body_refused_after_the_mark_was_asked_clears_it_before_the_answ
     assert cluster.registry.marks == {}
 
 
-async def test_a_turn_over_its_tenant_s_limit_clears_the_mark_asked_ahead(cluster: Cluster) -> None:
+async def test_a_tenant_at_its_limit_asks_the_registry_nothing(cluster: Cluster) -> None:
     cluster.runner.tenant_limits = TenantLimits(TenantLimitSettings(max_concurrent_turns=1))
     held = cluster.runner.tenant_limits.admit(TENANT)
     try:
@@ -102,6 +102,24 @@ async def test_a_turn_over_its_tenant_s_limit_clears_the_mark_asked_ahead(cluste
             answer = await client.post("/v1/completions", content=_completion(), headers=_headers())
     finally:
         held.release()
+    assert answer.status_code == 429, answer.text
+    assert cluster.registry.mark_calls == []
+
+
+async def test_a_turn_refused_its_slot_after_the_mark_was_asked_clears_it(cluster: Cluster) -> None:
+    # The tenant's last slot goes to another turn while this one's body is still coming.
+    cluster.runner.tenant_limits = TenantLimits(TenantLimitSettings(max_concurrent_turns=1))
+    slots: list[TurnSlot] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        async for part in _after_the_mark(cluster, _completion()):
+            yield part
+            if not slots:  # the mark was asked before the body was read: another turn takes the slot now
+                slots.append(cluster.runner.tenant_limits.admit(TENANT))
+
+    async with _client(cluster) as client:
+        answer = await client.post("/v1/completions", content=body(), headers=_headers())
+    slots[0].release()
     assert answer.status_code == 429, answer.text
     assert [call for call, _ in cluster.registry.mark_calls] == ["begin", "end"]
     assert cluster.registry.marks == {}

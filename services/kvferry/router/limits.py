@@ -114,6 +114,14 @@ class TenantLimits:
         bucket = self._bucket(tenant)
         return bucket.level(self.clock()) if bucket is not None else None
 
+    def refuses(self, tenant: Tenant) -> bool:
+        """Whether :meth:`admit` would refuse a turn of ``tenant`` now (it takes nothing)."""
+        bucket = self._bucket(tenant)
+        if bucket is not None and bucket.empty_for(self.clock()) is not None:
+            return True
+        cap = self.settings.max_concurrent_turns
+        return bool(cap) and self._in_flight.get(tenant.name, 0) >= cap
+
     def admit(self, tenant: Tenant) -> TurnSlot:
         """A slot for one turn of ``tenant``; ResourceExhausted (with retry-after) when it has as many
         turns in flight as its cap, or its token bucket is empty."""
