@@ -23,7 +23,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -355,6 +355,20 @@ async def _engines_for_direct_path(registry_address: str, model: str) -> list[_D
             await asyncio.sleep(0.5)
 
 
+async def _router_events(
+    session: Any, url: str, content: bytes, headers: dict[str, str], conversation: str
+) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of one streamed answer of the router's HTTP API (``session``: aiohttp's)."""
+    async with session.post(
+        url, data=content, headers={**headers, "X-Conversation-Id": conversation}
+    ) as answer:
+        if answer.status != 200:
+            raise RuntimeError(f"router answered {answer.status}: {await answer.text()}")
+        async for line in answer.content:
+            if line.startswith(b"data: {"):
+                yield json.loads(line[6:])
+
+
 async def _run_level(
     args: argparse.Namespace,
     path: str,
@@ -407,19 +421,11 @@ async def _run_level(
         started = time.perf_counter()
         ttft = 0.0
         pulled = 0
-        async with session.post(
-            http_url + "/v1/completions", data=content, headers={**headers, "X-Conversation-Id": conv}
-        ) as response:
-            if response.status != 200:
-                raise RuntimeError(f"router answered {response.status}: {await response.text()}")
-            async for line in response.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if event.get("choices") and not ttft:
-                    ttft = time.perf_counter() - started
-                if event.get("usage"):
-                    pulled = event["usage"].get("pulled_tokens", 0)
+        async for event in _router_events(session, http_url + "/v1/completions", content, headers, conv):
+            if event.get("choices") and not ttft:
+                ttft = time.perf_counter() - started
+            if event.get("usage"):
+                pulled = event["usage"].get("pulled_tokens", 0)
         return TurnTiming(ttft, time.perf_counter() - started, pulled), []
 
     async def router_turn(conv: str, tokens: list[int], retain: bool) -> tuple[TurnTiming, list[int]]:
@@ -575,21 +581,14 @@ async def _run_chat_level(
         ttft = 0.0
         texts: list[str] = []
         pulled = 0
-        async with session.post(
-            http_url + "/v1/chat/completions", json=body, headers={**headers, "X-Conversation-Id": conv}
-        ) as response:
-            if response.status != 200:
-                raise RuntimeError(f"router answered {response.status}: {await response.text()}")
-            async for line in response.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if event.get("choices") and event["choices"][0]["delta"].get("content"):
-                    if not ttft:
-                        ttft = time.perf_counter() - started
-                    texts.append(event["choices"][0]["delta"]["content"])
-                if event.get("usage"):
-                    pulled = event["usage"].get("pulled_tokens", 0)
+        content = json.dumps(body).encode()
+        async for event in _router_events(session, http_url + "/v1/chat/completions", content, headers, conv):
+            if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                if not ttft:
+                    ttft = time.perf_counter() - started
+                texts.append(event["choices"][0]["delta"]["content"])
+            if event.get("usage"):
+                pulled = event["usage"].get("pulled_tokens", 0)
         return TurnTiming(ttft, time.perf_counter() - started, pulled), "".join(texts)
 
     async def direct_turn(conv: str, turn: int, messages: list[dict[str, Any]]) -> tuple[TurnTiming, str]:
