@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -16,7 +17,8 @@ import pytest
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_router_bench_runs_paced_stand_ins_and_reports_what_the_router_adds(tmp_path: Path) -> None:
+def _bench(tmp_path: Path, *options: str) -> dict[str, Any]:
+    """``kvferry bench router OPTIONS`` run to its end; the report it wrote."""
     out = tmp_path / "bench-router.json"
     done = subprocess.run(
         [
@@ -25,12 +27,7 @@ def test_router_bench_runs_paced_stand_ins_and_reports_what_the_router_adds(tmp_
             "kvferry.cli.main",
             "bench",
             "router",
-            "--concurrency=2",
-            "--samples=6",
-            "--max-tokens=3",
-            "--standin-prefill-us-per-token=5",
-            "--standin-token-ms=2",
-            "--paths=direct,router-noreuse",
+            *options,
             f"--work-dir={tmp_path / 'work'}",
             f"--output={out}",
         ],
@@ -39,7 +36,20 @@ def test_router_bench_runs_paced_stand_ins_and_reports_what_the_router_adds(tmp_
         timeout=240,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    report = json.loads(out.read_text())
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+def test_router_bench_runs_paced_stand_ins_and_reports_what_the_router_adds(tmp_path: Path) -> None:
+    report = _bench(
+        tmp_path,
+        "--concurrency=2",
+        "--samples=6",
+        "--max-tokens=3",
+        "--standin-prefill-us-per-token=5",
+        "--standin-token-ms=2",
+        "--paths=direct,router-noreuse",
+    )
     assert report["standin_token_ms"] == 2 and report["standin_prefill_us_per_token"] == 5
     paths = {(level["path"], level["concurrency"]) for level in report["levels"]}
     assert paths == {("direct", 2), ("router-noreuse", 2)}
@@ -50,29 +60,15 @@ def test_router_bench_runs_paced_stand_ins_and_reports_what_the_router_adds(tmp_
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_router_bench_measures_the_http_apis_with_reuse(tmp_path: Path, api: str) -> None:
-    out = tmp_path / "bench-router.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvferry.cli.main",
-            "bench",
-            "router",
-            f"--api={api}",
-            "--concurrency=1",
-            "--samples=4",
-            "--turns=2",
-            "--max-tokens=3",
-            "--paths=direct,router",
-            f"--work-dir={tmp_path / 'work'}",
-            f"--output={out}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
+    report = _bench(
+        tmp_path,
+        f"--api={api}",
+        "--concurrency=1",
+        "--samples=4",
+        "--turns=2",
+        "--max-tokens=3",
+        "--paths=direct,router",
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    report = json.loads(out.read_text())
     levels = {level["path"]: level for level in report["levels"]}
     assert set(levels) == {"direct", "router"} and report["api"] == api
     assert levels["router"]["turns"] >= 4 and levels["router"]["pulled_tokens"] > 0, "turn 2 reused turn 1"
