@@ -116,38 +116,41 @@ class TenantLimits:
 
     def refuses(self, tenant: Tenant) -> bool:
         """Whether :meth:`admit` would refuse a turn of ``tenant`` now (it takes nothing)."""
-        bucket = self._bucket(tenant)
-        if bucket is not None and bucket.empty_for(self.clock()) is not None:
-            return True
-        cap = self.settings.max_concurrent_turns
-        return bool(cap) and self._in_flight.get(tenant.name, 0) >= cap
+        return self._refusal(tenant) is not None
 
     def admit(self, tenant: Tenant) -> TurnSlot:
         """A slot for one turn of ``tenant``; ResourceExhausted (with retry-after) when it has as many
         turns in flight as its cap, or its token bucket is empty."""
+        refusal = self._refusal(tenant)
+        if refusal is not None:
+            raise refusal
+        bucket = self._bucket(tenant)
+        if not self.settings.max_concurrent_turns:
+            return TurnSlot(self, tenant.name, counted=False, bucket=bucket)
+        self._in_flight[tenant.name] = self._in_flight.get(tenant.name, 0) + 1
+        return TurnSlot(self, tenant.name, counted=True, bucket=bucket)
+
+    def _refusal(self, tenant: Tenant) -> ResourceExhausted | None:
         name = tenant.name
         bucket = self._bucket(tenant)
         if bucket is not None:
             wait = bucket.empty_for(self.clock())
             if wait is not None:
                 retry = max(self.settings.retry_after_seconds, math.ceil(wait))
-                raise ResourceExhausted(
+                return ResourceExhausted(
                     f"tenant {name} spent its {bucket.rate:g} tokens per second (prompt plus generated) on "
                     f"this router; retry after {retry} s, or send shorter turns less often",
                     retry_after_seconds=retry,
                 )
         cap = self.settings.max_concurrent_turns
-        if not cap:
-            return TurnSlot(self, name, counted=False, bucket=bucket)
         running = self._in_flight.get(name, 0)
-        if running >= cap:
-            raise ResourceExhausted(
+        if cap and running >= cap:
+            return ResourceExhausted(
                 f"tenant {name} has {running} turns in flight, its limit on this router; retry after "
                 f"{self.settings.retry_after_seconds} s, or run fewer turns at once",
                 retry_after_seconds=self.settings.retry_after_seconds,
             )
-        self._in_flight[name] = running + 1
-        return TurnSlot(self, name, counted=True, bucket=bucket)
+        return None
 
     def _bucket(self, tenant: Tenant) -> TokenBucket | None:
         rate = (
