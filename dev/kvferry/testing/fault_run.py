@@ -76,6 +76,7 @@ class Conversations:
         self.counts = TurnCounts()
         self._rng = random.Random(seed)
         self._histories: dict[str, list[int]] = {f"conv-{i}": [] for i in range(count)}
+        self._named_in_header = {f"conv-{i}" for i in range(count) if i % 2}
         self._busy: set[str] = set()
         self._client = httpx.AsyncClient(timeout=20, headers={"authorization": f"Bearer {API_KEY}"})
 
@@ -93,7 +94,7 @@ class Conversations:
         self.counts.sent += 1
         body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
         headers = {}
-        if int(conversation.removeprefix("conv-")) % 2:
+        if conversation in self._named_in_header:
             headers[CONVERSATION_HEADER] = conversation
         else:
             body["conversation_id"] = conversation
