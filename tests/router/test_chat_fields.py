@@ -17,9 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvferry.pd import vllm_params
 from kvferry.router.openai_chat import FIELDS, ChatBody, Support, load_json_object, parse_chat
-from kvferry.router.openai_completions import parse_completion
+from kvferry.router.openai_completions import CompletionBody, parse_completion, parse_completion_body
 from kvferry.router.openai_responses import parse_responses
 from kvferry.router.turns import TextPrompt, TokenPrompt
 from kvferry.router.validation import MAX_TOKEN_ID, MAX_TOKENS
@@ -205,6 +207,89 @@ def test_a_body_that_is_not_json_is_refused_alike(raw: bytes) -> None:
     with pytest.raises(InvalidArgument) as refused:
         load_json_object(raw)
     assert "not valid JSON" in refused.value.message
+
+
+def _judged(parse: Any, given: Any) -> Any:
+    """What a parser makes of a body: its call, or its refusal's message and field."""
+    try:
+        return parse(given)
+    except InvalidArgument as refused:
+        return ("refused", refused.message, refused.param)
+
+
+_EDGE_IDS = st.sampled_from([0, 1, -1, MAX_TOKEN_ID, MAX_TOKEN_ID + 1, 2**63, 2**64, -(2**63) - 1, 10**30])
+_PROMPT_ITEMS = st.one_of(
+    st.integers(0, 151_935),
+    _EDGE_IDS,
+    st.booleans(),
+    st.floats(allow_nan=False),
+    st.text(max_size=3),
+    st.none(),
+)
+_FIELD_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.lists(st.integers(0, 9), max_size=2),
+    st.dictionaries(st.text(max_size=8), st.booleans(), max_size=2),
+)
+_COMPLETION_BODIES = st.fixed_dictionaries(
+    {
+        "prompt": st.one_of(
+            st.lists(st.integers(0, 151_935), max_size=40),
+            st.lists(st.one_of(st.integers(0, 151_935), _EDGE_IDS), min_size=1, max_size=6),
+            st.lists(_PROMPT_ITEMS, max_size=6),
+            st.text(max_size=8),
+            st.lists(st.lists(st.integers(0, 9), max_size=3), max_size=2),
+        )
+    },
+    optional={
+        name: _FIELD_VALUES for name in [*CompletionBody.model_fields, "logprobs", "echo"] if name != "prompt"
+    },
+)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(_COMPLETION_BODIES, st.sampled_from(["compact", "spaced"]))
+def test_a_completion_body_is_judged_alike_by_the_quick_check_and_the_model(
+    body: dict[str, Any], layout: str
+) -> None:
+    """``parse_completion_body`` checks a token-id prompt while it parses it (msgspec); whatever it is sent,
+    it takes what ``parse_completion`` takes and refuses what it refuses, with the same message."""
+    raw = json.dumps(body, separators=(",", ":") if layout == "compact" else (", ", ": ")).encode()
+    assert _judged(parse_completion_body, raw) == _judged(
+        lambda r: parse_completion(load_json_object(r)), raw
+    )
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": [1, 2], "seed": 123456789012345678901234567890}',
+        b'{"prompt": [1, 2], "temperature": 1e400}',
+        b'{"prompt": [1, 2], "user": "\\ud800"}',
+        b'{"prompt": [1, 2], "prompt": [3]}',
+        b'{"prompt": [1, 2], "max_tokens": 4, "max_tokens": "4"}',
+        b'{"prompt": [1, 2], "stream": NaN}',
+        b'{"prompt": [01, 2]}',
+        b'{"prompt": []}',
+        b'{"prompt": [1, -1]}',
+        b'{"prompt": [1, 2147483648]}',
+        b'{"prompt": [1, true]}',
+        b'{"prompt": [1, 2.0]}',
+        b'{"prompt": [1, 2], "echo": true}',
+        b'{"prompt": [1, 2]',
+        b"[1, 2]",
+        b"",
+        b"\xef\xbb\xbf" + b'{"prompt": [1, 2]}',
+    ],
+)
+def test_a_completion_body_at_the_edges_of_json_is_judged_alike(raw: bytes) -> None:
+    assert _judged(parse_completion_body, raw) == _judged(
+        lambda r: parse_completion(load_json_object(r)), raw
+    )
 
 
 def test_a_token_id_prompt_checked_apart_is_what_the_model_would_accept() -> None:

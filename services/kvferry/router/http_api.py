@@ -26,7 +26,7 @@ from kvferry.router import validation
 from kvferry.router.conversations import Conversations
 from kvferry.router.engines import EngineTable
 from kvferry.router.openai_chat import ChatCall, load_json_object, parse_chat
-from kvferry.router.openai_completions import CompletionCall, parse_completion
+from kvferry.router.openai_completions import CompletionCall, parse_completion_body
 from kvferry.router.openai_responses import (
     ResponseEvents,
     ResponsesCall,
@@ -320,7 +320,7 @@ class HttpApi:
         try:
             tenant = self._tenant(request)
             async with self._mark_ahead(request, tenant) as ahead:
-                call = parse_completion(load_json_object(await self._read_body(request)))
+                call = parse_completion_body(await self._read_body(request))
                 turn_request = self._completion_turn(request, tenant, call)
                 return await self._serve(
                     request,

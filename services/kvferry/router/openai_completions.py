@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from kvferry.router import validation
-from kvferry.router.openai_chat import validate
+from kvferry.router.openai_chat import load_json_object, validate
 from kvferry.router.turns import Prompt, SamplingOptions, TextPrompt, TokenPrompt
 from kvferry.runtime.errors import InvalidArgument
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,6 +54,22 @@ class CompletionCall:
     retain: bool
 
 
+def parse_completion_body(raw: bytes) -> CompletionCall:
+    """A completions request body, checked. A token-id prompt (a turn's whole conversation: 25,000 ids) is
+    checked while it is parsed, in C (~1 ms on the dev VM against ~2.7 ms to parse, then check each id);
+    any other body, and any body that fails that check, is parsed and judged as :func:`parse_completion`
+    does, so every error reads the same either way."""
+    try:
+        fields = msgspec.structs.asdict(_decode_token_id_body(raw))
+    except (msgspec.DecodeError, RecursionError):
+        return parse_completion(load_json_object(raw))
+    token_ids = tuple(fields.pop("prompt"))
+    if not token_ids:
+        return parse_completion(load_json_object(raw))
+    # msgspec reads every number exactly, as the standard library does: the model judges the same values.
+    return _parse({name: value for name, value in fields.items() if value is not msgspec.UNSET}, token_ids)
+
+
 def parse_completion(data: Mapping[str, Any]) -> CompletionCall:
     unknown = [name for name in data if name not in CompletionBody.model_fields]
     if unknown:
@@ -62,7 +79,10 @@ def parse_completion(data: Mapping[str, Any]) -> CompletionCall:
             "vLLM serves",
             param=unknown[0],
         )
-    token_ids = _flat_token_ids(data.get("prompt"))
+    return _parse(data, _flat_token_ids(data.get("prompt")))
+
+
+def _parse(data: Mapping[str, Any], token_ids: tuple[int, ...] | None) -> CompletionCall:
     # A token-id prompt (a turn's whole conversation: 25,000 ids) is checked here at C speed; the model
     # checks every other field (validating the ids item by item through the model's union takes ~4x as long).
     body = validate(CompletionBody, data if token_ids is None else {**data, "prompt": _CHECKED_APART})
@@ -91,6 +111,18 @@ def parse_completion(data: Mapping[str, Any]) -> CompletionCall:
 
 # What the model sees in place of a token-id prompt checked apart (never used).
 _CHECKED_APART = "token ids checked apart"
+
+# A body whose prompt is a flat list of token ids in range, every other field one the model knows (its values
+# are the model's to check): anything else fails to decode and is judged by ``parse_completion``.
+_TokenIdPromptBody = msgspec.defstruct(
+    "_TokenIdPromptBody",
+    [
+        ("prompt", list[Annotated[int, msgspec.Meta(ge=0, le=validation.MAX_TOKEN_ID)]]),
+        *((name, Any, msgspec.UNSET) for name in CompletionBody.model_fields if name != "prompt"),
+    ],
+    forbid_unknown_fields=True,
+)
+_decode_token_id_body = msgspec.json.Decoder(_TokenIdPromptBody).decode
 
 
 def _flat_token_ids(prompt: object) -> tuple[int, ...] | None:
