@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvferry.pd import digest
 from kvferry.pd.digest import block_digests
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, RateInputs, Reuse, choose_reuse
@@ -18,7 +21,7 @@ from kvferry.router.engines import (
     pick_decode_engine,
     pick_prefill_engine,
 )
-from kvferry.router.prefix import PrefixMatch, match_retained_prefix
+from kvferry.router.prefix import PrefixMatch, PromptDigestCache, match_retained_prefix
 from kvferry.router.tenants import ApiKeys, TenantConfigError, key_digest, load_tenants, parse_key_pairs
 from kvferry.runtime.errors import ErrorKind, ServiceError
 from kvferry.v1 import resources_pb2
@@ -80,6 +83,102 @@ def test_prefix_never_exceeds_retained_tokens_or_blocks() -> None:
     # The engine says fewer tokens (or blocks) than the digests cover.
     assert matched([*history, 1], history, num_tokens=40).tokens == 32
     assert matched([*history, 1], history, num_blocks=2).tokens == 32
+
+
+def test_a_conversation_s_next_prompt_hashes_only_its_new_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = PromptDigestCache(max_bytes=1 << 20)
+    chained: list[int] = []
+    chain = digest.chain_digests
+
+    def counted(packed: bytes | memoryview, block_size: int, *, after: bytes) -> list[bytes]:
+        chained.append(len(packed) // (block_size * 8))
+        return chain(packed, block_size, after=after)
+
+    monkeypatch.setattr("kvferry.router.prefix.chain_digests", counted)
+    conversation = ("acme", "c1")
+    history = list(range(1000, 1100))  # 6 full blocks
+    assert list(cache.digests(conversation, history, block_size=BS, salt=SALT)) == block_digests(
+        history, BS, salt=SALT
+    )
+    grown = [*history, *range(5000, 5040)]  # 8 full blocks: 2 new
+    assert list(cache.digests(conversation, grown, block_size=BS, salt=SALT)) == block_digests(
+        grown, BS, salt=SALT
+    )
+    # The same prompt again (a retried turn) hashes nothing new; another conversation starts afresh.
+    assert list(cache.digests(conversation, grown, block_size=BS, salt=SALT)) == block_digests(
+        grown, BS, salt=SALT
+    )
+    assert cache.digests(("acme", "c2"), grown, block_size=BS, salt=SALT) == block_digests(
+        grown, BS, salt=SALT
+    )
+    assert chained == [6, 2, 0, 8]
+
+
+def test_a_prompt_that_does_not_begin_with_the_last_one_is_hashed_whole() -> None:
+    cache = PromptDigestCache(max_bytes=1 << 20)
+    conversation = ("acme", "c1")
+    history = list(range(1000, 1100))
+    cache.digests(conversation, history, block_size=BS, salt=SALT)
+    edited = history.copy()
+    edited[40] = 9  # block 2
+    for prompt, block_size, salt in [
+        ([*edited, 1, 2, 3], BS, SALT),  # an edited history
+        (history[:50], BS, SALT),  # a shorter prompt
+        (history, BS, "kv-hash-b"),  # another KV layout
+        (history, 8, SALT),  # another block size
+        (history, BS, SALT),
+    ]:
+        assert list(cache.digests(conversation, prompt, block_size=block_size, salt=salt)) == block_digests(
+            prompt, block_size, salt=salt
+        )
+
+
+def test_the_digest_cache_drops_its_least_recently_used_conversations_past_its_bytes() -> None:
+    prompt = list(range(160))  # 10 blocks: 160 bytes of digests, plus the entry's overhead
+    cache = PromptDigestCache(max_bytes=2 * (160 + 400))
+    for name in ("a", "b", "a", "c"):
+        cache.digests(("acme", name), prompt, block_size=BS, salt=SALT)
+    assert len(cache) == 2 and cache.held_bytes <= 2 * (160 + 400)
+    # "b" went first: "a" was used after it.
+    assert set(cache._entries) == {("acme", "a"), ("acme", "c")}
+    # A prompt whose digests alone are over the budget is hashed, not kept.
+    assert cache.digests(("acme", "d"), list(range(4000)), block_size=BS, salt=SALT) == block_digests(
+        list(range(4000)), BS, salt=SALT
+    )
+    assert len(cache) == 2
+
+
+_TURN_CHANGES = st.lists(
+    st.tuples(
+        st.sampled_from(["c1", "c2"]),
+        st.sampled_from(["grow", "edit", "cut", "salt"]),
+        st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=40),
+        st.integers(0, 200),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(_TURN_CHANGES)
+def test_whatever_a_conversation_sends_its_cached_digests_are_its_prompt_s_chain(
+    changes: list[tuple[str, str, list[int], int]],
+) -> None:
+    cache = PromptDigestCache(max_bytes=1 << 20)
+    prompts: dict[str, list[int]] = {"c1": [], "c2": []}
+    for name, change, tokens, where in changes:
+        prompt, salt = prompts[name], SALT
+        if change == "grow":
+            prompt = [*prompt, *tokens]
+        elif change == "edit" and prompt:
+            prompt = [*prompt[: where % len(prompt)], *tokens, *prompt[where % len(prompt) + 1 :]]
+        elif change == "cut":
+            prompt = prompt[: where % (len(prompt) + 1)]
+        else:
+            salt = "kv-hash-b"
+        prompts[name] = prompt
+        got = cache.digests(("acme", name), prompt, block_size=4, salt=salt)
+        assert list(got) == block_digests(prompt, 4, salt=salt)
 
 
 # -- cost model -----------------------------------------------------------------------------------

@@ -25,14 +25,28 @@ def block_digests(token_ids: Sequence[int], block_size: int, *, salt: str = "") 
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    previous = hashlib.sha256(_CHAIN_VERSION + salt.encode()).digest()[:DIGEST_BYTES]
-    digests: list[bytes] = []
     full = len(token_ids) // block_size * block_size
-    # Every full block packed at once (one C call instead of one per block), then hashed block by block.
-    packed = struct.pack(f"<{full}q", *token_ids[:full])
+    return chain_digests(pack_token_ids(token_ids[:full]), block_size, after=chain_start(salt))
+
+
+def chain_start(salt: str) -> bytes:
+    """What the first block's digest hashes in place of a previous digest."""
+    return hashlib.sha256(_CHAIN_VERSION + salt.encode()).digest()[:DIGEST_BYTES]
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the chain hashes them: 8 bytes each, little-endian (all at once: one C call)."""
+    return struct.pack(f"<{len(token_ids)}q", *token_ids)
+
+
+def chain_digests(packed: bytes | memoryview, block_size: int, *, after: bytes) -> list[bytes]:
+    """The digests of the full blocks of ``packed`` (:func:`pack_token_ids`), chained on from ``after`` (the
+    digest of the block before them, or :func:`chain_start`)."""
+    previous = after
+    digests: list[bytes] = []
     step = block_size * 8
     sha256 = hashlib.sha256
-    for start in range(0, len(packed), step):
+    for start in range(0, len(packed) // step * step, step):
         previous = sha256(previous + packed[start : start + step]).digest()[:DIGEST_BYTES]
         digests.append(previous)
     return digests
@@ -68,6 +82,11 @@ class PackedDigests(Sequence[bytes]):
         chain = cls.__new__(cls)
         chain._packed = packed
         return chain
+
+    @property
+    def packed(self) -> bytes:
+        """The chain as one bytes object, ``DIGEST_BYTES`` per block."""
+        return self._packed
 
     def __len__(self) -> int:
         return len(self._packed) // DIGEST_BYTES

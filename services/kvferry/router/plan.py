@@ -36,6 +36,7 @@ from kvferry.router.engines import (
 from kvferry.router.prefix import (
     NO_MATCH,
     PrefixMatch,
+    PromptDigestCache,
     PromptDigests,
     comparable_blocks,
     match_retained_prefix,
@@ -138,10 +139,16 @@ def _holder(engines: EngineTable, retention: RetentionRecord | None, model: str)
 
 
 def hash_ahead(
-    token_ids: Sequence[int], retention: RetentionRecord | None, *, model: str, engines: EngineTable
+    token_ids: Sequence[int],
+    retention: RetentionRecord | None,
+    *,
+    model: str,
+    engines: EngineTable,
+    cache: PromptDigestCache | None = None,
 ) -> PromptDigests | None:
     """The prompt's digests the plan's prefix check will need for ``retention`` (None: it needs none),
-    hashed now, while the turn waits for its mark rather than after."""
+    hashed before the plan (while the turn waits for its mark, when it still does). ``cache``: what the
+    conversation's last prompt hashed, to chain on from."""
     holder = _holder(engines, retention, model)
     if retention is None or holder is None:
         return None
@@ -155,9 +162,15 @@ def hash_ahead(
     if not blocks:
         return None
     salt, block_size = holder.kv_compatibility_hash, holder.block_size
-    return PromptDigests(
-        salt, block_size, block_digests(token_ids[: blocks * block_size], block_size, salt=salt)
+    prefix = token_ids[: blocks * block_size]
+    digests = (
+        block_digests(prefix, block_size, salt=salt)
+        if cache is None
+        else cache.digests(
+            (retention.tenant, retention.conversation_id), prefix, block_size=block_size, salt=salt
+        )
     )
+    return PromptDigests(salt, block_size, digests)
 
 
 def _proven_prefix(

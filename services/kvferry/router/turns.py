@@ -65,7 +65,7 @@ from kvferry.router.engines import EngineInfo, EngineTable, LoadTracker
 from kvferry.router.limits import TenantLimits, TenantLimitSettings, TurnSlot
 from kvferry.router.observe import TurnTelemetry
 from kvferry.router.plan import PlanSettings, TurnPlan, hash_ahead, plan_turn
-from kvferry.router.prefix import PromptDigests
+from kvferry.router.prefix import PromptDigestCache, PromptDigests
 from kvferry.router.registry_client import BegunTurn, RegistryUnavailable, RetentionRecord
 from kvferry.router.retention_index import RetentionIndex, RetentionLookups
 from kvferry.router.summary import summary_proto
@@ -242,6 +242,8 @@ class TurnSettings:
     # A streamed token-prompt turn shows P's token first and D continues after it (kvferry.pd.sequence):
     # the time to the first token is P's alone.
     first_token_from_prefill: bool = True
+    # What the conversations' last prompts hashed, chained on from by their next turns (PromptDigestCache).
+    prompt_digest_cache_bytes: int = 32 * 2**20
 
 
 class EnginePort(Protocol):
@@ -363,6 +365,7 @@ class TurnRunner:
         self._registry = registry
         self._settings = settings
         self._plan_settings = PlanSettings(settings.cost, settings.read_window_seconds)
+        self._prompt_digests = PromptDigestCache(settings.prompt_digest_cache_bytes)
         # Read windows are measured on the monotonic clock, never compared with another machine's.
         self._clock = clock
         self._lookups = RetentionLookups(registry, index)
@@ -489,6 +492,8 @@ class TurnRunner:
                 # The mark is still in flight: hash the prompt for the prefix check now, not after it.
                 hashed = self._hash_ahead(model, token_ids, lookup)
             looked_up = await lookup if lookup is not None else _LookedUp(None, None, True)
+            if hashed is None:
+                hashed = self._hash(model, token_ids, looked_up.retention)
             if marking is not None and not marking.done():
                 # P's request may go out before the mark's answer, unless it pulls a record the index found
                 # (``_run`` waits for the mark then).
@@ -602,8 +607,14 @@ class TurnRunner:
     ) -> PromptDigests | None:
         if lookup.cancelled() or lookup.exception() is not None:
             return None
-        retention = lookup.result()[0]
-        return hash_ahead(token_ids, retention, model=model, engines=self._engines)
+        return self._hash(model, token_ids, lookup.result()[0])
+
+    def _hash(
+        self, model: str, token_ids: tuple[int, ...], retention: RetentionRecord | None
+    ) -> PromptDigests | None:
+        return hash_ahead(
+            token_ids, retention, model=model, engines=self._engines, cache=self._prompt_digests
+        )
 
     def _model_engines(self, model: str) -> list[EngineInfo]:
         return [e for e in self._engines.all() if e.model == model]
