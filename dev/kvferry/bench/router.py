@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 import numpy as np
 from kvferry.bench.multiturn_stack import proc_cpu_seconds
-from kvferry.bench.services import StandInPace
+from kvferry.bench.services import StandIns
 from kvferry.pd.kvferry_params import ConversationMark
 from kvferry.stack.readiness import grpc_serving
 from kvferry.v1 import registry_service_pb2 as registry_pb2
@@ -184,8 +184,12 @@ def run(args: argparse.Namespace) -> int:
         if args.registry:
             registry_address = args.registry
         else:
-            pace = StandInPace(args.standin_prefill_us_per_token / 1e6, args.standin_token_ms / 1e3)
-            registry_address = _start_services(work, processes, args.engines, pace)
+            # Room for the longest conversation the run sends (each turn adds its tokens and its reply).
+            longest = args.prompt_tokens + args.turns * (args.turn_tokens + args.max_tokens) + 64
+            standins = StandIns(
+                args.standin_prefill_us_per_token / 1e6, args.standin_token_ms / 1e3, max(8192, longest)
+            )
+            registry_address = _start_services(work, processes, args.engines, standins)
         paths = [p.strip() for p in args.paths.split(",") if p.strip()]
         unknown = set(paths) - set(PATHS)
         if unknown:
@@ -306,14 +310,15 @@ def _added(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return added
 
 
-def _start_services(work: Any, processes: list[Any], engines: str, pace: StandInPace) -> str:
+def _start_services(work: Any, processes: list[Any], engines: str, standins: StandIns) -> str:
     """etcd, a registry and the engines, in a process apart from the router and the bench."""
     import subprocess
     import sys
 
     command = [sys.executable, "-m", "kvferry.bench.services", "--work-dir", str(work), "--engines", engines]
-    command += ["--prefill-token-seconds", str(pace.prefill_token_seconds)]
-    command += ["--decode-token-seconds", str(pace.decode_token_seconds)]
+    command += ["--prefill-token-seconds", str(standins.prefill_token_seconds)]
+    command += ["--decode-token-seconds", str(standins.decode_token_seconds)]
+    command += ["--max-model-len", str(standins.max_model_len)]
     with open(work / "services.log", "ab") as log_file:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file)
     processes.append(proc)

