@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Mapping
@@ -22,6 +21,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 from kvferry.pd.chat import ChatDelta
+from kvferry.pd.json_codec import decode_json, encode_json
 from kvferry.router import validation
 from kvferry.router.conversations import Conversations
 from kvferry.router.engines import EngineTable
@@ -131,7 +131,7 @@ def error_response(error: ServiceError) -> JSONResponse:
 
 
 def _sse(payload: Mapping[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + encode_json(payload) + b"\n\n"
 
 
 def _error_event(error: BaseException) -> bytes:
@@ -514,7 +514,7 @@ class HttpApi:
             async for event in events:
                 if isinstance(event, ChatOut):
                     if head is None:
-                        head = json.loads(event.raw)
+                        head = decode_json(event.raw)
                     yield b"data: " + event.raw + b"\n\n"
                 elif isinstance(event, TurnResult) and include_usage:
                     yield _sse(
@@ -563,7 +563,7 @@ class HttpApi:
                 yield sse_event(event)
             async for turn_event in events:
                 if isinstance(turn_event, ChatOut):
-                    for event in builder.add(ChatDelta.from_event(json.loads(turn_event.raw))):
+                    for event in builder.add(ChatDelta.from_event(decode_json(turn_event.raw))):
                         yield sse_event(event)
                 elif isinstance(turn_event, TurnResult):
                     for event in builder.finish():

@@ -14,7 +14,6 @@ endpoint (:mod:`kvferry.router.openai_chat`), so it takes the same turn path and
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections import OrderedDict
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvferry.pd.chat import ChatDelta
+from kvferry.pd.json_codec import encode_json
 from kvferry.router.openai_chat import validate
 from kvferry.router.validation import MAX_TOKENS, Int64
 from kvferry.runtime.errors import InvalidArgument, NotFound
@@ -611,10 +611,4 @@ class ResponseEvents:
 
 
 def sse_event(event: Mapping[str, Any]) -> bytes:
-    return (
-        b"event: "
-        + str(event["type"]).encode()
-        + b"\ndata: "
-        + json.dumps(event, separators=(",", ":")).encode()
-        + b"\n\n"
-    )
+    return b"event: " + str(event["type"]).encode() + b"\ndata: " + encode_json(event) + b"\n\n"
