@@ -54,12 +54,30 @@ def chain_digests(packed: bytes | memoryview, block_size: int, *, after: bytes) 
 
 def matching_blocks(retained: Sequence[bytes], prompt: Sequence[bytes]) -> int:
     """How many leading blocks two digest chains share (the chain makes the first mismatch final)."""
+    if isinstance(retained, PackedDigests) and isinstance(prompt, PackedDigests):
+        return _common_blocks(retained.packed, prompt.packed)
     count = 0
     for a, b in zip(retained, prompt, strict=False):
         if a != b:
             break
         count += 1
     return count
+
+
+def _common_blocks(a: bytes, b: bytes) -> int:
+    """:func:`matching_blocks` of two packed chains: their bytes compared (at C speed), halving the range
+    until the first digest that differs, instead of one digest at a time."""
+    same, differs = 0, min(len(a), len(b)) // DIGEST_BYTES
+    if a[: differs * DIGEST_BYTES] == b[: differs * DIGEST_BYTES]:
+        return differs
+    # a[:same] equals b[:same] and a[:differs] does not (in digests).
+    while differs - same > 1:
+        middle = (same + differs) // 2
+        if a[: middle * DIGEST_BYTES] == b[: middle * DIGEST_BYTES]:
+            same = middle
+        else:
+            differs = middle
+    return same
 
 
 class PackedDigests(Sequence[bytes]):
