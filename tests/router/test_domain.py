@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvferry.pd import digest
 from kvferry.pd.digest import block_digests
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cost import CostSettings, RateInputs, Reuse, choose_reuse
@@ -85,16 +84,8 @@ def test_prefix_never_exceeds_retained_tokens_or_blocks() -> None:
     assert matched([*history, 1], history, num_blocks=2).tokens == 32
 
 
-def test_a_conversation_s_next_prompt_hashes_only_its_new_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_conversation_s_next_prompt_hashes_only_its_new_blocks(chained_blocks: list[int]) -> None:
     cache = PromptDigestCache(max_bytes=1 << 20)
-    chained: list[int] = []
-    chain = digest.chain_digests
-
-    def counted(packed: bytes | memoryview, block_size: int, *, after: bytes) -> list[bytes]:
-        chained.append(len(packed) // (block_size * 8))
-        return chain(packed, block_size, after=after)
-
-    monkeypatch.setattr("kvferry.router.prefix.chain_digests", counted)
     conversation = ("acme", "c1")
     history = list(range(1000, 1100))  # 6 full blocks
     assert list(cache.digests(conversation, history, block_size=BS, salt=SALT)) == block_digests(
@@ -111,7 +102,7 @@ def test_a_conversation_s_next_prompt_hashes_only_its_new_blocks(monkeypatch: py
     assert cache.digests(("acme", "c2"), grown, block_size=BS, salt=SALT) == block_digests(
         grown, BS, salt=SALT
     )
-    assert chained == [6, 2, 0, 8]
+    assert chained_blocks == [6, 2, 0, 8]
 
 
 def test_a_prompt_that_does_not_begin_with_the_last_one_is_hashed_whole() -> None:

@@ -14,7 +14,6 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import pytest
-from kvferry.pd import digest
 from kvferry.pd.chat import ChatRequest
 from kvferry.pd.digest import block_digests
 from kvferry.pd.engine_api import DecodeRequest, EngineApi
@@ -268,22 +267,14 @@ async def test_the_next_turn_pulls_the_proven_prefix_from_the_holder(cluster: Cl
 
 
 async def test_a_conversation_s_next_turn_hashes_only_its_new_blocks(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, chained_blocks: list[int]
 ) -> None:
-    chained: list[int] = []
-    chain = digest.chain_digests
-
-    def counted(packed: bytes | memoryview, block_size: int, *, after: bytes) -> list[bytes]:
-        chained.append(len(packed) // (block_size * 8))
-        return chain(packed, block_size, after=after)
-
-    monkeypatch.setattr("kvferry.router.prefix.chain_digests", counted)
     await cluster.turn(PROMPT)
     second = [*PROMPT, 101, 102, 103, 7, 8, 9]
     _, pulled = await cluster.turn(second)
     _, again = await cluster.turn([*second, 101, 102, 103, 4, 5, 6])
     # Turn 2 checks 10 blocks against turn 1's retention; turn 3 checks 12, of which 10 were turn 2's.
-    assert chained == [10, 2]
+    assert chained_blocks == [10, 2]
     assert pulled.reuse == again.reuse == Reuse.PULL and again.matched_tokens > pulled.matched_tokens
 
 
