@@ -52,6 +52,7 @@ def serve_services(work_dir: str, engines: str, standins: StandIns | None = None
             )
             stoppers.append(registry.stop)
             if engines == "standin":
+                pace = standins or StandIns()
                 for engine_id, role in (
                     ("standin-prefill-0", resources_pb2.ENGINE_ROLE_PREFILL),
                     ("standin-decode-0", resources_pb2.ENGINE_ROLE_DECODE),
@@ -60,9 +61,9 @@ def serve_services(work_dir: str, engines: str, standins: StandIns | None = None
                         engine_id,
                         role,
                         registry_address=registry.address,
-                        prefill_token_delay_seconds=(standins or StandIns()).prefill_token_seconds,
-                        decode_token_delay_seconds=(standins or StandIns()).decode_token_seconds,
-                        max_model_len=(standins or StandIns()).max_model_len,
+                        prefill_token_delay_seconds=pace.prefill_token_seconds,
+                        decode_token_delay_seconds=pace.decode_token_seconds,
+                        max_model_len=pace.max_model_len,
                     )
                     await engine.start()
                     stoppers.append(engine.stop)

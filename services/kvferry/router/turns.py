@@ -487,13 +487,9 @@ class TurnRunner:
                 if marking.done():
                     marking.result()
             token_ids = await tokenizing
-            hashed = None
-            if marking is not None and not marking.done() and lookup is not None and lookup.done():
-                # The mark is still in flight: hash the prompt for the prefix check now, not after it.
-                hashed = self._hash_ahead(model, token_ids, lookup)
             looked_up = await lookup if lookup is not None else _LookedUp(None, None, True)
-            if hashed is None:
-                hashed = self._hash(model, token_ids, looked_up.retention)
+            # Hashed now, while the mark may still be in flight, not after it.
+            hashed = self._hash(model, token_ids, looked_up.retention)
             if marking is not None and not marking.done():
                 # P's request may go out before the mark's answer, unless it pulls a record the index found
                 # (``_run`` waits for the mark then).
@@ -598,16 +594,6 @@ class TurnRunner:
             prompt_digests=None,
         )
         return changed, False
-
-    def _hash_ahead(
-        self,
-        model: str,
-        token_ids: tuple[int, ...],
-        lookup: asyncio.Future[_LookedUp],
-    ) -> PromptDigests | None:
-        if lookup.cancelled() or lookup.exception() is not None:
-            return None
-        return self._hash(model, token_ids, lookup.result()[0])
 
     def _hash(
         self, model: str, token_ids: tuple[int, ...], retention: RetentionRecord | None
