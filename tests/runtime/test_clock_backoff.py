@@ -62,6 +62,32 @@ async def test_the_system_clock_waits_for_an_event_or_its_time() -> None:
     assert await clock.wait(event, 10) is True
 
 
+@pytest.mark.parametrize("clock", [SystemClock(), ManualClock()], ids=["system", "manual"])
+@pytest.mark.parametrize("turns", [0, 1, 2, 3])
+async def test_a_loop_waiting_on_a_clock_stops_when_cancelled_just_after_its_event_was_set(
+    clock: SystemClock | ManualClock, turns: int
+) -> None:
+    """The event set and the waiting task cancelled within the same few turns of the loop (a sidecar
+    poked while it stops): the cancellation wins. Python 3.11's ``asyncio.wait_for`` returned the event
+    instead, so a loop around the wait ran on and ``task.cancel(); await task`` never returned."""
+    event = asyncio.Event()
+
+    async def heartbeat_loop() -> None:
+        while True:
+            await clock.wait(event, 3600)
+            event.clear()
+
+    task = asyncio.create_task(heartbeat_loop())
+    await asyncio.sleep(0)
+    event.set()
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=2)
+    assert task in done, f"the loop ran on after its cancellation ({turns} turns after the event)"
+    assert task.cancelled()
+
+
 def test_backoff_grows_caps_and_resets() -> None:
     backoff = Backoff(BackoffPolicy(initial_seconds=0.1, max_seconds=0.4, jitter=0.0), rng=random.Random(1))
     assert [backoff.next_delay() for _ in range(5)] == pytest.approx([0.1, 0.2, 0.4, 0.4, 0.4])

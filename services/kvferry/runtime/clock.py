@@ -48,8 +48,12 @@ class SystemClock:
     async def wait(self, event: asyncio.Event, within_seconds: float) -> bool:
         if event.is_set():
             return True
+        # Not asyncio.wait_for: on Python 3.11 it waits in a task of its own and, when cancelled after
+        # that task ended (the event set a turn or two before), returns instead of raising, so a loop
+        # around this wait would outlive its cancellation. ``asyncio.timeout`` waits in this task.
         try:
-            await asyncio.wait_for(event.wait(), timeout=max(within_seconds, 0.0))
+            async with asyncio.timeout(max(within_seconds, 0.0)):
+                await event.wait()
         except TimeoutError:
             return False
         return True
