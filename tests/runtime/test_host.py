@@ -79,6 +79,54 @@ async def test_a_background_task_that_ends_resolves_failed() -> None:
     await host.stop()
 
 
+async def test_stop_ends_a_task_that_swallows_its_first_cancellation() -> None:
+    host = ServiceHost("test")
+    swallowed = asyncio.Event()
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.set()  # as asyncio.wait_for may on Python 3.11: the loop runs on
+        await asyncio.sleep(3600)
+
+    task = host.spawn(stubborn(), "stubborn")
+    await asyncio.sleep(0)
+    await asyncio.wait_for(host.stop(), 5)
+    assert swallowed.is_set() and task.cancelled(), "cancelled again, it ended"
+
+
+async def test_stop_gives_up_on_a_task_that_never_ends_and_stops_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    host = ServiceHost("test", task_stop_seconds=0.5)
+    endpoint = await host.serve_grpc("127.0.0.1:0", [])
+
+    released = False
+
+    async def immortal() -> None:
+        while not released:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass
+
+    task = host.spawn(immortal(), "immortal")
+    await asyncio.sleep(0)
+    await asyncio.wait_for(host.stop(), 5)
+    assert not task.done()
+    assert any(
+        record.levelname == "ERROR" and "kvferry-test-immortal" in str(getattr(record, "error", ""))
+        for record in caplog.records
+    ), "the task that did not end is named in an error"
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", endpoint.port)) != 0, "the steps after it still ran"
+    released = True  # let it go: the test's loop outlives it
+    task.cancel()
+    await asyncio.wait({task}, timeout=5)
+    assert task.done()
+
+
 async def test_stop_turns_health_not_serving_before_the_grace_period() -> None:
     host = ServiceHost("test", grace_seconds=0.2)
     endpoint = await host.serve_grpc("127.0.0.1:0", [])

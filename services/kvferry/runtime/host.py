@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 StopStep = Callable[[], Awaitable[object]]
 
+# How long a gRPC server may take to stop past its grace (cancelled calls ending) before the stop moves on.
+_SERVER_STOP_SLACK_SECONDS = 5.0
+
 
 @dataclass(frozen=True)
 class GrpcEndpoint:
@@ -48,9 +51,11 @@ class ServiceHost:
     """Owns what one service started and stops it in reverse order, whether it is stopping or its start
     failed. ``failed`` resolves (with the error) when a background task ends on its own."""
 
-    def __init__(self, name: str, *, grace_seconds: float = 2.0) -> None:
+    def __init__(self, name: str, *, grace_seconds: float = 2.0, task_stop_seconds: float = 5.0) -> None:
         self.name = name
         self.grace_seconds = grace_seconds
+        # How long a cancelled background task may take to end before the stop gives up on it.
+        self.task_stop_seconds = task_stop_seconds
         # The grace of the stop under way (a caller may ask for another than the default).
         self._grace = grace_seconds
         self._steps: list[tuple[str, StopStep]] = []
@@ -72,15 +77,13 @@ class ServiceHost:
             raise
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """Runs a background task until stop (then it is cancelled); one that ends before that resolves
-        ``failed``."""
+        """Runs a background task until stop (then it is cancelled, within ``task_stop_seconds``); one
+        that ends before that resolves ``failed``."""
         task = asyncio.create_task(coroutine, name=f"kvferry-{self.name}-{name}")
         task.add_done_callback(self._task_ended)
 
         async def cancel() -> None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await _cancel_within(task, self.task_stop_seconds)
 
         self.on_stop(f"task {name}", cancel)
         return task
@@ -109,7 +112,16 @@ class ServiceHost:
 
         async def graceful_stop() -> None:
             await health_servicer.enter_graceful_shutdown()
-            await server.stop(self._grace)
+            grace = self._grace
+            # grpc cancels the calls still open after the grace, then waits for them to end: bounded too.
+            stopping = asyncio.ensure_future(server.stop(grace))
+            done, _ = await asyncio.wait({stopping}, timeout=(grace or 0.0) + _SERVER_STOP_SLACK_SECONDS)
+            if not done:
+                raise TimeoutError(
+                    f"the gRPC server on port {port} did not stop within {_SERVER_STOP_SLACK_SECONDS} s past "
+                    f"its {grace} s grace (calls that did not end when cancelled?)"
+                )
+            stopping.result()
 
         self.on_stop("gRPC server", graceful_stop)
         return GrpcEndpoint(server, port, health_servicer)
@@ -147,8 +159,11 @@ class ServiceHost:
                 try:
                     await step()
                 except Exception as error:
-                    log.warning(
-                        "stop step failed", extra={"service": self.name, "step": what, "error": repr(error)}
+                    # A step that did not end in time is given up on (logged); the rest still run.
+                    log.log(
+                        logging.ERROR if isinstance(error, TimeoutError) else logging.WARNING,
+                        "stop step failed",
+                        extra={"service": self.name, "step": what, "error": repr(error)},
                     )
         finally:
             self._stopped.set()
@@ -160,6 +175,20 @@ class ServiceHost:
         log.error("background task failed", extra={"task": task.get_name(), "error": repr(error)})
         if not self.failed.done():
             self.failed.set_result(error)
+
+
+async def _cancel_within(task: asyncio.Task[None], within_seconds: float) -> None:
+    """Cancels ``task`` and waits for it to end, cancelling it again every second (a task may swallow
+    one cancellation and run on); raises TimeoutError, naming it, if it still runs after
+    ``within_seconds``. A cancellation of the caller propagates."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_seconds
+    while not task.done():
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise TimeoutError(f"task {task.get_name()} still runs {within_seconds} s after it was cancelled")
+        task.cancel()
+        await asyncio.wait({task}, timeout=min(remaining, 1.0))
 
 
 class Service(Protocol):
