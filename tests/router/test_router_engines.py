@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from tests.fixtures.engines import ENGINE_SETTINGS, TEST_READ_WINDOW_SECONDS, En
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
 from tests.fixtures.sidecar import TEST_BACKOFF, SidecarHandle, sidecar_test_config
+from tests.fixtures.stopping import stop_all
 from tests.sidecar.helpers import eventually
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
@@ -184,10 +186,12 @@ async def routed(engine_pair: EnginePair, registry: RegistryHandle) -> AsyncIter
         await warm_up(routed.stub(), engine_pair.model)
         yield routed
     finally:
-        for router in routers:
-            await router.stop(grace_seconds=0.5)
-        for handle in sidecars:
-            await handle.stop()
+        # Each stop bounded, and every one tried even when one hangs: a sidecar left running keeps its
+        # engine's sidecar port and registration, and every later test on the shared engines fails.
+        await stop_all(
+            [(f"router {r.grpc_address}", functools.partial(r.stop, grace_seconds=0.5)) for r in routers]
+            + [(f"sidecar {handle.engine_id}", handle.stop) for handle in sidecars]
+        )
 
 
 async def test_openai_client_multi_turn_reuse_shows_in_engine_counters(routed: Routed) -> None:
