@@ -228,10 +228,11 @@ class DueTimer:
                     timeout = self._REWAKE_SECONDS
                 else:
                     timeout = delay
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout)
-            except TimeoutError:
-                pass
+            # asyncio.timeout, not wait_for: on Python 3.11 a wait_for cancelled just after its event was set
+            # returns instead of raising, and this loop would outlive its cancellation.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait()
 
 
 class SidecarLink:
@@ -375,7 +376,8 @@ class SidecarLink:
             if call is None:
                 # Woken by a poke; now and then regardless, for calls asked to wait a while.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), _IDLE_RECHECK_SECONDS)
+                    async with asyncio.timeout(_IDLE_RECHECK_SECONDS):
+                        await self._wakeup.wait()
                 continue
             try:
                 await self._make(call)
@@ -423,7 +425,8 @@ class SidecarLink:
         idle_rounds = 0
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._measured.wait(), self._stats_interval)
+                async with asyncio.timeout(self._stats_interval):
+                    await self._measured.wait()
             early = self._measured.is_set()
             self._measured.clear()
             if not self.connected:
