@@ -4,7 +4,9 @@ and test_router_standin, whose turns name their conversation in the header too).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -79,6 +81,28 @@ async def test_the_mark_is_asked_while_the_body_is_still_coming(cluster: Cluster
         )
         assert second.status_code == 200, second.text
         assert second.json()["usage"]["kvferry"]["reuse"] == "pull"
+
+
+async def test_the_turn_line_counts_the_body_s_read_before_the_turn_s_clock(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``request_read_ms``: from the handler's start to the turn's clock (the body's read and check), which
+    the turn's own figures (``ttft_ms``, ``before_prefill_ms``) do not count."""
+    body = _completion()
+
+    async def slowly() -> AsyncIterator[bytes]:
+        yield body[:10]
+        await asyncio.sleep(0.2)
+        yield body[10:]
+
+    with caplog.at_level(logging.INFO, logger="kvferry.router.turns"):
+        async with _client(cluster) as client:
+            answer = await client.post("/v1/completions", content=slowly(), headers=_headers())
+        assert answer.status_code == 200, answer.text
+        _, direct = await cluster.turn(PROMPT, conversation="c2")
+    over_http, over_runner = [vars(r) for r in caplog.records if r.getMessage() == "turn done"]
+    assert over_http["request_read_ms"] >= 200, "the body's second half came 0.2 s after its first"
+    assert over_runner["request_read_ms"] is None and direct.turn == 1
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])

@@ -301,11 +301,12 @@ class HttpApi:
         return await self._conversation_call(request, describe)
 
     async def chat_completions(self, request: Request) -> Response:
+        received = time.perf_counter()
         try:
             tenant = self._tenant(request)
             async with self._mark_ahead(request, tenant) as ahead:
                 call = parse_chat(load_json_object(await self._read_body(request)))
-                turn_request = self._chat_turn(request, tenant, call)
+                turn_request = self._chat_turn(request, tenant, call, received)
                 return await self._serve(
                     request,
                     turn_request,
@@ -317,11 +318,12 @@ class HttpApi:
             return error_response(error)
 
     async def completions(self, request: Request) -> Response:
+        received = time.perf_counter()
         try:
             tenant = self._tenant(request)
             async with self._mark_ahead(request, tenant) as ahead:
                 call = parse_completion_body(await self._read_body(request))
-                turn_request = self._completion_turn(request, tenant, call)
+                turn_request = self._completion_turn(request, tenant, call, received)
                 return await self._serve(
                     request,
                     turn_request,
@@ -333,14 +335,17 @@ class HttpApi:
             return error_response(error)
 
     async def create_response(self, request: Request) -> Response:
+        received = time.perf_counter()
         try:
             tenant = self._tenant(request)
             async with self._mark_ahead(request, tenant) as ahead:
-                return await self._create_response(request, tenant, ahead)
+                return await self._create_response(request, tenant, ahead, received)
         except ServiceError as error:
             return error_response(error)
 
-    async def _create_response(self, request: Request, tenant: Tenant, ahead: MarkAhead | None) -> Response:
+    async def _create_response(
+        self, request: Request, tenant: Tenant, ahead: MarkAhead | None, received: float
+    ) -> Response:
         try:
             call = parse_responses(load_json_object(await self._read_body(request)))
             previous = None
@@ -360,7 +365,7 @@ class HttpApi:
                 conversation = chain_conversation_id(responding.response_id)
             responding.conversation_id = conversation
             turn_request = dataclasses.replace(
-                self._chat_turn(request, tenant, chat), conversation_id=conversation
+                self._chat_turn(request, tenant, chat, received), conversation_id=conversation
             )
         except ServiceError as error:
             return error_response(error)
@@ -396,7 +401,7 @@ class HttpApi:
     def _tenant(self, request: Request) -> Tenant:
         return self._keys.authenticate(request.headers.get("authorization"))
 
-    def _chat_turn(self, request: Request, tenant: Tenant, call: ChatCall) -> TurnRequest:
+    def _chat_turn(self, request: Request, tenant: Tenant, call: ChatCall, received: float) -> TurnRequest:
         return TurnRequest(
             tenant=tenant,
             conversation_id=conversation_of(
@@ -407,9 +412,12 @@ class HttpApi:
             sampling=SamplingOptions(max_tokens=call.max_tokens),
             retain=call.retain,
             stream=call.stream,
+            received_at=received,
         )
 
-    def _completion_turn(self, request: Request, tenant: Tenant, call: CompletionCall) -> TurnRequest:
+    def _completion_turn(
+        self, request: Request, tenant: Tenant, call: CompletionCall, received: float
+    ) -> TurnRequest:
         return TurnRequest(
             tenant=tenant,
             conversation_id=conversation_of(
@@ -420,6 +428,7 @@ class HttpApi:
             sampling=call.sampling,
             retain=call.retain,
             stream=call.stream,
+            received_at=received,
         )
 
     def _mark_ahead(self, request: Request, tenant: Tenant) -> AbstractAsyncContextManager[MarkAhead | None]:

@@ -129,6 +129,9 @@ class TurnRequest:
     # False: the decode is not streamed: one TextOut with the whole text, or (chat) the engine's whole
     # answer in the result.
     stream: bool = True
+    # When the front door had the request (``time.perf_counter``; HTTP: the handler's start, before the body
+    # was read and checked), for the turn line's ``request_read_ms``; None: the turn's own start.
+    received_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -1073,6 +1076,12 @@ class TurnRunner:
                 "prefill_engine": plan.prefill.engine_id,
                 "decode_engine": plan.decode.engine_id,
                 "ttft_ms": round(ttft_ms, 2),
+                # Before the turn's clock: the front door's read and check of the request (HTTP).
+                "request_read_ms": (
+                    round((turn.started - turn.request.received_at) * 1000, 2)
+                    if turn.request.received_at is not None
+                    else None
+                ),
                 # Where the TTFT went: before P's request, P's request, and from P's answer to the first
                 # output (D's request, D's pull of the prompt from P and its first token, the relay).
                 "before_prefill_ms": round(before_prefill_ms, 2),
