@@ -7,6 +7,7 @@ puts one in the virtualenv; Debian's ``etcd-server`` puts one in /usr/bin).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -18,9 +19,38 @@ from pathlib import Path
 from kvferry.runtime.tls import TlsFiles
 from kvferry.stack import child_process
 
+# Where free_port looks: below the kernel's ephemeral range, at most this many ports down from its start.
+_FREE_PORT_SPAN = 16384
+# Ports free_port handed out in this process: never twice (they may not be bound yet).
+_handed_out: set[int] = set()
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port of the kernel's ephemeral range (its outgoing connections' local ports)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (bind to 0, read, close)."""
+    """A TCP port nothing listens on right now, below the kernel's ephemeral range and not handed out before
+    by this process. A port is often bound long after it is chosen (an engine's NIXL side channel, a minute
+    into its start): one of the ephemeral range (what binding to port 0 gives) may be taken meanwhile by any
+    process's outgoing connection, one below it only by another listener. Falls back to binding port 0."""
+    start = _ephemeral_ports_start()
+    low = max(1024, start - _FREE_PORT_SPAN)
+    for _ in range(64 if start > low else 0):
+        port = random.randrange(low, start)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
