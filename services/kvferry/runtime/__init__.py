@@ -6,6 +6,7 @@
 - ``errors``: domain errors, the one table to gRPC / HTTP statuses, and the gRPC handler decorators;
 - ``clock``: the ``Clock`` Protocol, ``SystemClock`` and ``ManualClock`` (tests);
 - ``backoff``: ``BackoffPolicy`` (settings) and ``Backoff`` (one retry loop's state);
+- ``deadline``: ``finish_within`` (await something for at most so long; on timeout, an error naming it);
 - ``timestamps``: protobuf ``Timestamp`` to and from float seconds;
 - ``metrics``: serving ``/metrics`` and the series more than one service updates;
 - ``tracing``: the tracer provider and the gRPC tracing interceptors;

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health
+from kvferry.runtime.deadline import finish_within
 from kvferry.runtime.grpc_server import ServiceBinding, start_server
 from kvferry.runtime.metrics import MetricsEndpoint, serve_metrics
 from kvferry.runtime.tracing import setup_tracing, shutdown_tracing
@@ -114,14 +115,13 @@ class ServiceHost:
             await health_servicer.enter_graceful_shutdown()
             grace = self._grace
             # grpc cancels the calls still open after the grace, then waits for them to end: bounded too.
-            stopping = asyncio.ensure_future(server.stop(grace))
-            done, _ = await asyncio.wait({stopping}, timeout=(grace or 0.0) + _SERVER_STOP_SLACK_SECONDS)
-            if not done:
-                raise TimeoutError(
-                    f"the gRPC server on port {port} did not stop within {_SERVER_STOP_SLACK_SECONDS} s past "
-                    f"its {grace} s grace (calls that did not end when cancelled?)"
-                )
-            stopping.result()
+            await finish_within(
+                server.stop(grace),
+                (grace or 0.0) + _SERVER_STOP_SLACK_SECONDS,
+                f"the gRPC server on port {port} did not stop within {_SERVER_STOP_SLACK_SECONDS} s past "
+                f"its {grace} s grace (calls that did not end when cancelled?)",
+                cancel=False,
+            )
 
         self.on_stop("gRPC server", graceful_stop)
         return GrpcEndpoint(server, port, health_servicer)
