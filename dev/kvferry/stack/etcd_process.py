@@ -6,6 +6,7 @@ puts one in the virtualenv; Debian's ``etcd-server`` puts one in /usr/bin).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -25,8 +26,9 @@ _FREE_PORT_SPAN = 16384
 _handed_out: set[int] = set()
 
 
+@functools.cache
 def _ephemeral_ports_start() -> int:
-    """The first port of the kernel's ephemeral range (its outgoing connections' local ports)."""
+    """The first port of the kernel's ephemeral range (its outgoing connections' local ports); read once."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
