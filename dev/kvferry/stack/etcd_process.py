@@ -24,6 +24,10 @@ from kvferry.stack import child_process
 _FREE_PORT_SPAN = 16384
 # Ports free_port handed out in this process: never twice (they may not be bound yet).
 _handed_out: set[int] = set()
+# free_port's own generator, seeded from the OS: code that seeds the module ``random`` (a test, a benchmark)
+# cannot make two processes draw the same ports. Reseeded in a forked child, as the module's is.
+_port_random = random.Random()
+os.register_at_fork(after_in_child=_port_random.seed)
 
 
 @functools.cache
@@ -43,7 +47,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     start = _ephemeral_ports_start()
     low = max(1024, start - _FREE_PORT_SPAN)
     for _ in range(64 if start > low else 0):
-        port = random.randrange(low, start)
+        port = _port_random.randrange(low, start)
         if port in _handed_out:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
