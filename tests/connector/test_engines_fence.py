@@ -25,7 +25,7 @@ from kvferry.connector.connector import BUMPED_LOG, FREED_LOG
 from kvferry.connector.fence import PULL_FENCE_LOG, expand_block_runs
 from kvferry.pd.chat import ChatMessage, ChatRequest
 from kvferry.pd.engine_api import DecodeRequest, Sampling, prefill_transfer_params
-from kvferry.pd.kvferry_params import DEVICE_TIER, ConversationMark, ReleaseMark
+from kvferry.pd.kvferry_params import DEVICE_TIER, ConversationMark, PullOptions, ReleaseMark
 from kvferry.pd.reuse import RetainedKv, max_reusable_tokens
 from kvferry.pd.sequence import Pull
 from kvferry.pd.vllm_params import KvHandoff
@@ -86,10 +86,16 @@ def reuse_pull(retained: RetainedKv, prompt: Sequence[int]) -> Pull:
 
 
 async def first_token(
-    pair: EnginePair, prompt: Sequence[int], request_id: str, pull: Pull | None = None, mark: Any = None
+    pair: EnginePair,
+    prompt: Sequence[int],
+    request_id: str,
+    pull: Pull | None = None,
+    mark: Any = None,
+    options: PullOptions | None = None,
 ) -> tuple[dict[int, float], int]:
-    """P's first token's top-k log-probabilities for ``prompt`` (pulling ``pull`` first) and the prompt
-    tokens P did not compute; D then takes the prompt from P and frees it at finish (nothing retained)."""
+    """P's first token's top-k log-probabilities for ``prompt`` (pulling ``pull`` first, with ``options``)
+    and the prompt tokens P did not compute; D then takes the prompt from P and frees it at finish (nothing
+    retained)."""
     params = prefill_transfer_params(
         mark if pull is not None else None,
         pull.blocks if pull is not None else None,
@@ -97,6 +103,8 @@ async def first_token(
         generations=pull.generations if pull is not None else None,
         tier=pull.tier if pull is not None else DEVICE_TIER,
     )
+    if options is not None:
+        params.update(options.to_params())
     body = {
         "model": pair.model,
         "prompt": list(prompt),

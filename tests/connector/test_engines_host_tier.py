@@ -24,7 +24,7 @@ import pytest_asyncio
 from kvferry.connector.connector import FREED_LOG
 from kvferry.connector.host_tier import HOST_REQUEST_SUFFIX
 from kvferry.pd.chat import ChatMessage, ChatRequest
-from kvferry.pd.kvferry_params import ConversationMark
+from kvferry.pd.kvferry_params import ConversationMark, PullOptions
 from kvferry.pd.reuse import RetainedKv
 from kvferry.router.server import RunningRouter, start_router
 from kvferry.stack.engine import EngineProcess, direct_turn
@@ -152,6 +152,12 @@ async def stack(
         await asyncio.to_thread(process.stop)
 
 
+def pull_line(pair: EnginePair, request_id: str) -> dict[str, Any]:
+    """P's ``kv pull`` line of a request's pull (read "mapped" or "nixl")."""
+    (line,) = [e for e in pair.prefill.connector_events("kv pull") if request_id in str(e.get("request_id"))]
+    return line
+
+
 async def test_an_idle_retention_moves_to_the_host_pool_and_the_next_turn_pulls_it_from_there(
     stack: HostTierStack,
 ) -> None:
@@ -256,12 +262,22 @@ async def test_a_pool_pull_reads_the_moved_kv_and_a_pull_of_freed_slots_is_fence
     assert pull.blocks.num_tokens is not None and cached == pull.blocks.num_tokens
     assert_same_kv(pulled, recomputed)
 
+    # On one host P maps the holder's pool and copies the slots itself.
+    assert pull_line(pair, f"{conversation}-t2")["read"] == "mapped"
+
     # P times pulls from the holder's pool apart from pulls from its KV cache, and the router prices a
-    # host-tier retention by that rate. Pulled again: a peer's first pull waits for the handshake (no time).
+    # host-tier retention by that rate. Pulled again, over NIXL this time (the path for a holder on another
+    # host): the same KV.
     again, _ = await first_token(
-        pair, prompt_2, f"{conversation}-t2-again", reuse_pull(retained, prompt_2), mark
+        pair,
+        prompt_2,
+        f"{conversation}-t2-again",
+        reuse_pull(retained, prompt_2),
+        mark,
+        options=PullOptions(mapped=False),
     )
     assert_same_kv(again, recomputed)
+    assert pull_line(pair, f"{conversation}-t2-again")["read"] == "nixl"
 
     def host_pool_rate() -> float:
         engine = stack.router.engines.get(pair.prefill.engine_id)

@@ -48,8 +48,8 @@ def test_copy_puts_each_block_of_every_region_in_its_slot() -> None:
     memory, rows = kv_cache()
     pool = HostPool(rows, [KV_BLOCKS] * REGIONS, slots=6)
     # A run on both sides (2,3 -> 0,1), then blocks that are not consecutive.
-    copied = pool.copy_in([2, 3, 7, 5], [0, 1, 4, 2])
-    assert copied == 4 * sum(BLOCK_BYTES)
+    copied, copy = pool.copy_in([2, 3, 7, 5], [0, 1, 4, 2])
+    assert copied == 4 * sum(BLOCK_BYTES) and copy.done()
     for block, slot in ((2, 0), (3, 1), (7, 4), (5, 2)):
         assert pool.slot_bytes(slot) == block_bytes(rows, block)
     assert pool.slot_bytes(3) == b"\x01" * sum(BLOCK_BYTES)  # untouched (pages written at start)
@@ -59,7 +59,7 @@ def test_copy_puts_each_block_of_every_region_in_its_slot() -> None:
 def test_pool_layout_rows_address_the_slots_a_prefill_reads() -> None:
     _memory, rows = kv_cache()
     pool = HostPool(rows, [KV_BLOCKS] * REGIONS, slots=4)
-    pool.copy_in([6], [3])
+    pool.copy_in([6], [3])[1].wait()
     layout = pool.layout()
     assert layout.first_block_id == KV_BLOCKS and layout.slots == 4
     pool_rows = layout.rows()

@@ -7,6 +7,7 @@ count. The same wrapper inside real engines is tested in test_engines_coalesced.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from kvferry.connector.coalesce import block_runs
-from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullRecord
+from kvferry.connector.copies import HostCopier
+from kvferry.connector.host_tier import HostPool, MappedHostPool, extend_remote_rows
+from kvferry.connector.nixl_pulls import PoolList, PullCoalescer, PullContext, PullRecord
 
 nixl_api = pytest.importorskip("nixl._api")
 
@@ -228,3 +231,112 @@ def test_counters_add_up(pair: Pair) -> None:
     assert counters.pulls == before + 1
     assert counters.coalesced_pulls >= 1
     assert counters.posted_descriptors <= counters.listed_descriptors
+
+
+# -- a holder's host pool (kvferry.connector.host_tier) ----------------------------------------------------
+
+SLOTS = 16
+
+
+@pytest.fixture(scope="module")
+def holder_pool(pair: Pair) -> Iterator[HostPool]:
+    """The holder's pool, its slots 0..9 holding its blocks 20..29, registered with its NIXL agent."""
+    pool = HostPool(pair.holder.rows("per_layer"), [BLOCKS] * LAYERS, SLOTS)
+    pool.copy_in(list(range(20, 30)), list(range(10)))[1].wait()
+    agent = pair.holder.agent
+    address, nbytes = pool.registration()
+    agent.register_memory(agent.get_reg_descs([(address, nbytes, 0, "")], "DRAM"))  # type: ignore[attr-defined]
+    pair.reader.add_remote_agent(agent.get_agent_metadata())  # type: ignore[attr-defined]
+    yield pool
+
+
+def pool_list(pair: Pair, pool: HostPool, *, mapped: bool, lists_pool: bool) -> PoolList:
+    layout = pool.layout()
+    _, remote_h = pair.prepare("per_layer")
+    base = remote_h
+    if lists_pool:
+        extended, _ = extend_remote_rows(pair.holder.rows("per_layer"), [BLOCKS] * LAYERS, layout)
+        base = pair.reader.prep_xfer_dlist(pair.holder_name, pair.reader.get_xfer_descs(extended, "DRAM"))
+    opened = MappedHostPool.open(layout, HostCopier())[0] if mapped else None
+    return PoolList(base, pair.holder_name, BLOCKS, layout, opened, lists_pool)
+
+
+def read_through(
+    pair: Pair, remote: PoolList, local_ids: list[int], remote_ids: list[int], **context: object
+) -> PullRecord:
+    """A pull as vLLM posts it against a holder with a pool: indices run ``BLOCKS + SLOTS`` a region."""
+    per_region = BLOCKS + SLOTS
+    li = np.asarray([r * BLOCKS + b for r in range(LAYERS) for b in local_ids], dtype=np.int64)
+    ri = np.asarray([r * per_region + b for r in range(LAYERS) for b in remote_ids], dtype=np.int64)
+    for cache in pair.local.caches:
+        cache[:] = 0xEE
+    local_h, _ = pair.prepare("per_layer")
+    request = f"req-{next(_names)}"
+    pair.reader.set_context(PullContext(request, **context))  # type: ignore[arg-type]
+    try:
+        handle = pair.reader.make_prepped_xfer(
+            "READ", local_h, li, remote, ri, notif_msg=f"{request}:1".encode()
+        )
+    finally:
+        pair.reader.set_context(None)
+    pair.reader.transfer(handle)
+    deadline = time.monotonic() + 20
+    while (state := pair.reader.check_xfer_state(handle)) == "PROC":
+        assert time.monotonic() < deadline, "pull did not finish"
+    assert state == "DONE"
+    pair.reader.get_xfer_telemetry(handle)
+    pair.reader.release_xfer_handle(handle)
+    assert pair._wait_notice(request) == [f"{request}:1"]
+    return pair.records[-1]
+
+
+def assert_pulled(pair: Pair, local_ids: list[int], holder_ids: list[int]) -> None:
+    for local_cache, holder_cache in zip(pair.local.caches, pair.holder.caches, strict=True):
+        assert np.array_equal(local_cache[local_ids], holder_cache[holder_ids])
+
+
+def test_pool_slots_of_a_mapped_pool_are_copied_here_in_runs(pair: Pair, holder_pool: HostPool) -> None:
+    remote = pool_list(pair, holder_pool, mapped=True, lists_pool=False)
+    # Slots 2..7 hold the holder's blocks 22..27; local blocks 30..35 receive them.
+    record = read_through(pair, remote, list(range(30, 36)), [BLOCKS + s for s in range(2, 8)])
+    assert_pulled(pair, list(range(30, 36)), list(range(22, 28)))
+    assert record.read == "mapped" and record.coalesced
+    assert record.posted_descriptors == LAYERS  # one run a region
+    assert record.total_bytes == LAYERS * PAGE * 6
+
+
+def test_kv_cache_blocks_of_a_holder_with_a_pool_are_read_over_nixl(
+    pair: Pair, holder_pool: HostPool
+) -> None:
+    remote = pool_list(pair, holder_pool, mapped=True, lists_pool=False)
+    record = read_through(pair, remote, [1, 2, 3], [40, 41, 42])
+    assert_pulled(pair, [1, 2, 3], [40, 41, 42])
+    assert record.read == "nixl" and record.nixl_descriptors == LAYERS
+
+
+def test_an_unmapped_pool_is_read_over_nixl_where_the_holders_list_holds_it(
+    pair: Pair, holder_pool: HostPool
+) -> None:
+    remote = pool_list(pair, holder_pool, mapped=True, lists_pool=True)
+    record = read_through(pair, remote, [5, 6], [BLOCKS + 0, BLOCKS + 1], mapped=False)
+    assert_pulled(pair, [5, 6], [20, 21])
+    assert record.read == "nixl"
+
+
+def test_a_pool_neither_mapped_nor_listed_is_refused(pair: Pair, holder_pool: HostPool) -> None:
+    remote = pool_list(pair, holder_pool, mapped=False, lists_pool=False)
+    local_h, _ = pair.prepare("per_layer")
+    with pytest.raises(RuntimeError, match="cannot read the holder's host pool"):
+        pair.reader.make_prepped_xfer(
+            "READ", local_h, np.asarray([0]), remote, np.asarray([BLOCKS]), notif_msg=b"x:1"
+        )
+
+
+def test_a_mapped_pool_checks_the_files_identity(holder_pool: HostPool) -> None:
+    layout = holder_pool.layout()
+    mapped, why = MappedHostPool.open(layout, HostCopier())
+    assert mapped is not None and why == ""
+    other = MappedHostPool.open(dataclasses.replace(layout, identity=layout.identity + 2), HostCopier())
+    assert other[0] is None and "identity differs" in other[1]
+    gone = MappedHostPool.open(dataclasses.replace(layout, fd=10_000), HostCopier())
+    assert gone[0] is None and "/proc/" in gone[1]

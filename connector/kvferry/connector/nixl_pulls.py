@@ -23,6 +23,12 @@ pull falls back as above.
 
 Each finished pull is reported (``kv pull`` log line, counters): descriptors vLLM listed,
 descriptors posted, descriptors NIXL used after its own merging (telemetry), bytes, time, rate.
+
+A holder with a host pool (kvferry.connector.host_tier) is a :class:`PoolList` in vLLM's tables: vLLM
+indexes its pool slots after each region's KV-cache blocks. The coalescer answers for it: KV-cache
+blocks are read from the NIXL list beneath, and pool slots of a holder whose pool is mapped into this
+process (same host) are copied by this engine itself (:class:`MappedRead`, a handle vLLM posts, polls
+and releases like a NIXL one; the holder gets the READ's notification when the copy is done).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -47,6 +54,8 @@ from kvferry.connector.coalesce import (
     plan_pull,
     segments_of,
 )
+from kvferry.connector.copies import CopyDone, merge_runs
+from kvferry.connector.host_tier import HostPoolLayout, MappedHostPool
 from kvferry.connector.logs import log_off_path
 
 logger = logging.getLogger("kvferry.connector.pulls")
@@ -68,6 +77,8 @@ class PullContext:
     digest: bool = False
     local_block_ids: Sequence[int] = ()
     remote_block_ids: Sequence[int] = ()
+    # Per-request override: False reads a mapped host pool over NIXL all the same (tests of that path).
+    mapped: bool | None = None
 
 
 @dataclass
@@ -98,6 +109,8 @@ class PullRecord:
     nixl_post_seconds: float | None = None
     nixl_transfer_seconds: float | None = None
     received_digest: str | None = None
+    # How the bytes came: "nixl" (a READ) or "mapped" (copied from a holder's pool mapped here).
+    read: str = "nixl"
 
     def fields(self) -> dict[str, Any]:
         seconds = self.nixl_transfer_seconds or self.transfer_seconds or 0.0
@@ -114,6 +127,7 @@ class PullRecord:
             "post_ms": None if self.nixl_post_seconds is None else round(self.nixl_post_seconds * 1e3, 3),
             "transfer_ms": round(seconds * 1e3, 3),
             "gbps": round(self.total_bytes / seconds / 1e9, 3) if seconds > 0 else None,
+            "read": self.read,
         }
         if self.runs is not None:
             out.update(
@@ -151,6 +165,34 @@ class _Prepped:
     @property
     def local(self) -> bool:
         return self.agent_name in LOCAL_AGENT_NAMES
+
+
+@dataclass(eq=False)
+class PoolList:
+    """A holder's list as vLLM indexes it once its host pool is known: each region's KV-cache blocks, then
+    its pool slots (``kv_blocks + slots`` indices a region). Never handed to NIXL (module doc)."""
+
+    # The list prepared with NIXL for the holder: its KV cache, and its pool too when ``base_lists_pool``.
+    base: Any
+    agent_name: str | bytes
+    kv_blocks: int
+    layout: HostPoolLayout
+    # The pool mapped into this process (a holder on this host), or None.
+    mapped: MappedHostPool | None
+    base_lists_pool: bool
+
+
+@dataclass(eq=False)
+class MappedRead:
+    """A pull of pool slots this engine copies from a mapped pool; vLLM holds it as a transfer handle."""
+
+    record: PullRecord
+    mapped: MappedHostPool
+    runs: list[tuple[int, int, int]]
+    agent_name: str | bytes
+    notif_msg: bytes
+    copy: CopyDone | None = None
+    notified: bool = False
 
 
 @dataclass
@@ -252,6 +294,8 @@ class PullCoalescer:
         return entry[1].rows if entry is not None else None
 
     def release_dlist_handle(self, handle: Any) -> Any:
+        if isinstance(handle, PoolList):
+            handle = handle.base
         with self._lock:
             self._seen.prepped.pop(id(handle), None)
             self._seen.lists.pop(id(handle), None)
@@ -270,6 +314,17 @@ class PullCoalescer:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
+        if isinstance(remote_xfer_side, PoolList):
+            return self._post_to_pool_list(
+                operation,
+                local_xfer_side,
+                local_indices,
+                remote_xfer_side,
+                remote_indices,
+                notif_msg,
+                *args,
+                **kwargs,
+            )
         context = self._context()
         wanted = self.enabled if context is None or context.coalesce is None else context.coalesce
         started = self._clock()
@@ -308,6 +363,113 @@ class PullCoalescer:
         record.started = self._clock()
         self._track(handle, record)
         return handle
+
+    def _post_to_pool_list(
+        self,
+        operation: str,
+        local_xfer_side: Any,
+        local_indices: Any,
+        pool_list: PoolList,
+        remote_indices: Any,
+        notif_msg: bytes,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """A read from a holder with a host pool: pool slots copied from its mapped pool, else the NIXL list
+        beneath with vLLM's indices (translated when that list holds the KV cache alone)."""
+        indices = np.asarray(remote_indices, dtype=np.int64)
+        regions, blocks = np.divmod(indices, pool_list.kv_blocks + pool_list.layout.slots)
+        in_pool = blocks >= pool_list.kv_blocks
+        context = self._context()
+        wants_mapped = context is None or context.mapped is not False
+        if (
+            operation == "READ"
+            and pool_list.mapped is not None
+            and wants_mapped
+            and in_pool.size
+            and bool(in_pool.all())
+        ):
+            return self._post_mapped(
+                local_xfer_side,
+                local_indices,
+                pool_list,
+                pool_list.mapped,
+                regions,
+                blocks - pool_list.kv_blocks,
+                notif_msg,
+            )
+        if pool_list.base_lists_pool:
+            beneath = indices
+        elif bool(in_pool.any()):
+            # One NIXL list holds one memory type: a GPU holder's pool is read only where it is mapped.
+            raise RuntimeError(
+                "this engine cannot read the holder's host pool: it is not mapped here (another host, or "
+                "its file could not be opened) and the holder's KV cache is not host memory"
+            )
+        else:
+            beneath = regions * pool_list.kv_blocks + blocks
+        return self.make_prepped_xfer(
+            operation, local_xfer_side, local_indices, pool_list.base, beneath, notif_msg, *args, **kwargs
+        )
+
+    def _post_mapped(
+        self,
+        local_xfer_side: Any,
+        local_indices: Any,
+        pool_list: PoolList,
+        mapped: MappedHostPool,
+        regions: npt.NDArray[np.int64],
+        slots: npt.NDArray[np.int64],
+        notif_msg: bytes,
+    ) -> MappedRead:
+        started = self._clock()
+        record = self._record(self._context(), notif_msg, local_indices, True)
+        with self._lock:
+            local = self._seen.prepped.get(id(local_xfer_side))
+        if local is None:
+            raise RuntimeError("this engine's descriptor list was prepared out of kvferry's sight")
+        local_rows = local[1].rows[np.asarray(local_indices, dtype=np.int64)]
+        holder = pool_list.layout.slot_addresses(regions, slots)
+        if not np.array_equal(holder[:, 1], local_rows[:, 1]):
+            raise RuntimeError("the holder's pool slots and this engine's blocks differ in size")
+        sources = mapped.local(holder[:, 0])
+        runs = merge_runs(
+            zip(local_rows[:, 0].tolist(), sources.tolist(), local_rows[:, 1].tolist(), strict=True)
+        )
+        if record.digest:
+            record.destination_rows = local_rows
+            record.memory_type = local[1].memory_type
+        record.read = "mapped"
+        record.coalesced = True
+        record.posted_descriptors = len(runs)
+        record.total_bytes = int(local_rows[:, 1].sum())
+        record.plan_seconds = self._clock() - started
+        handle = MappedRead(record, mapped, runs, pool_list.agent_name, bytes(notif_msg or b""))
+        self._track(handle, record)
+        return handle
+
+    def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(handle, MappedRead):
+            handle.record.started = self._clock()
+            handle.copy = handle.mapped.copier.start(handle.runs)
+            return "PROC"
+        return self._agent.transfer(handle, *args, **kwargs)
+
+    def check_xfer_state(self, handle: Any) -> Any:
+        if not isinstance(handle, MappedRead):
+            return self._agent.check_xfer_state(handle)
+        if handle.copy is None:
+            return "ERR"
+        if not handle.copy.done():
+            return "PROC"
+        if not handle.notified:
+            # As a READ's notification: the holder counts the read (vLLM's notice, "<request id>:<readers>").
+            handle.notified = True
+            try:
+                self._agent.send_notif(handle.agent_name, handle.notif_msg)
+            except Exception as error:
+                self._warn_once("send_notif", "could not notify a holder of a mapped pool read", error)
+        return "DONE"
 
     def _why_not(self, local: tuple[Any, _Prepped] | None, remote: tuple[Any, _Prepped] | None) -> str | None:
         if local is None or remote is None:
@@ -397,16 +559,32 @@ class PullCoalescer:
     # -- completion ---------------------------------------------------------------------------------
 
     def get_xfer_telemetry(self, handle: Any) -> Any:
-        telemetry = self._agent.get_xfer_telemetry(handle)
+        telemetry = (
+            self._mapped_telemetry(handle)
+            if isinstance(handle, MappedRead)
+            else self._agent.get_xfer_telemetry(handle)
+        )
         with self._lock:
             entry = self._seen.pulls.pop(id(handle), None)
         if entry is not None:
             self._finish(entry[1], telemetry)
         return telemetry
 
+    def _mapped_telemetry(self, handle: MappedRead) -> Any:
+        """What NIXL's telemetry says of a READ (vLLM records it), for a mapped copy."""
+        record = handle.record
+        return SimpleNamespace(
+            xferDuration=(self._clock() - record.started) * 1e6,
+            postDuration=record.plan_seconds * 1e6,
+            totalBytes=record.total_bytes,
+            descCount=len(handle.runs),
+        )
+
     def release_xfer_handle(self, handle: Any) -> Any:
         with self._lock:
             self._seen.pulls.pop(id(handle), None)
+        if isinstance(handle, MappedRead):
+            return None
         return self._agent.release_xfer_handle(handle)
 
     def _finish(self, record: PullRecord, telemetry: Any) -> None:

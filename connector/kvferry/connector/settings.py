@@ -93,6 +93,11 @@ class KvferrySettings:
     # before the step's forward pass, so a long one would stall that step's decodes); an idle step copies
     # every waiting move.
     demote_blocks_per_step: int = 32
+    # A prefill engine maps the host pool of a holder on the same host and copies pulled slots from it
+    # itself (memmove, or its GPU's copy engine) instead of reading them over NIXL, which moves another
+    # process's host memory into a GPU at ~0.8 GB/s on one host. False: NIXL READs only (a GPU holder's
+    # pool then cannot be read).
+    map_host_pools: bool = True
 
     def validate(self) -> None:
         problems: list[str] = []

@@ -54,9 +54,11 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
 10. The host tier (kvferry.connector.host_tier): a decode worker with a host pool registers it after
    vLLM's ``register_kv_caches`` and takes the agent metadata in its handshake payload again
    (``NixlAgentMetadata.agent_metadata``, :func:`with_fresh_agent_metadata`); a prefill's worker that
-   learns a holder's pool replaces the holder's prepared list (``dst_xfer_side_handles``,
-   ``dst_num_blocks``, ``dst_region_num_blocks``, ``dst_region_mem_types``, ``_remote_agents``:
-   :func:`extend_holder_blocks`) with one that goes on into the pool, region by region.
+   learns a holder's pool replaces the holder's prepared list (``dst_xfer_side_handles``) with one that
+   goes on into the pool, region by region, and vLLM's block counts for it (``dst_num_blocks``, and
+   ``dst_region_num_blocks`` where vLLM has it: :func:`set_holder_list`). vLLM 0.25 has neither
+   ``dst_region_num_blocks`` nor ``dst_region_mem_types``: every region then holds ``dst_num_blocks``
+   blocks of the worker's own memory type (``nixl_memory_type``; both engines alike).
 """
 
 from __future__ import annotations
@@ -481,12 +483,11 @@ def with_fresh_agent_metadata(agent_metadata_bytes: bytes, agent_metadata: bytes
 
 
 # What the host tier reads and replaces in vLLM's worker (module doc, 10): checked only where a host pool is
-# made or read, so an engine without one runs on a vLLM that lacks them (the GPU tools' vLLM 0.25 does).
+# made or read, so an engine without one runs on a vLLM that lacks them.
 _HOST_TIER_WORKER_STATE = (
     "dst_xfer_side_handles",
     "dst_num_blocks",
-    "dst_region_num_blocks",
-    "dst_region_mem_types",
+    "src_blocks_data",
 )
 
 
@@ -496,42 +497,42 @@ def missing_host_tier_internals() -> tuple[str, ...]:
     process (vLLM's source file; asked at start and at every handshake with a holder that has a pool)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
 
-    source = inspect.getsource(NixlPullConnectorWorker.__mro__[1].__init__)
+    source = "".join(inspect.getsource(cls) for cls in NixlPullConnectorWorker.__mro__[:2])
     return tuple(f"NixlBaseConnectorWorker.{n}" for n in _HOST_TIER_WORKER_STATE if n not in source)
 
 
 def holder_blocks(worker: Any, engine_id: str, tp_rank: int) -> tuple[Any, list[int], str]:
     """The descriptor list a prefill's worker prepared for a holder's rank, vLLM's blocks per region of
     it and its memory type (module doc, 10)."""
-    mem_types = set(worker.dst_region_mem_types[engine_id])
+    mem_types = set(getattr(worker, "dst_region_mem_types", {}).get(engine_id) or [worker.nixl_memory_type])
     if len(mem_types) != 1:
         raise RuntimeError(f"holder {engine_id} registers several memory types: {sorted(mem_types)}")
-    counts = worker.dst_region_num_blocks.get(engine_id) or [worker.dst_num_blocks[engine_id]]
+    counts = (
+        getattr(worker, "dst_region_num_blocks", {}).get(engine_id)
+        or [worker.dst_num_blocks[engine_id]] * worker.num_regions
+    )
     return worker.dst_xfer_side_handles[engine_id][tp_rank], list(counts), mem_types.pop()
 
 
 def own_blocks(worker: Any) -> tuple[Any, list[int]]:
     """A worker's descriptor rows of its own KV cache and vLLM's blocks per region (module doc, 10)."""
-    counts = worker.dst_region_num_blocks.get(worker.engine_id) or [worker.num_blocks] * worker.num_regions
+    counts = (
+        getattr(worker, "dst_region_num_blocks", {}).get(worker.engine_id)
+        or [worker.num_blocks] * worker.num_regions
+    )
     return worker.src_blocks_data, list(counts)
 
 
-def extend_holder_blocks(
-    worker: Any,
-    engine_id: str,
-    tp_rank: int,
-    agent_name: Any,
-    rows: Any,
-    region_num_blocks: list[int],
-    mem_type: str,
+def set_holder_list(
+    worker: Any, engine_id: str, tp_rank: int, handle: Any, region_num_blocks: list[int]
 ) -> Any:
-    """Replaces the descriptor list a prefill's worker prepared for a holder's rank with ``rows`` and
-    vLLM's block counts for it (module doc, 10); returns the list it replaced (to release)."""
+    """Puts ``handle`` in place of the descriptor list a prefill's worker prepared for a holder's rank, with
+    vLLM's block counts for it (module doc, 10); returns the list it replaced."""
     old = worker.dst_xfer_side_handles[engine_id][tp_rank]
-    descs = worker.nixl_wrapper.get_xfer_descs(rows, mem_type)
-    worker.dst_xfer_side_handles[engine_id][tp_rank] = worker.nixl_wrapper.prep_xfer_dlist(agent_name, descs)
+    worker.dst_xfer_side_handles[engine_id][tp_rank] = handle
     worker.dst_num_blocks[engine_id] = region_num_blocks[0]
-    worker.dst_region_num_blocks[engine_id] = list(region_num_blocks)
+    if hasattr(worker, "dst_region_num_blocks"):
+        worker.dst_region_num_blocks[engine_id] = list(region_num_blocks)
     return old
 
 

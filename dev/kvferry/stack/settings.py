@@ -250,7 +250,7 @@ SETTINGS: tuple[Setting, ...] = (
         0,
         "decode engines' host tier: slots of host memory (one KV block each) where retentions idle past "
         "--demote-after-seconds, or over the KV cache's retention budget, move out of the KV cache and are "
-        "pulled from (docs/connector.md#host-tier); 0: none; vllm-cpu only in this release",
+        "pulled from (docs/connector.md#host-tier); 0: none",
     ),
     Setting(
         "engines",

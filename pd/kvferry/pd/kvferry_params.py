@@ -171,11 +171,13 @@ class PullOptions:
 
     ``{"coalesce": false}`` posts this request's pull with vLLM's own descriptors whatever the
     engine's ``coalesce_pulls``; ``{"digest": true}`` logs a SHA-256 of the received KV bytes
-    (host memory only) with the pull. Routers send neither.
+    (host memory only) with the pull; ``{"mapped": false}`` reads a holder's host pool over NIXL even
+    where the prefill engine has it mapped. Routers send none of them.
     """
 
     coalesce: bool | None = None
     digest: bool = False
+    mapped: bool | None = None
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> PullOptions | None:
@@ -183,17 +185,24 @@ class PullOptions:
         raw = (params or {}).get(PULL_OPTIONS_KEY)
         if raw is None:
             return None
-        if not isinstance(raw, Mapping) or set(raw) - {"coalesce", "digest"}:
-            raise ValueError(f'{PULL_OPTIONS_KEY} must be {{"coalesce": bool, "digest": bool}}, got {raw!r}')
-        coalesce, digest = raw.get("coalesce"), raw.get("digest", False)
-        if (coalesce is not None and not isinstance(coalesce, bool)) or not isinstance(digest, bool):
+        if not isinstance(raw, Mapping) or set(raw) - {"coalesce", "digest", "mapped"}:
+            shape = '{"coalesce": bool, "digest": bool, "mapped": bool}'
+            raise ValueError(f"{PULL_OPTIONS_KEY} must be {shape}, got {raw!r}")
+        coalesce, digest, mapped = raw.get("coalesce"), raw.get("digest", False), raw.get("mapped")
+        if (
+            (coalesce is not None and not isinstance(coalesce, bool))
+            or not isinstance(digest, bool)
+            or (mapped is not None and not isinstance(mapped, bool))
+        ):
             raise ValueError(f"{PULL_OPTIONS_KEY} values must be booleans, got {raw!r}")
-        return cls(coalesce=coalesce, digest=digest)
+        return cls(coalesce=coalesce, digest=digest, mapped=mapped)
 
     def to_params(self) -> dict[str, Any]:
         body: dict[str, Any] = {"digest": self.digest}
         if self.coalesce is not None:
             body["coalesce"] = self.coalesce
+        if self.mapped is not None:
+            body["mapped"] = self.mapped
         return {PULL_OPTIONS_KEY: body}
 
 
