@@ -252,10 +252,15 @@ async def test_the_turn_line_says_where_the_ttft_went(
     assert sum(parts) == pytest.approx(line["ttft_ms"], abs=0.05)
 
 
-async def test_the_next_turn_pulls_the_proven_prefix_from_the_holder(cluster: Cluster) -> None:
+async def test_the_next_turn_pulls_the_proven_prefix_from_the_holder(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
     _, first = await cluster.turn(PROMPT)
     history = [*PROMPT, 101, 102, 103]
-    _, second = await cluster.turn([*history, 7, 8, 9])
+    with caplog.at_level(logging.INFO, logger="kvferry.router.turns"):
+        _, second = await cluster.turn([*history, 7, 8, 9])
+    [line] = [vars(r) for r in caplog.records if r.getMessage() == "turn done"]
+    assert line["pull_tier"] == "device"
     # Retained: 42 tokens (the last sampled one has no KV): 10 full blocks.
     assert (second.reuse, second.matched_tokens, second.pulled_tokens) == (Reuse.PULL, 40, 40)
     assert second.decode_engine_id == first.decode_engine_id == "d1" and second.turn == 2

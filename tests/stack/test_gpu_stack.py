@@ -145,3 +145,42 @@ def test_the_overhead_split_adds_up_to_each_turn_s_overhead() -> None:
         "| reuse | 1 | 6.00 | 1.00 | 1.50 | 0.50 | 3.00 |",
         "| off | 1 | 5.00 | 0.00 | 1.50 | 0.50 | 3.00 |",
     ]
+
+
+def test_the_host_table_sets_the_host_arm_beside_the_reuse_arm_turn_by_turn() -> None:
+    """Client TTFT of both, their ratio, the tier the router pulled and how P read it, from the samples."""
+    from tools.gpu.stack_conversation import Sample, host_table
+
+    def sample(arm: str, turn: int, ttft: float, tier: str | None, read: str) -> Sample:
+        pulls = [{"read": read, "transfer_ms": 40.0, "gbps": 50.0}] if tier else []
+        line = {"pull_tier": tier, "reuse": "pull" if tier else "none"}
+        return Sample(0, turn, arm, 2000 * turn, ttft, 2 * ttft, decision=line, pulls=pulls)
+
+    samples = [
+        sample("reuse", 1, 60.0, None, ""),
+        sample("host", 1, 62.0, None, ""),
+        sample("reuse", 2, 100.0, "device", "nixl"),
+        sample("host", 2, 130.0, "host", "mapped"),
+    ]
+    rows = host_table(samples).strip().splitlines()
+    assert rows[2] == "| 1 | 2,000 | 60 / 62 | 1.03 | - none | - | - | - | - |"
+    assert rows[3] == "| 2 | 4,000 | 100 / 130 | 1.30 | host pull | mapped | 40.0 | 50.0 | 50.0 |"
+    assert host_table([s for s in samples if s.arm == "reuse"]) == ""
+
+
+def test_the_host_tier_copies_tool_moves_and_maps_a_pool_bit_for_bit(tmp_path: Path) -> None:
+    """tools/gpu/host_tier_copies.py on a CPU (memmove): D's HostPool filled from its KV cache, P's mapped
+    copy of the slots checked against D's seeded source (the same code the GPU run times)."""
+    from tools.gpu import host_tier_copies
+
+    out = tmp_path / "copies.json"
+    assert (
+        host_tier_copies.main(
+            ["--out", str(out), "--device", "cpu", "--shape", "tiny", "--tokens", "256", "--reps", "1"]
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())
+    (pull,) = result["pulls"]
+    assert pull["verified"] and pull["runs"] == 2 * 2  # one run per region (2 layers x K/V)
+    assert result["copier"] == "memmove"

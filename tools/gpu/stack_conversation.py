@@ -18,6 +18,11 @@ both, turn by turn alternating which goes first:
   arms' prompts do not: their replies come as text; the digest check reuses the previous prompt's blocks).
   vLLM returns D's blocks only in non-streamed answers, so this arm's client TTFT is P's call plus D's own
   TTFT (its ``vllm:time_to_first_token_seconds`` counter, read before and after each turn).
+- ``host``: the default router again, but each turn waits ``--host-gap-s`` first, as an agent running a
+  tool: with the stack's decode engines given a host pool (``KVFERRY_HOST_POOL_BLOCKS``) and a
+  ``KVFERRY_DEMOTE_AFTER_SECONDS`` shorter than the gap, the retention has moved to D's host pool and the
+  turn pulls it from there (issue 19). Its conversations run after the other arms' (whose retentions stay
+  in the KV cache while they run back to back), and the report compares its TTFT with ``reuse``'s.
 
 Per turn: client TTFT (first SSE chunk) and end-to-end time, the router's own TTFT and the prefill
 request's time (``usage.kvferry``), the router's decision and its reason (its ``turn done`` log line)
@@ -65,7 +70,7 @@ from kvferry.v1 import resources_pb2
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "kvferry-demo-key"
 OFF_GRPC, OFF_HTTP = "127.0.0.1:50062", "127.0.0.1:8090"
-ARMS = ("reuse", "off", "vllm")
+ARMS = ("reuse", "off", "vllm", "host")
 
 
 @dataclass
@@ -288,6 +293,41 @@ def overhead_split(samples: list[Sample]) -> str:
     return "\n".join(rows)
 
 
+def host_table(samples: list[Sample]) -> str:
+    """The host arm against the reuse arm turn by turn (medians): client TTFT, how P read the KV and at
+    what rate (empty when the host arm did not run)."""
+    if not any(s.arm == "host" for s in samples):
+        return ""
+    rows = [
+        "",
+        "",
+        "| turn | prompt tokens | client TTFT ms: reuse / host | host/reuse | host: tier (decisions) "
+        "| host: read | host: pull ms | host: pull GB/s | reuse: pull GB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for turn in sorted({s.turn for s in samples if s.arm == "host"}):
+        reuse = [s for s in samples if s.turn == turn and s.arm == "reuse"]
+        host = [s for s in samples if s.turn == turn and s.arm == "host"]
+        r_ttft = median([s.client_ttft_ms for s in reuse])
+        h_ttft = median([s.client_ttft_ms for s in host])
+        ratio = "-" if not r_ttft or not h_ttft else f"{h_ttft / r_ttft:.2f}"
+        tiers = sorted({f"{s.decision.get('pull_tier') or '-'} {s.decision.get('reuse', '?')}" for s in host})
+        reads = sorted({str(p.get("read", "?")) for s in host for p in s.pulls})
+        pull_ms = median([float(p["transfer_ms"]) for s in host for p in s.pulls if "transfer_ms" in p])
+        h_rate = median([float(p["gbps"]) for s in host for p in s.pulls if p.get("gbps")])
+        r_rate = median([float(p["gbps"]) for s in reuse for p in s.pulls if p.get("gbps")])
+
+        def show(value: float | None, digits: int = 0) -> str:
+            return "-" if value is None else f"{value:,.{digits}f}"
+
+        rows.append(
+            f"| {turn} | {host[0].prompt_tokens:,} | {show(r_ttft)} / {show(h_ttft)} | {ratio} | "
+            f"{', '.join(tiers)} | {'/'.join(reads) or '-'} | {show(pull_ms, 1)} | {show(h_rate, 1)} | "
+            f"{show(r_rate, 1)} |"
+        )
+    return "\n".join(rows)
+
+
 def table(samples: list[Sample]) -> str:
     def of(turn: int, arm: str) -> list[Sample]:
         return [s for s in samples if s.turn == turn and s.arm == arm]
@@ -377,6 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--up-timeout-s", type=float, default=420.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--host-gap-s", type=float, default=6.0, help="the host arm's wait before each turn (module docs)"
+    )
+    parser.add_argument(
         "--arms",
         nargs="+",
         choices=ARMS,
@@ -400,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             endpoints = start_stack(workdir, args.up_args, args.up_timeout_s)
             print(f"stack up in {time.monotonic() - started:.0f} s: {endpoints}", flush=True)
             urls = {"reuse": endpoints["router HTTP"].removesuffix("/v1")}
+            urls["host"] = urls["reuse"]
             if "off" in arms:
                 off_router = start_off_router(workdir, endpoints["registry"])
                 urls["off"] = f"http://{OFF_HTTP}"
@@ -431,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with httpx.Client(timeout=httpx.Timeout(300.0)) as client:
                 # Warm-up turns (kernels, allocator); the first pulls, and so the cost model's cold start,
                 # are in run 0 (with the default single warm-up turn).
-                for arm in arms:
+                for arm in (a for a in arms if a != "host"):
                     tokens: list[int] = []
                     for turn in range(args.warmup_turns):
                         tokens += [
@@ -439,26 +483,37 @@ def main(argv: Sequence[str] | None = None) -> int:
                             for _ in range(args.first_tokens if not turn else args.turn_tokens)
                         ]
                         turn_of(arm, f"warmup-{arm}", tokens)
+
+                def one_turn(run: int, turn: int, arm: str, prompt: list[int]) -> None:
+                    grow = args.first_tokens if turn == 1 else args.turn_tokens
+                    prompt += [rng.randrange(3, args.vocab) for _ in range(grow)]
+                    prompt_tokens = len(prompt)
+                    ttft, e2e, usage, response_id = turn_of(arm, f"run{run}-{arm}", prompt)
+                    samples.append(Sample(run, turn, arm, prompt_tokens, ttft, e2e, response_id, usage))
+                    kv = usage.get("kvferry", usage.get("vllm", {}))
+                    print(
+                        f"run {run} turn {turn:2d} {arm:5s} {prompt_tokens:6d} tokens: client TTFT "
+                        f"{ttft:8.1f} ms, router {kv.get('ttft_ms')} ms, "
+                        f"prefill {kv.get('prefill_ms')} ms, "
+                        f"{kv.get('reuse')}, pulled {usage.get('pulled_tokens')}",
+                        flush=True,
+                    )
+
+                together = tuple(arm for arm in arms if arm != "host")
                 for run in range(args.runs):
-                    prompts: dict[str, list[int]] = {arm: [] for arm in arms}
+                    prompts: dict[str, list[int]] = {arm: [] for arm in together}
                     for turn in range(1, args.turns + 1):
                         # Each arm goes first as often as the others.
-                        shift = (turn + run) % len(arms)
-                        for arm in arms[shift:] + arms[:shift]:
-                            grow = args.first_tokens if turn == 1 else args.turn_tokens
-                            prompts[arm] += [rng.randrange(3, args.vocab) for _ in range(grow)]
-                            prompt_tokens = len(prompts[arm])
-                            ttft, e2e, usage, response_id = turn_of(arm, f"run{run}-{arm}", prompts[arm])
-                            sample = Sample(run, turn, arm, prompt_tokens, ttft, e2e, response_id, usage)
-                            samples.append(sample)
-                            kv = usage.get("kvferry", usage.get("vllm", {}))
-                            print(
-                                f"run {run} turn {turn:2d} {arm:5s} {prompt_tokens:6d} tokens: client TTFT "
-                                f"{ttft:8.1f} ms, router {kv.get('ttft_ms')} ms, "
-                                f"prefill {kv.get('prefill_ms')} ms, "
-                                f"{kv.get('reuse')}, pulled {usage.get('pulled_tokens')}",
-                                flush=True,
-                            )
+                        shift = (turn + run) % len(together)
+                        for arm in together[shift:] + together[:shift]:
+                            one_turn(run, turn, arm, prompts[arm])
+                if "host" in arms:
+                    for run in range(args.runs):
+                        prompt: list[int] = []
+                        for turn in range(1, args.turns + 1):
+                            if turn > 1:
+                                time.sleep(args.host_gap_s)
+                            one_turn(run, turn, "host", prompt)
         finally:
             if vllm_arm is not None:
                 loop.run(vllm_arm.aclose())
@@ -491,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
             if samples:
-                report = table(samples) + "\n\n" + overhead_split(samples)
+                report = table(samples) + "\n\n" + overhead_split(samples) + host_table(samples)
                 (args.out / "conversation.md").write_text(report + "\n")
                 print(report)
             if logs.exists():

@@ -1071,6 +1071,8 @@ class TurnRunner:
                 "prompt_tokens": prompt_len,
                 "matched_tokens": plan.match.tokens,
                 "pulled_tokens": pulled,
+                # The memory P pulled from ("device": the holder's KV cache; "host": its host pool).
+                "pull_tier": plan.pull.tier if plan.pull is not None and pulled else None,
                 "reuse": result.reuse.value,
                 "reuse_reason": plan.choice.reason,
                 "prefill_engine": plan.prefill.engine_id,
