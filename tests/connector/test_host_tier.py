@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from kvferry.connector.copies import CopyDone, HostCopier, Run
 from kvferry.connector.host_tier import (
     Demotions,
     HostPool,
@@ -56,6 +59,53 @@ def test_copy_puts_each_block_of_every_region_in_its_slot() -> None:
     del memory
 
 
+class RecordingCopier(HostCopier):
+    """Copies as the host copier does and keeps the runs it was given."""
+
+    def __init__(self) -> None:
+        self.runs: list[Run] = []
+
+    def start(self, runs: Sequence[Run]) -> CopyDone:
+        self.runs.extend(runs)
+        return super().start(runs)
+
+
+def interleaved_kv_cache() -> tuple[np.ndarray, np.ndarray]:
+    """Two layers laid out blocks first: block b of a layer holds its K half, then its V half (48 bytes each);
+    vLLM's rows list per layer its K region's blocks, then its V region's."""
+    half, layers = 48, 2
+    memory = np.random.default_rng(1).integers(0, 255, layers * KV_BLOCKS * 2 * half, dtype=np.uint8)
+    base = int(memory.ctypes.data)
+    rows = [
+        (base + (layer * KV_BLOCKS + block) * 2 * half + kv * half, half, 0)
+        for layer in range(layers)
+        for kv in range(2)
+        for block in range(KV_BLOCKS)
+    ]
+    return memory, np.asarray(rows, dtype=np.uint64)
+
+
+def test_a_pool_over_interleaved_regions_interleaves_them_too_so_runs_copy_as_one_range_per_layer() -> None:
+    memory, rows = interleaved_kv_cache()
+    pool = HostPool(rows, [KV_BLOCKS] * 4, slots=6)
+    # K and V of a layer: a slot footprint of 96 bytes, V 48 bytes after K; the layers one after the other.
+    (k0, _, k0_stride), (v0, _, v0_stride), (k1, _, _), _ = pool.layout_regions
+    assert (v0 - k0, k0_stride, v0_stride, k1 - k0) == (48, 96, 96, 6 * 96)
+    copied, copy = pool.copy_in([2, 3, 4], [1, 2, 3])
+    assert copy.done() and copied == 3 * 4 * 48
+    for block, slot in ((2, 1), (3, 2), (4, 3)):
+        expected = b"".join(
+            bytes(memory[int(rows[r * KV_BLOCKS + block, 0]) - int(memory.ctypes.data) :][:48])
+            for r in range(4)
+        )
+        assert pool.slot_bytes(slot) == expected
+    # Blocks 2-4 to slots 1-3: one range per layer (K, V, K, V ... back to back on both sides).
+    recorder = RecordingCopier()
+    pool.copier = recorder
+    pool.copy_in([2, 3, 4], [1, 2, 3])
+    assert [n for _, _, n in recorder.runs] == [3 * 96, 3 * 96]
+
+
 def test_pool_layout_rows_address_the_slots_a_prefill_reads() -> None:
     _memory, rows = kv_cache()
     pool = HostPool(rows, [KV_BLOCKS] * REGIONS, slots=4)
@@ -75,7 +125,9 @@ def test_pool_layout_rows_address_the_slots_a_prefill_reads() -> None:
 
 def test_extended_rows_find_pool_slot_s_at_block_id_kv_blocks_plus_s() -> None:
     _memory, rows = kv_cache()
-    layout = HostPoolLayout(first_block_id=KV_BLOCKS, slots=5, regions=((1000, 64), (5000, 64), (9000, 32)))
+    layout = HostPoolLayout(
+        first_block_id=KV_BLOCKS, slots=5, regions=((1000, 64, 64), (5000, 64, 128), (5064, 32, 128))
+    )
     extended, per_region = extend_remote_rows(rows, [KV_BLOCKS] * REGIONS, layout)
     assert per_region == [KV_BLOCKS + 5] * REGIONS
     offsets = np.cumsum([0, *per_region[:-1]])
@@ -84,9 +136,9 @@ def test_extended_rows_find_pool_slot_s_at_block_id_kv_blocks_plus_s() -> None:
         for block in range(KV_BLOCKS):
             assert (extended[offsets[region] + block] == rows[region * KV_BLOCKS + block]).all()
         for slot in range(5):
-            address, length = layout.regions[region]
+            address, length, stride = layout.regions[region]
             assert extended[offsets[region] + KV_BLOCKS + slot].tolist() == [
-                address + slot * length,
+                address + slot * stride,
                 length,
                 0,
             ]
@@ -94,10 +146,10 @@ def test_extended_rows_find_pool_slot_s_at_block_id_kv_blocks_plus_s() -> None:
 
 def test_extended_rows_refuse_a_pool_unlike_the_kv_cache() -> None:
     _memory, rows = kv_cache()
-    two_regions = HostPoolLayout(first_block_id=KV_BLOCKS, slots=2, regions=((1, 64), (2, 64)))
+    two_regions = HostPoolLayout(first_block_id=KV_BLOCKS, slots=2, regions=((1, 64, 64), (2, 64, 64)))
     with pytest.raises(HostTierError, match="regions"):
         extend_remote_rows(rows, [KV_BLOCKS] * REGIONS, two_regions)
-    wrong_start = HostPoolLayout(first_block_id=KV_BLOCKS + 1, slots=2, regions=((1, 64),) * REGIONS)
+    wrong_start = HostPoolLayout(first_block_id=KV_BLOCKS + 1, slots=2, regions=((1, 64, 64),) * REGIONS)
     with pytest.raises(HostTierError, match="starts at block"):
         extend_remote_rows(rows, [KV_BLOCKS] * REGIONS, wrong_start)
 

@@ -168,19 +168,19 @@ def test_the_host_table_sets_the_host_arm_beside_the_reuse_arm_turn_by_turn() ->
     assert host_table([s for s in samples if s.arm == "reuse"]) == ""
 
 
-def test_the_host_tier_copies_tool_moves_and_maps_a_pool_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("layout", "runs"), [("blocks-first", 2), ("kv-first", 4)])
+def test_the_host_tier_copies_tool_moves_and_maps_a_pool_bit_for_bit(
+    tmp_path: Path, layout: str, runs: int
+) -> None:
     """tools/gpu/host_tier_copies.py on a CPU (memmove): D's HostPool filled from its KV cache, P's mapped
-    copy of the slots checked against D's seeded source (the same code the GPU run times)."""
+    copy of the slots checked against D's seeded source (the same code the GPU run times). A run of blocks is
+    one copy per layer where K and V interleave (blocks first), one per region where they do not."""
     from tools.gpu import host_tier_copies
 
     out = tmp_path / "copies.json"
-    assert (
-        host_tier_copies.main(
-            ["--out", str(out), "--device", "cpu", "--shape", "tiny", "--tokens", "256", "--reps", "1"]
-        )
-        == 0
-    )
+    argv = ["--out", str(out), "--device", "cpu", "--shape", "tiny", "--tokens", "256", "--reps", "1"]
+    assert host_tier_copies.main([*argv, "--layout", layout]) == 0
     result = json.loads(out.read_text())
     (pull,) = result["pulls"]
-    assert pull["verified"] and pull["runs"] == 2 * 2  # one run per region (2 layers x K/V)
+    assert pull["verified"] and pull["runs"] == runs  # tiny: 2 layers x K/V
     assert result["copier"] == "memmove"

@@ -44,12 +44,15 @@ DST_FIRST_BLOCK = 3
 SEED = 20261207
 
 
-def _kv_cache(shape_name: str, blocks: int, device: str, seed: int | None) -> list[Any]:
-    """One tensor per layer in vLLM's FLASH_ATTN layout; seeded random bytes (None: zeros)."""
+def _kv_cache(shape_name: str, layout: str, blocks: int, device: str, seed: int | None) -> list[Any]:
+    """One tensor per layer, seeded random bytes (None: zeros): ``kv-first`` is [2 (K, V), blocks, 16,
+    kv_heads, head_dim] (vLLM's FLASH_ATTN shape), ``blocks-first`` [blocks, 2, ...] (a block's K and V side
+    by side, as vLLM lays the cache out for NIXL on the GPU stack)."""
     import torch
 
     shape = SHAPES[shape_name]
-    dims = (2, blocks, BLOCK_SIZE_TOKENS, shape.num_kv_heads, shape.head_dim)
+    inner = (BLOCK_SIZE_TOKENS, shape.num_kv_heads, shape.head_dim)
+    dims = (2, blocks, *inner) if layout == "kv-first" else (blocks, 2, *inner)
     layers = []
     for layer in range(shape.num_layers):
         tensor = torch.zeros(dims, dtype=torch.bfloat16, device=device)
@@ -63,15 +66,21 @@ def _kv_cache(shape_name: str, blocks: int, device: str, seed: int | None) -> li
     return layers
 
 
-def _rows(layers: list[Any]) -> np.ndarray:
+def _blocks(tensor: Any, layout: str, first: int, count: int) -> Any:
+    """Blocks ``first .. first + count`` of a layer's tensor, K and V."""
+    return tensor[:, first : first + count] if layout == "kv-first" else tensor[first : first + count]
+
+
+def _rows(layers: list[Any], layout: str) -> np.ndarray:
     """vLLM's descriptor rows: per layer its K region's blocks, then its V region's."""
     rows: list[tuple[int, int, int]] = []
     for tensor in layers:
         for kv in range(2):
-            region = tensor[kv]
+            region = tensor[kv] if layout == "kv-first" else tensor[:, kv]
             block_bytes = region[0].numel() * region.element_size()
+            step = region.stride(0) * region.element_size()
             base = region.data_ptr()
-            rows += [(base + b * block_bytes, block_bytes, 0) for b in range(region.shape[0])]
+            rows += [(base + b * step, block_bytes, 0) for b in range(region.shape[0])]
     return np.asarray(rows, dtype=np.uint64)
 
 
@@ -83,11 +92,11 @@ def _sync(device: str) -> None:
 
 
 def _holder(conn: Connection, args: argparse.Namespace, blocks: int, slots: int) -> None:
-    layers = _kv_cache(args.shape, blocks, args.device, SEED)
+    layers = _kv_cache(args.shape, args.layout, blocks, args.device, SEED)
     _sync(args.device)
     copier = copier_for(layers)
     started = time.perf_counter()
-    pool = HostPool(_rows(layers), [blocks] * (2 * len(layers)), slots, copier)
+    pool = HostPool(_rows(layers, args.layout), [blocks] * (2 * len(layers)), slots, copier)
     make_s = time.perf_counter() - started
     moves: list[dict[str, Any]] = []
     for tokens in args.tokens:
@@ -112,8 +121,8 @@ def _reader(conn: Connection, args: argparse.Namespace, blocks: int) -> None:
     answer = conn.recv()
     raw = answer["layout"]
     layout = HostPoolLayout(**{**raw, "regions": tuple(tuple(r) for r in raw["regions"])})
-    layers = _kv_cache(args.shape, blocks, args.device, None)
-    expected = _kv_cache(args.shape, blocks, args.device, SEED)
+    layers = _kv_cache(args.shape, args.layout, blocks, args.device, None)
+    expected = _kv_cache(args.shape, args.layout, blocks, args.device, SEED)
     copier = copier_for(layers)
     started = time.perf_counter()
     mapped, why = MappedHostPool.open(layout, copier)
@@ -121,7 +130,7 @@ def _reader(conn: Connection, args: argparse.Namespace, blocks: int) -> None:
     if mapped is None:
         conn.send({"error": f"cannot map D's pool: {why}"})
         return
-    own = _rows(layers)
+    own = _rows(layers, args.layout)
     regions = 2 * len(layers)
     pulls: list[dict[str, Any]] = []
     for tokens in args.tokens:
@@ -135,23 +144,25 @@ def _reader(conn: Connection, args: argparse.Namespace, blocks: int) -> None:
         times, verified = [], True
         for _ in range(args.warmup + args.reps):
             for tensor in layers:
-                tensor[:, DST_FIRST_BLOCK : DST_FIRST_BLOCK + n].view(torch.uint8).fill_(0xEE)
+                _blocks(tensor, args.layout, DST_FIRST_BLOCK, n).view(torch.uint8).fill_(0xEE)
             _sync(args.device)
             started = time.perf_counter()
             runs = merge_runs(
-                zip(
-                    destination[:, 0].tolist(),
-                    mapped.local(holder[:, 0]).tolist(),
-                    holder[:, 1].tolist(),
-                    strict=True,
+                sorted(
+                    zip(
+                        destination[:, 0].tolist(),
+                        mapped.local(holder[:, 0]).tolist(),
+                        holder[:, 1].tolist(),
+                        strict=True,
+                    )
                 )
             )
             mapped.copier.start(runs).wait()
             times.append(time.perf_counter() - started)
             verified &= all(
                 torch.equal(
-                    got[:, DST_FIRST_BLOCK : DST_FIRST_BLOCK + n].view(torch.uint8),
-                    want[:, SRC_FIRST_BLOCK : SRC_FIRST_BLOCK + n].view(torch.uint8),
+                    _blocks(got, args.layout, DST_FIRST_BLOCK, n).view(torch.uint8),
+                    _blocks(want, args.layout, SRC_FIRST_BLOCK, n).view(torch.uint8),
                 )
                 for got, want in zip(layers, expected, strict=True)
             )
@@ -177,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    parser.add_argument("--layout", choices=("blocks-first", "kv-first"), default="blocks-first")
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 24880])
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=5)

@@ -64,10 +64,13 @@ def nixl_handshake_before_0_32(
     agents: dict[int, str] = super(KvferryWorker, worker)._nixl_handshake(
         host, port, remote_tp_size, expected_engine_id, *args, **kwargs
     )
-    if worker.fence is not None:
-        for tp_rank, agent_name in agents.items():
-            payload = connector._peer_payload(host, port, 0, tp_rank)
+    for tp_rank, agent_name in agents.items():
+        payload = connector._peer_payload(host, port, 0, tp_rank)
+        if worker.fence is not None:
             worker.fence.add_peer(agent_name, connector._peer_generations(payload, host, port, tp_rank))
+        pool = payload.kvferry_host_pool if payload is not None else None
+        if pool is not None:
+            worker._add_host_pool(expected_engine_id, tp_rank, agent_name, pool)
     return agents
 
 

@@ -994,6 +994,8 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 "bytes": nbytes,
                 "first_block_id": pool.kv_blocks,
                 "copy": pool.copier.name,
+                # Regions interleaved in the KV cache move as one range per run of blocks (host_tier).
+                "region_groups": pool.region_groups,
             },
         )
         return vllm_internals.with_fresh_agent_metadata(agent_metadata_bytes, agent.get_agent_metadata())

@@ -66,8 +66,10 @@ class HostPoolLayout:
     # Block id of slot 0: the holder's KV-cache block count.
     first_block_id: int
     slots: int
-    # Per KV region, in vLLM's region order: (address of slot 0, bytes per slot).
-    regions: tuple[tuple[int, int], ...]
+    # Per KV region, in vLLM's region order: (address of slot 0, bytes per slot, bytes from one slot to the
+    # next). The stride exceeds the bytes where regions interleave as in the KV cache (a layer's K and V
+    # halves of one block side by side): a run of blocks is then one range across them, on both sides.
+    regions: tuple[tuple[int, int, int], ...]
     device_id: int = 0
     # The pool's shared-memory file, for a peer on the same host to map (:class:`MappedHostPool`): the
     # holder's pid and fd (``/proc/<pid>/fd/<fd>``), the file's identity (its first word, checked before a
@@ -82,20 +84,19 @@ class HostPoolLayout:
         """Descriptor rows of the pool, region by region (``slots`` rows each), as vLLM lists blocks."""
         out = np.empty((len(self.regions) * self.slots, 3), dtype=np.uint64)
         slots = np.arange(self.slots, dtype=np.uint64)
-        for index, (address, length) in enumerate(self.regions):
+        for index, (address, length, stride) in enumerate(self.regions):
             part = out[index * self.slots : (index + 1) * self.slots]
-            part[:, 0] = np.uint64(address) + slots * np.uint64(length)
+            part[:, 0] = np.uint64(address) + slots * np.uint64(stride)
             part[:, 1] = length
             part[:, 2] = self.device_id
         return out
 
     def slot_addresses(self, regions: npt.NDArray[np.int64], slots: npt.NDArray[np.int64]) -> Rows:
         """(holder's address, bytes) of each (region, slot) pair."""
-        starts = np.array([address for address, _ in self.regions], dtype=np.uint64)
-        lengths = np.array([length for _, length in self.regions], dtype=np.uint64)
+        table = np.array(self.regions, dtype=np.uint64).reshape(-1, 3)
         out = np.empty((len(regions), 2), dtype=np.uint64)
-        out[:, 1] = lengths[regions]
-        out[:, 0] = starts[regions] + slots.astype(np.uint64) * out[:, 1]
+        out[:, 1] = table[regions, 1]
+        out[:, 0] = table[regions, 0] + slots.astype(np.uint64) * table[regions, 2]
         return out
 
 
@@ -311,13 +312,11 @@ class HostPool:
         self.slots = slots
         self._kv_rows = kv_rows
         self.copier: ByteCopier = copier if copier is not None else HostCopier()
-        lengths = []
-        for index in range(len(region_num_blocks)):
-            region = kv_rows[index * self.kv_blocks : (index + 1) * self.kv_blocks]
-            if len(set(region[:, 1].tolist())) != 1:
-                raise HostTierError(f"KV region {index} has blocks of different sizes")
-            lengths.append(int(region[0, 1]))
-        self.nbytes = slots * sum(lengths)
+        # Each group of regions interleaved in the KV cache gets `slots` times its block footprint, its
+        # regions at the same offsets within a slot as within a block.
+        groups = _interleaved_groups(kv_rows, self.kv_blocks, len(region_num_blocks))
+        self.region_groups = len(groups)
+        self.nbytes = slots * sum(stride for _, stride, _ in groups)
         self._fd = os.memfd_create("kvferry-host-pool", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, _HEADER_BYTES + self.nbytes)
@@ -333,10 +332,13 @@ class HostPool:
         words[:8].view(np.uint64)[0] = self.identity
         self.file_address = int(words.ctypes.data)
         base = self.file_address + _HEADER_BYTES
-        offsets = np.cumsum([0, *lengths[:-1]]) * slots
-        self.layout_regions = tuple(
-            (base + int(offset), length) for offset, length in zip(offsets, lengths, strict=True)
-        )
+        regions: dict[int, tuple[int, int, int]] = {}
+        group_base = base
+        for members, stride, _ in groups:
+            for index, offset, length in members:
+                regions[index] = (group_base + offset, length, stride)
+            group_base += slots * stride
+        self.layout_regions = tuple(regions[index] for index in range(len(region_num_blocks)))
         self.base = base
         self.copier.add_host_range(base, self.nbytes)
 
@@ -363,20 +365,22 @@ class HostPool:
             raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
         runs: list[Run] = []
         for first_block, first_slot, count in _runs(block_ids, slots):
-            for index, (pool_address, length) in enumerate(self.layout_regions):
+            for index, (pool_address, length, stride) in enumerate(self.layout_regions):
                 rows = self._kv_rows[index * self.kv_blocks + first_block :][:count]
-                destination = pool_address + first_slot * length
+                destination = pool_address + first_slot * stride
                 runs.extend(
-                    (destination + offset * length, int(row[0]), length)
+                    (destination + offset * stride, int(row[0]), length)
                     for offset, row in enumerate(rows.tolist())
                 )
-        runs = merge_runs(runs)
+        # In address order, interleaved regions' pieces of consecutive blocks join into one range.
+        runs = merge_runs(sorted(runs, key=lambda run: run[1]))
         return sum(n for _, _, n in runs), self.copier.start(runs)
 
     def slot_bytes(self, slot: int) -> bytes:
         """One slot's bytes, region by region (tests compare them with the KV cache's)."""
         return b"".join(
-            ctypes.string_at(address + slot * length, length) for address, length in self.layout_regions
+            ctypes.string_at(address + slot * stride, length)
+            for address, length, stride in self.layout_regions
         )
 
 
@@ -425,6 +429,35 @@ class MappedHostPool:
     def local(self, holder_addresses: Rows) -> Rows:
         """This process's addresses of the holder's pool addresses."""
         return holder_addresses - np.uint64(self.layout.file_address) + np.uint64(self.local_address)
+
+
+def _interleaved_groups(
+    kv_rows: Rows, kv_blocks: int, region_count: int
+) -> list[tuple[list[tuple[int, int, int]], int, int]]:
+    """The KV cache's regions grouped as they interleave: ``(members, stride, base)`` per group, a member
+    ``(region index, offset within the group's block footprint, bytes)``. Regions whose blocks lie back to
+    back form a group each (stride = their bytes); regions whose blocks alternate within one stride (a
+    layer's K and V halves, blocks first) form one group."""
+    regions: list[tuple[int, int, int, int]] = []  # (first block's address, bytes, stride, index)
+    for index in range(region_count):
+        region = kv_rows[index * kv_blocks : (index + 1) * kv_blocks]
+        lengths = set(region[:, 1].tolist())
+        if len(lengths) != 1:
+            raise HostTierError(f"KV region {index} has blocks of different sizes")
+        length = int(region[0, 1])
+        steps = set(np.diff(region[:, 0].astype(np.int64)).tolist()) if kv_blocks > 1 else {length}
+        if len(steps) != 1 or int(next(iter(steps))) < length:
+            raise HostTierError(f"KV region {index}'s blocks are not evenly spaced")
+        regions.append((int(region[0, 0]), length, int(next(iter(steps))), index))
+    groups: list[tuple[list[tuple[int, int, int]], int, int]] = []
+    for address, length, stride, index in sorted(regions):
+        if groups:
+            members, group_stride, group_base = groups[-1]
+            if stride == group_stride and address + length <= group_base + stride:
+                members.append((index, address - group_base, length))
+                continue
+        groups.append(([(index, 0, length)], stride, address))
+    return groups
 
 
 def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -433,8 +433,9 @@ class PullCoalescer:
         if not np.array_equal(holder[:, 1], local_rows[:, 1]):
             raise RuntimeError("the holder's pool slots and this engine's blocks differ in size")
         sources = mapped.local(holder[:, 0])
+        # In address order, regions that interleave on both sides (a layer's K and V halves) join up.
         runs = merge_runs(
-            zip(local_rows[:, 0].tolist(), sources.tolist(), local_rows[:, 1].tolist(), strict=True)
+            sorted(zip(local_rows[:, 0].tolist(), sources.tolist(), local_rows[:, 1].tolist(), strict=True))
         )
         if record.digest:
             record.destination_rows = local_rows
