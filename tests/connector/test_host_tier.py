@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -308,3 +310,53 @@ def test_an_idle_step_takes_every_waiting_order_whole() -> None:
     demotions.order("a", list(range(7)))
     demotions.order("b", list(range(5)))
     assert [(d.request_id, d.final) for d in demotions.take_unsent()] == [("a", True), ("b", True)]
+
+
+class HeldCopy:
+    """A copy that is done only once the test lets it be (as a GPU's, still on its stream)."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def done(self) -> bool:
+        return self.released.is_set()
+
+    def wait(self) -> None:
+        assert self.released.wait(10), "the copy was never let through"
+
+
+class HeldCopier(HostCopier):
+    name = "held"
+
+    def __init__(self) -> None:
+        self.copy = HeldCopy()
+
+    def start(self, runs: Sequence[Run]) -> CopyDone:
+        super().start(runs)
+        return self.copy
+
+
+def test_a_worker_counts_a_move_done_only_once_its_copy_is_and_never_waits_for_it_in_the_step() -> None:
+    """The decode worker's part of a demotion (kvferry.connector.connector.KvferryWorker._demote): a copy
+    still running when the step's call returns is waited for by the worker's own thread, which then counts
+    the order done in the shared counter the scheduler reads."""
+    from kvferry.connector.connector import KvferryWorker
+    from kvferry.connector.generations import DEMOTED, GenerationFile
+    from kvferry.connector.host_tier import Demotion
+
+    _memory, rows = kv_cache()
+    copier = HeldCopier()
+    worker = KvferryWorker.__new__(KvferryWorker)  # its demotion state alone; no vLLM
+    worker.host_pool = HostPool(rows, [KV_BLOCKS] * REGIONS, slots=4, copier=copier)
+    worker.generation_file = GenerationFile.create(KV_BLOCKS + 4)
+    worker._mover = None
+    worker._moved_lock = threading.Lock()
+    worker._demote([Demotion(sequence=3, request_id="r1", block_ids=(1, 2), slots=(0, 1))])
+    assert int(worker.generation_file.counters[DEMOTED]) == 0
+    copier.copy.released.set()
+    deadline = time.monotonic() + 10
+    while int(worker.generation_file.counters[DEMOTED]) != 3:
+        assert time.monotonic() < deadline, "the move was never counted done"
+        time.sleep(0.01)
+    assert worker._mover is not None
+    worker._mover.shutdown()

@@ -37,7 +37,9 @@ Unmarked requests behave exactly as with vLLM's NixlConnector.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +47,7 @@ import numpy as np
 from kvferry.connector import vllm_internals
 from kvferry.connector.accounting import Accounting, StatsSnapshot
 from kvferry.connector.compat import KvLayout, kv_compatibility_hash
-from kvferry.connector.copies import ByteCopier, copier_for
+from kvferry.connector.copies import ByteCopier, CopyDone, copier_for
 from kvferry.connector.fence import PulledBlocks, PullFence
 from kvferry.connector.generations import (
     DEMOTED,
@@ -818,7 +820,9 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             movable=self._movable,
         )
         demotable = [None if next_move is None else max(next_move, demotions.no_room_until)]
-        if demotions.unsent:
+        if demotions.unsent or demotions.in_flight:
+            # Sent orders: looked at again until the workers count them done (a GPU's copy ends after its
+            # step; the timer wakes the engine every quarter second meanwhile, without a step).
             demotable.append(time.monotonic())
         return min([d for d in (due, *demotable) if d is not None], default=None)
 
@@ -867,6 +871,9 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         # The host tier's pool, made once vLLM registered the KV cache (register_kv_caches).
         self.host_pool_slots = settings.host_pool_blocks
         self.host_pool: HostPool | None = None
+        # Waits for a GPU's copies into the pool off the step (made at the first); guards the done counter.
+        self._mover: ThreadPoolExecutor | None = None
+        self._moved_lock = threading.Lock()
         # Holders' pools on this host are mapped and copied from here (kvferry.connector.host_tier).
         self.map_host_pools = settings.map_host_pools
         self.copier: ByteCopier | None = None
@@ -921,14 +928,40 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             return
         started = time.perf_counter()
         copied = 0
+        copies: list[CopyDone] = []
         for demotion in demotions:
             nbytes, copy = pool.copy_in(demotion.block_ids, demotion.slots)
-            # In place before the scheduler may retain the slots (a GPU's copy runs on a stream of its own).
-            copy.wait()
+            copies.append(copy)
             copied += nbytes
+        if all(copy.done() for copy in copies):
+            self._moved(demotions, copied, started, pool.copier.name)
+            return
+        # A GPU's copy runs on a stream of its own beside the step's forward pass: the step does not wait for
+        # it; a thread of this worker does, then counts the order done (the scheduler polls while it runs).
+        if self._mover is None:
+            self._mover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-host-moves")
+        self._mover.submit(self._wait_then_moved, copies, demotions, copied, started, pool.copier.name)
+
+    def _wait_then_moved(
+        self, copies: list[CopyDone], demotions: list[Demotion], copied: int, started: float, copier: str
+    ) -> None:
+        try:
+            for copy in copies:
+                copy.wait()
+        except Exception:
+            # Never counted done: the retention stays in the KV cache and the order's slots stay taken.
+            logger.exception("a copy into the host pool failed", extra={"orders": len(demotions)})
+            return
+        self._moved(demotions, copied, started, copier)
+
+    def _moved(self, demotions: list[Demotion], copied: int, started: float, copier: str) -> None:
+        """The orders' copies are in the pool: counted done for the scheduler (shared counter)."""
+        file = self.generation_file
+        assert file is not None
         finished = [d.sequence for d in demotions if d.final]
         if finished:
-            file.counters[DEMOTED] = max(finished)
+            with self._moved_lock:
+                file.counters[DEMOTED] = max(int(file.counters[DEMOTED]), *finished)
         seconds = time.perf_counter() - started
         logger.info(
             COPIED_LOG,
@@ -937,7 +970,7 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 "parts": sum(not d.final for d in demotions),
                 "blocks": sum(len(d.block_ids) for d in demotions),
                 "bytes": copied,
-                "copy": pool.copier.name,
+                "copy": copier,
                 "copy_ms": round(seconds * 1e3, 3),
                 "gbps": round(copied / seconds / 1e9, 3) if seconds > 0 else None,
             },

@@ -104,14 +104,19 @@ class _Ranges:
 
 
 class _CudaDone:
-    def __init__(self, event: Any) -> None:
+    def __init__(self, torch: Any, event: Any, device: Any) -> None:
+        self._torch = torch
         self._event = event
+        self._device = device
 
     def done(self) -> bool:
-        return bool(self._event.query())
+        with self._torch.cuda.device(self._device):
+            return bool(self._event.query())
 
     def wait(self) -> None:
-        self._event.synchronize()
+        # From any thread: the event's device made current first.
+        with self._torch.cuda.device(self._device):
+            self._event.synchronize()
 
 
 class CudaCopier:
@@ -163,7 +168,7 @@ class CudaCopier:
                 destination.copy_(source, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        return _CudaDone(event)
+        return _CudaDone(torch, event, self.device)
 
     def _view(self, address: int, nbytes: int) -> Any:
         view = self._device.slice(address, nbytes)
