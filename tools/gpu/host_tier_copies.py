@@ -147,16 +147,7 @@ def _reader(conn: Connection, args: argparse.Namespace, blocks: int) -> None:
                 _blocks(tensor, args.layout, DST_FIRST_BLOCK, n).view(torch.uint8).fill_(0xEE)
             _sync(args.device)
             started = time.perf_counter()
-            runs = merge_runs(
-                sorted(
-                    zip(
-                        destination[:, 0].tolist(),
-                        mapped.local(holder[:, 0]).tolist(),
-                        holder[:, 1].tolist(),
-                        strict=True,
-                    )
-                )
-            )
+            runs = merge_runs(destination[:, 0], mapped.local(holder[:, 0]), holder[:, 1])
             mapped.copier.start(runs).wait()
             times.append(time.perf_counter() - started)
             verified &= all(

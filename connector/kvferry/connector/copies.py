@@ -21,6 +21,9 @@ import ctypes
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 # (destination address, source address, bytes)
 Run = tuple[int, int, int]
 # cudaHostRegisterPortable
@@ -187,17 +190,23 @@ def copier_for(kv_tensors: Iterable[Any]) -> ByteCopier:
     return HostCopier()
 
 
-def merge_runs(runs: Iterable[Run]) -> list[Run]:
-    """Runs joined where one ends exactly where the next starts on both sides (fewer, larger copies)."""
-    merged: list[Run] = []
-    for destination, source, nbytes in runs:
-        if merged:
-            last_destination, last_source, last_bytes = merged[-1]
-            if destination == last_destination + last_bytes and source == last_source + last_bytes:
-                merged[-1] = (last_destination, last_source, last_bytes + nbytes)
-                continue
-        merged.append((destination, source, nbytes))
-    return merged
+def merge_runs(
+    destinations: npt.NDArray[np.uint64], sources: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64]
+) -> list[Run]:
+    """The copies (destination, source, bytes) in destination order, joined where one ends exactly where the
+    next starts on both sides: fewer, larger copies. Vectorised: a pull of 16k tokens lists ~75,000 pieces
+    (blocks x regions), which a Python loop took ~35 ms to join on the H200 stack's host."""
+    if not len(destinations):
+        return []
+    order = np.argsort(destinations, kind="stable")
+    dst = destinations[order].astype(np.int64)
+    src = sources[order].astype(np.int64)
+    size = lengths[order].astype(np.int64)
+    # A piece starts a new copy unless it continues the previous one on both sides.
+    continues = (dst[1:] == dst[:-1] + size[:-1]) & (src[1:] == src[:-1] + size[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    totals = np.add.reduceat(size, starts)
+    return list(zip(dst[starts].tolist(), src[starts].tolist(), totals.tolist(), strict=True))
 
 
 __all__ = [

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
-from kvferry.connector.copies import ByteCopier, CopyDone, CopyError, HostCopier, Run, merge_runs
+from kvferry.connector.copies import ByteCopier, CopyDone, CopyError, HostCopier, merge_runs
 from kvferry.connector.retention import RetainedEntry
 
 Rows = npt.NDArray[np.uint64]
@@ -363,17 +363,16 @@ class HostPool:
         Returns the bytes and what tells when they are in place."""
         if len(block_ids) != len(slots):
             raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
-        runs: list[Run] = []
-        for first_block, first_slot, count in _runs(block_ids, slots):
-            for index, (pool_address, length, stride) in enumerate(self.layout_regions):
-                rows = self._kv_rows[index * self.kv_blocks + first_block :][:count]
-                destination = pool_address + first_slot * stride
-                runs.extend(
-                    (destination + offset * stride, int(row[0]), length)
-                    for offset, row in enumerate(rows.tolist())
-                )
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        targets = np.asarray(slots, dtype=np.uint64)
+        table = np.array(self.layout_regions, dtype=np.uint64).reshape(-1, 3)
+        regions = len(self.layout_regions)
+        # Every (region, block): its row in the KV cache's list and its slot's address in the pool.
+        region_ids = np.repeat(np.arange(regions, dtype=np.int64), len(blocks))
+        rows = self._kv_rows[region_ids * self.kv_blocks + np.tile(blocks, regions)]
+        destinations = table[region_ids, 0] + np.tile(targets, regions) * table[region_ids, 2]
         # In address order, interleaved regions' pieces of consecutive blocks join into one range.
-        runs = merge_runs(sorted(runs, key=lambda run: run[1]))
+        runs = merge_runs(destinations, rows[:, 0], rows[:, 1])
         return sum(n for _, _, n in runs), self.copier.start(runs)
 
     def slot_bytes(self, slot: int) -> bytes:
@@ -458,19 +457,6 @@ def _interleaved_groups(
                 continue
         groups.append(([(index, 0, length)], stride, address))
     return groups
-
-
-def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first block, first slot, count) of runs consecutive on both sides, in the given order."""
-    runs: list[tuple[int, int, int]] = []
-    for block, slot in zip(block_ids, slots, strict=True):
-        if runs:
-            first_block, first_slot, count = runs[-1]
-            if block == first_block + count and slot == first_slot + count:
-                runs[-1] = (first_block, first_slot, count + 1)
-                continue
-        runs.append((block, slot, 1))
-    return runs
 
 
 __all__ = [

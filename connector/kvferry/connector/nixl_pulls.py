@@ -434,9 +434,7 @@ class PullCoalescer:
             raise RuntimeError("the holder's pool slots and this engine's blocks differ in size")
         sources = mapped.local(holder[:, 0])
         # In address order, regions that interleave on both sides (a layer's K and V halves) join up.
-        runs = merge_runs(
-            sorted(zip(local_rows[:, 0].tolist(), sources.tolist(), local_rows[:, 1].tolist(), strict=True))
-        )
+        runs = merge_runs(local_rows[:, 0], sources, local_rows[:, 1])
         if record.digest:
             record.destination_rows = local_rows
             record.memory_type = local[1].memory_type
