@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from kvferry.connector.peer_files import map_peer_file
 
 Generations = npt.NDArray[np.uint64]
 
@@ -95,14 +96,25 @@ class GenerationArray:
 class GenerationFile:
     """One worker's shared generation file (see the module doc), created or attached."""
 
-    def __init__(self, fd: int, num_blocks: int, *, owner: bool, writable: bool = True) -> None:
+    def __init__(
+        self,
+        fd: int,
+        num_blocks: int,
+        *,
+        owner: bool,
+        writable: bool = True,
+        mapping: mmap.mmap | None = None,
+    ) -> None:
+        """``fd``: the file, mapped here; or -1 with ``mapping``, the file already mapped (a peer's)."""
         if num_blocks <= 0:
             raise GenerationError(f"a generation file needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self._fd = fd
         self._owner = owner
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-        self._map = mmap.mmap(fd, self.file_bytes(num_blocks), access=access)
+        self._map = (
+            mapping if mapping is not None else mmap.mmap(fd, self.file_bytes(num_blocks), access=access)
+        )
         words: Generations = np.frombuffer(self._map, dtype=np.uint64)
         self.generations: Generations = words[:num_blocks]
         self.landing: Generations = words[num_blocks : 2 * num_blocks]
@@ -130,25 +142,14 @@ class GenerationFile:
         its ``/proc/<pid>/fd`` (same user, same pid namespace); else None. With why, for the log."""
         if not array.identity:
             return None, "the holder advertises no file identity"
-        path = f"/proc/{array.pid}/fd/{array.fd}"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as error:
-            return None, f"{path}: {error.strerror}"
-        try:
-            if os.fstat(fd).st_size < cls.file_bytes(array.num_blocks):
-                raise GenerationError(f"{path} is smaller than {array.num_blocks} blocks' generations")
-            file = cls(fd, array.num_blocks, owner=False, writable=False)
-        except (OSError, ValueError, GenerationError) as error:
-            os.close(fd)
-            return None, f"{path}: {error}"
+        mapping, why = map_peer_file(array.pid, array.fd, cls.file_bytes(array.num_blocks), writable=False)
+        if mapping is None:
+            return None, why
+        file = cls(-1, array.num_blocks, owner=False, writable=False, mapping=mapping)
         if int(file.counters[IDENTITY]) != array.identity:
             file.close()
-            return None, f"{path} is another file (identity differs)"
-        # The map keeps the pages: no descriptor stays open, and the map goes with its last view (a
-        # reader's verdicts may hold some after the holder is gone).
-        os.close(fd)
-        file._fd = -1
+            return None, f"/proc/{array.pid}/fd/{array.fd} is another file (identity differs)"
+        # The map goes with its last view (a reader's verdicts may hold some after the holder is gone).
         return file, ""
 
     @classmethod

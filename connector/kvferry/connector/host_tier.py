@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import numpy.typing as npt
 from kvferry.connector.copies import ByteCopier, CopyDone, CopyError, HostCopier, merge_runs
+from kvferry.connector.peer_files import map_peer_file
 from kvferry.connector.retention import RetainedEntry
 
 Rows = npt.NDArray[np.uint64]
@@ -403,22 +404,13 @@ class MappedHostPool:
         ``/proc/<pid>/fd`` (same user and pid namespace); else None, with why (for the log)."""
         if not layout.identity or layout.fd < 0 or layout.file_bytes <= _HEADER_BYTES:
             return None, "the holder advertises no pool file"
-        path = f"/proc/{layout.pid}/fd/{layout.fd}"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as error:
-            return None, f"{path}: {error.strerror}"
-        try:
-            if os.fstat(fd).st_size < layout.file_bytes:
-                return None, f"{path} is smaller than the advertised pool"
-            mapping = mmap.mmap(fd, layout.file_bytes)
-        except (OSError, ValueError) as error:
-            return None, f"{path}: {error}"
-        finally:
-            os.close(fd)
+        # Writable: pinning (cudaHostRegister) wants it; this process never writes the holder's slots.
+        mapping, why = map_peer_file(layout.pid, layout.fd, layout.file_bytes, writable=True)
+        if mapping is None:
+            return None, why
         if int(np.frombuffer(mapping, dtype=np.uint64, count=1)[0]) != layout.identity:
             mapping.close()
-            return None, f"{path} is another file (identity differs)"
+            return None, f"/proc/{layout.pid}/fd/{layout.fd} is another file (identity differs)"
         try:
             return cls(layout, mapping, copier), ""
         except CopyError as error:
