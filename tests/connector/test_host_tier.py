@@ -360,3 +360,44 @@ def test_a_worker_counts_a_move_done_only_once_its_copy_is_and_never_waits_for_i
         time.sleep(0.01)
     assert worker._mover is not None
     worker._mover.shutdown()
+
+
+def test_a_pull_naming_blocks_its_holder_cannot_address_here_fails_instead_of_reading_another_region(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefill whose handshake could not add a holder's pool (vLLM still addresses only that holder's KV
+    cache) fails a pull of the holder's host-tier blocks, to recompute: vLLM would compute those blocks'
+    descriptors into the next region. A pull within reach goes on to vLLM."""
+    from types import SimpleNamespace
+
+    from kvferry.connector import vllm_internals
+    from kvferry.connector.connector import KvferryWorker
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+
+    failed: list[str] = []
+    posted: list[str] = []
+    monkeypatch.setattr(vllm_internals, "fail_pull", lambda worker, request_id: failed.append(request_id))
+    monkeypatch.setattr(
+        NixlPullConnectorWorker,
+        "_read_blocks_for_req",
+        lambda self, request_id, meta: posted.append(request_id),
+    )
+    worker = KvferryWorker.__new__(KvferryWorker)  # the pull's checks alone; no vLLM
+    worker._read_deadlines = {}
+    worker._pull_options = {}
+    worker.fence = None
+    worker._recving_transfers = {}
+    worker.dst_num_blocks = {"holder": KV_BLOCKS}
+    worker.pulls = SimpleNamespace(set_context=lambda context: None)  # type: ignore[assignment]
+
+    def meta(remote_ids: list[int]) -> SimpleNamespace:
+        remote = SimpleNamespace(engine_id="holder", block_ids=[remote_ids], request_id="d-1")
+        return SimpleNamespace(remote=remote, local_block_ids=[list(range(len(remote_ids)))])
+
+    worker._read_blocks_for_req("beyond", meta([3, KV_BLOCKS + 2]))
+    worker._read_blocks_for_req("within", meta([3, KV_BLOCKS - 1]))
+    assert (failed, posted) == (["beyond"], ["within"])
+    # Once the pool is added, vLLM addresses its slots after the KV cache's blocks: the same pull goes on.
+    worker.dst_num_blocks["holder"] = KV_BLOCKS + 4
+    worker._read_blocks_for_req("in the pool", meta([3, KV_BLOCKS + 2]))
+    assert posted == ["within", "in the pool"]

@@ -1134,9 +1134,19 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             )
             vllm_internals.fail_pull(self, req_id)
             return
+        local_ids, remote_ids = vllm_internals.pull_block_ids(meta)
+        addressable = vllm_internals.holder_block_count(self, meta)
+        if addressable is not None and remote_ids and max(remote_ids) >= addressable:
+            # A host-tier record of a holder whose pool this engine could not add (the handshake's warning):
+            # vLLM would read another region's blocks at those indices.
+            logger.warning(
+                "failed a pull: it names blocks beyond what this engine can read on its holder, recomputing",
+                extra={"request_id": req_id, "block_id": max(remote_ids), "holder_blocks": addressable},
+            )
+            vllm_internals.fail_pull(self, req_id)
+            return
         # vLLM posts this request's READs inside: tell the coalescer whose they are.
         options = self._pull_options.get(req_id)
-        local_ids, remote_ids = vllm_internals.pull_block_ids(meta)
         self.pulls.set_context(
             PullContext(
                 request_id=req_id,

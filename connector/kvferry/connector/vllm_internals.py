@@ -58,7 +58,9 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
    goes on into the pool, region by region, and vLLM's block counts for it (``dst_num_blocks``, and
    ``dst_region_num_blocks`` where vLLM has it: :func:`set_holder_list`). vLLM 0.25 has neither
    ``dst_region_num_blocks`` nor ``dst_region_mem_types``: every region then holds ``dst_num_blocks``
-   blocks of the worker's own memory type (``nixl_memory_type``; both engines alike).
+   blocks of the worker's own memory type (``nixl_memory_type``; both engines alike). A pull naming a block
+   id at or past ``dst_num_blocks`` of its holder (a pool this worker could not add) is failed before vLLM
+   computes its descriptors (:func:`holder_block_count`): they would fall into the next region.
 """
 
 from __future__ import annotations
@@ -377,6 +379,15 @@ def pull_block_ids(meta: Any) -> tuple[list[int], list[int]]:
     except (TypeError, ValueError, IndexError):
         return [], []
     return local, remote_ids
+
+
+def holder_block_count(worker: Any, meta: Any) -> int | None:
+    """How many blocks vLLM's worker can address on a pull's holder (its KV cache's, plus its host pool's
+    slots once the pool was added: module doc, 10); None before the handshake with it."""
+    remote = getattr(meta, "remote", None)
+    engine_id = getattr(remote, "engine_id", None) if remote is not None else None
+    count = worker.dst_num_blocks.get(engine_id) if engine_id is not None else None
+    return int(count) if count is not None else None
 
 
 # -- 7. Ordering the blocks a pull fills ----------------------------------------------------------
