@@ -573,7 +573,8 @@ class PullCoalescer:
         """What NIXL's telemetry says of a READ (vLLM records it), for a mapped copy."""
         record = handle.record
         return SimpleNamespace(
-            xferDuration=(self._clock() - record.started) * 1e6,
+            # As NIXL times a READ: from the start of posting (here, planning the copies) to done.
+            xferDuration=(record.plan_seconds + self._clock() - record.started) * 1e6,
             postDuration=record.plan_seconds * 1e6,
             totalBytes=record.total_bytes,
             descCount=len(handle.runs),
