@@ -360,8 +360,8 @@ class HostPool:
         return self.base, self.nbytes
 
     def copy_in(self, block_ids: Sequence[int], slots: Sequence[int]) -> tuple[int, CopyDone]:
-        """Starts copying KV-cache blocks into slots, region by region, a run of consecutive ids at a time.
-        Returns the bytes and what tells when they are in place."""
+        """Starts copying KV-cache blocks into slots, one copy per run consecutive on both sides (regions the
+        KV cache interleaves, together). Returns the bytes and what tells when they are in place."""
         if len(block_ids) != len(slots):
             raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
         blocks = np.asarray(block_ids, dtype=np.int64)
@@ -388,13 +388,14 @@ class MappedHostPool:
     """A holder's host pool mapped into this process (same host): a prefill engine copies pulled slots from
     it with its own copier instead of a NIXL READ. On one host UCX reads another process's host memory into
     a GPU by "software emulation" over TCP (0.8 GB/s on an H100, tools/gpu/results/h100-2026-12-06-host-tier);
-    mapped and pinned, the GPU's copy engine reads it at ~55 GB/s."""
+    mapped and pinned, the GPU's copy engine reads it at ~52 GB/s
+    (tools/gpu/results/h100-2026-12-07-host-tier-run2)."""
 
     def __init__(self, layout: HostPoolLayout, mapping: mmap.mmap, copier: ByteCopier) -> None:
         self.layout = layout
         self._map = mapping
-        view = np.frombuffer(mapping, dtype=np.uint8)
-        self.local_address = int(view.ctypes.data)
+        # No view of the map outlives this line: one would keep the map from closing.
+        self.local_address = int(np.frombuffer(mapping, dtype=np.uint8, count=1).ctypes.data)
         self.copier = copier
         copier.add_host_range(self.local_address + _HEADER_BYTES, layout.file_bytes - _HEADER_BYTES)
 
