@@ -12,6 +12,7 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -83,22 +84,38 @@ class Pair:
         for cache in self.local.caches:
             cache[:] = 0xEE  # poison
         local_h, remote_h = self.prepare(layout)
-        request = f"req-{next(_names)}"
-        self.reader.set_context(
-            PullContext(
-                request,
-                coalesce=coalesce,
-                digest=True,
-                local_block_ids=local_ids,
-                remote_block_ids=remote_ids,
-            )
+        self.read(
+            local_h,
+            li,
+            remote_h,
+            ri,
+            coalesce=coalesce,
+            digest=True,
+            local_block_ids=local_ids,
+            remote_block_ids=remote_ids,
         )
+        for local_cache, holder_cache in zip(self.local.caches, self.holder.caches, strict=True):
+            assert np.array_equal(local_cache[list(local_ids)], holder_cache[list(remote_ids)])
+            untouched = sorted(set(range(BLOCKS)) - set(local_ids))
+            assert (local_cache[untouched] == 0xEE).all()
+        return self.records[-1]
+
+    def read(self, local_h: object, li: np.ndarray, remote: object, ri: np.ndarray, **context: Any) -> None:
+        """One READ as vLLM's pull worker posts it (its context set around the call), seen to its end, and the
+        holder's notice of it."""
+        request = f"req-{next(_names)}"
+        self.reader.set_context(PullContext(request, **context))
         try:
             handle = self.reader.make_prepped_xfer(
-                "READ", local_h, li, remote_h, ri, notif_msg=f"{request}:1".encode()
+                "READ", local_h, li, remote, ri, notif_msg=f"{request}:1".encode()
             )
         finally:
             self.reader.set_context(None)
+        self.finish(handle)
+        assert self._wait_notice(request) == [f"{request}:1"]
+
+    def finish(self, handle: object) -> None:
+        """Posts a prepared READ and polls it to DONE, then releases it, as vLLM does."""
         assert self.reader.transfer(handle) in ("DONE", "PROC")
         deadline = time.monotonic() + 20
         while (state := self.reader.check_xfer_state(handle)) == "PROC":
@@ -106,13 +123,6 @@ class Pair:
         assert state == "DONE"
         self.reader.get_xfer_telemetry(handle)
         self.reader.release_xfer_handle(handle)
-        for local_cache, holder_cache in zip(self.local.caches, self.holder.caches, strict=True):
-            assert np.array_equal(local_cache[list(local_ids)], holder_cache[list(remote_ids)])
-            untouched = sorted(set(range(BLOCKS)) - set(local_ids))
-            assert (local_cache[untouched] == 0xEE).all()
-        notices = self._wait_notice(request)
-        assert notices == [f"{request}:1"]
-        return self.records[-1]
 
     def _wait_notice(self, request: str) -> list[str]:
         deadline = time.monotonic() + 10
@@ -212,12 +222,7 @@ def test_unknown_handles_fall_back_to_vllms_call(pair: Pair) -> None:
     remote_h = pair.handles.setdefault("per_layer", pair.prepare("per_layer"))[1]
     li = np.asarray([b for b in range(5, 9)], dtype=np.int64)
     handle = pair.reader.make_prepped_xfer("READ", local_h, li, remote_h, li, notif_msg=b"unknown:1")
-    pair.reader.transfer(handle)
-    deadline = time.monotonic() + 20
-    while pair.reader.check_xfer_state(handle) == "PROC":
-        assert time.monotonic() < deadline
-    pair.reader.get_xfer_telemetry(handle)
-    pair.reader.release_xfer_handle(handle)
+    pair.finish(handle)
     record = pair.records[-1]
     assert not record.coalesced and record.fallback_reason == "descriptor lists not seen at preparation"
     assert np.array_equal(pair.local.caches[0][5:9], pair.holder.caches[0][5:9])
@@ -262,7 +267,7 @@ def pool_list(pair: Pair, pool: HostPool, *, mapped: bool, lists_pool: bool) -> 
 
 
 def read_through(
-    pair: Pair, remote: PoolList, local_ids: list[int], remote_ids: list[int], **context: object
+    pair: Pair, remote: PoolList, local_ids: list[int], remote_ids: list[int], **context: Any
 ) -> PullRecord:
     """A pull as vLLM posts it against a holder with a pool: indices run ``BLOCKS + SLOTS`` a region."""
     per_region = BLOCKS + SLOTS
@@ -271,22 +276,7 @@ def read_through(
     for cache in pair.local.caches:
         cache[:] = 0xEE
     local_h, _ = pair.prepare("per_layer")
-    request = f"req-{next(_names)}"
-    pair.reader.set_context(PullContext(request, **context))  # type: ignore[arg-type]
-    try:
-        handle = pair.reader.make_prepped_xfer(
-            "READ", local_h, li, remote, ri, notif_msg=f"{request}:1".encode()
-        )
-    finally:
-        pair.reader.set_context(None)
-    pair.reader.transfer(handle)
-    deadline = time.monotonic() + 20
-    while (state := pair.reader.check_xfer_state(handle)) == "PROC":
-        assert time.monotonic() < deadline, "pull did not finish"
-    assert state == "DONE"
-    pair.reader.get_xfer_telemetry(handle)
-    pair.reader.release_xfer_handle(handle)
-    assert pair._wait_notice(request) == [f"{request}:1"]
+    pair.read(local_h, li, remote, ri, **context)
     return pair.records[-1]
 
 
