@@ -293,6 +293,11 @@ def overhead_split(samples: list[Sample]) -> str:
     return "\n".join(rows)
 
 
+def show(value: float | None, digits: int = 0) -> str:
+    """A table cell: the figure with thousands separators, or '-' when there is none."""
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
 def host_table(samples: list[Sample]) -> str:
     """The host arm against the reuse arm turn by turn (medians): client TTFT, how P read the KV and at
     what rate (empty when the host arm did not run)."""
@@ -316,10 +321,6 @@ def host_table(samples: list[Sample]) -> str:
         pull_ms = median([float(p["transfer_ms"]) for s in host for p in s.pulls if "transfer_ms" in p])
         h_rate = median([float(p["gbps"]) for s in host for p in s.pulls if p.get("gbps")])
         r_rate = median([float(p["gbps"]) for s in reuse for p in s.pulls if p.get("gbps")])
-
-        def show(value: float | None, digits: int = 0) -> str:
-            return "-" if value is None else f"{value:,.{digits}f}"
-
         rows.append(
             f"| {turn} | {host[0].prompt_tokens:,} | {show(r_ttft)} / {show(h_ttft)} | {ratio} | "
             f"{', '.join(tiers)} | {'/'.join(reads) or '-'} | {show(pull_ms, 1)} | {show(h_rate, 1)} | "
@@ -331,9 +332,6 @@ def host_table(samples: list[Sample]) -> str:
 def table(samples: list[Sample]) -> str:
     def of(turn: int, arm: str) -> list[Sample]:
         return [s for s in samples if s.turn == turn and s.arm == arm]
-
-    def show(value: float | None, digits: int = 0) -> str:
-        return "-" if value is None else f"{value:,.{digits}f}"
 
     rows = [
         "| turn | prompt tokens | reuse: client TTFT ms | off: client TTFT ms | reuse/off "
