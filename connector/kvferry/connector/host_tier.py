@@ -340,6 +340,8 @@ class HostPool:
                 regions[index] = (group_base + offset, length, stride)
             group_base += slots * stride
         self.layout_regions = tuple(regions[index] for index in range(len(region_num_blocks)))
+        # (address of slot 0, bytes, stride) per region, as an array for copy_in.
+        self._region_table = np.array(self.layout_regions, dtype=np.uint64).reshape(-1, 3)
         self.base = base
         self.copier.add_host_range(base, self.nbytes)
 
@@ -366,7 +368,7 @@ class HostPool:
             raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
         blocks = np.asarray(block_ids, dtype=np.int64)
         targets = np.asarray(slots, dtype=np.uint64)
-        table = np.array(self.layout_regions, dtype=np.uint64).reshape(-1, 3)
+        table = self._region_table
         regions = len(self.layout_regions)
         # Every (region, block): its row in the KV cache's list and its slot's address in the pool.
         region_ids = np.repeat(np.arange(regions, dtype=np.int64), len(blocks))
