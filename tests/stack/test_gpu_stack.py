@@ -168,6 +168,32 @@ def test_the_host_table_sets_the_host_arm_beside_the_reuse_arm_turn_by_turn() ->
     assert host_table([s for s in samples if s.arm == "reuse"]) == ""
 
 
+def test_the_probe_table_splits_d_s_decodes_by_its_copies_into_the_pool() -> None:
+    """The ITL probe's intervals that overlap a copy (within the relay's slack) are "during", the rest
+    "outside"; whole decodes split by whether a demotion ran beside them; a decode that failed is counted."""
+    from kvferry.bench.multiturn_capacity import EngineEvents, PoolCopy
+
+    from tools.gpu.stack_conversation import ProbeDecode, probe_table
+
+    t0 = 1_800_000_000.0
+    steady = ProbeDecode(t0, [(t0 + 0.010 * i, 1) for i in range(11)])
+    # Its fourth interval (30-45 ms) is 15 ms long and overlaps the copy.
+    slowed = ProbeDecode(t0 + 1, [(t0 + 1 + 0.010 * i + (0.005 if i > 3 else 0.0), 1) for i in range(11)])
+    failed = ProbeDecode(t0 + 2, error="503 engine busy")
+    copy = PoolCopy(start=t0 + 1.036, end=t0 + 1.038, copy_ms=2.0, conversations=("c",))
+    rows = probe_table([steady, slowed, failed], EngineEvents(copies=[copy])).strip().splitlines()
+    assert (
+        rows[0] == "ITL probe on D: 3 decodes (1 failed) beside the host arm; D copied into its pool 1 times "
+        "and moved 0 retentions."
+    )
+    assert rows[4] == "| intervals outside demotions | 19 | 10.00 | 10.00 | - |"
+    assert rows[5] == "| intervals during a demotion | 1 | 15.00 | 15.00 | +50.0% |"
+    assert rows[6] == "| ... of which during a copy | 1 | 15.00 | 15.00 | +50.0% |"
+    assert rows[7] == "| whole decodes with no demotion | 1 | 10.00 | 10.00 | - |"
+    assert rows[8] == "| whole decodes beside a demotion | 1 | 10.50 | 10.50 | +5.0% |"
+    assert probe_table([], EngineEvents()) == ""
+
+
 @pytest.mark.parametrize(("layout", "runs"), [("blocks-first", 2), ("kv-first", 4)])
 def test_the_host_tier_copies_tool_moves_and_maps_a_pool_bit_for_bit(
     tmp_path: Path, layout: str, runs: int

@@ -22,7 +22,10 @@ both, turn by turn alternating which goes first:
   tool: with the stack's decode engines given a host pool (``KVFERRY_HOST_POOL_BLOCKS``) and a
   ``KVFERRY_DEMOTE_AFTER_SECONDS`` shorter than the gap, the retention has moved to D's host pool and the
   turn pulls it from there (issue 19). Its conversations run after the other arms' (whose retentions stay
-  in the KV cache while they run back to back), and the report compares its TTFT with ``reuse``'s.
+  in the KV cache while they run back to back), and the report compares its TTFT with ``reuse``'s. With
+  ``--itl-probe-tokens N``, decodes of N tokens run on D itself meanwhile, one after another
+  (:class:`DecodeProbe`), and the report splits their inter-token latency by D's demotions (issue 19:
+  demotions must not disturb running decodes).
 
 Per turn: client TTFT (first SSE chunk) and end-to-end time, the router's own TTFT and the prefill
 request's time (``usage.kvferry``), the router's decision and its reason (its ``turn done`` log line)
@@ -51,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -59,7 +63,16 @@ from typing import Any
 
 import grpc
 import httpx
+from kvferry.bench.multiturn_capacity import (
+    EngineEvents,
+    engine_events,
+    itl_increase,
+    log_lines,
+    split_decode_itl,
+    split_itl,
+)
 from kvferry.bench.multiturn_driver import EngineCounters, Engines, counter_deltas
+from kvferry.bench.multiturn_stats import percentile
 from kvferry.pd.engine_api import Sampling
 from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient
 from kvferry.pd.sequence import EngineTurn, Pull, run_turn
@@ -329,6 +342,113 @@ def host_table(samples: list[Sample]) -> str:
     return "\n".join(rows)
 
 
+@dataclass
+class ProbeDecode:
+    """One of the ITL probe's decodes: the Unix arrival time of each streamed chunk with tokens, and its
+    tokens (what :func:`kvferry.bench.multiturn_capacity.split_itl` splits)."""
+
+    sent_unix: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    error: str = ""
+
+
+class DecodeProbe:
+    """Decodes on D itself, one after another on a thread of their own, while the host arm runs
+    (``--itl-probe-tokens``): plain streamed vLLM completions without a kvferry mark, so D retains and
+    moves nothing of theirs. Their inter-token latency, split by D's copies into its host pool, says
+    whether demotions disturb running decodes (issue 19: within 10 % of none)."""
+
+    def __init__(self, decode_url: str, model: str, prompt: list[int], max_tokens: int) -> None:
+        self.url = f"{decode_url}/v1/completions"
+        self.body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        self.decodes: list[ProbeDecode] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="itl-probe", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> list[ProbeDecode]:
+        """Ends the running decode (closing its stream aborts it on D) and returns them all."""
+        self._stop.set()
+        self._thread.join(timeout=60)
+        return self.decodes
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=httpx.Timeout(300.0)) as client:
+            while not self._stop.is_set():
+                decode = ProbeDecode(time.time())
+                self.decodes.append(decode)
+                try:
+                    with client.stream("POST", self.url, json=self.body) as answer:
+                        if answer.status_code != 200:
+                            decode.error = f"{answer.status_code} {answer.read().decode(errors='replace')}"
+                        else:
+                            self._read(answer, decode)
+                except httpx.HTTPError as error:
+                    decode.error = repr(error)
+                if decode.error:
+                    self._stop.wait(1.0)
+
+    def _read(self, answer: httpx.Response, decode: ProbeDecode) -> None:
+        for line in answer.iter_lines():
+            if self._stop.is_set():
+                return
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            tokens = sum(len(choice.get("token_ids") or ()) for choice in event.get("choices") or ())
+            if tokens:
+                decode.chunks.append((time.time(), tokens))
+
+
+def probe_table(decodes: Sequence[ProbeDecode], events: EngineEvents) -> str:
+    """The ITL probe's decodes split by D's demotions (empty when the probe did not run): per interval
+    between chunks (one overlapping a copy into the pool or a relocation's retain, within the relay's
+    slack, is "during"), and per whole decode."""
+    if not decodes:
+        return ""
+    windows = events.demotion_windows()
+    during, outside = split_itl(decodes, windows)
+    copying, _ = split_itl(decodes, events.copy_windows())
+    decodes_during, decodes_outside = split_decode_itl(decodes, windows)
+    failed = sum(bool(d.error) for d in decodes)
+    rows = [
+        "",
+        "",
+        f"ITL probe on D: {len(decodes)} decodes ({failed} failed) beside the host arm; D copied into its "
+        f"pool {len(events.copies)} times and moved {len(events.moved)} retentions.",
+        "",
+        "| ITL ms per token | n | p50 | p90 | p50 vs outside (target <= +10 %) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, values in (
+        ("intervals outside demotions", outside),
+        ("intervals during a demotion", during),
+        ("... of which during a copy", copying),
+        ("whole decodes with no demotion", decodes_outside),
+        ("whole decodes beside a demotion", decodes_during),
+    ):
+        reference = decodes_outside if name.startswith("whole") else outside
+        increase = None if values is reference else itl_increase(values, reference)
+        p50 = percentile(values, 50) if values else None
+        p90 = percentile(values, 90) if values else None
+        rows.append(
+            f"| {name} | {len(values):,} | {show(p50, 2)} | {show(p90, 2)} | "
+            + ("-" if increase is None else f"{increase:+.1%}")
+            + " |"
+        )
+    return "\n".join(rows)
+
+
 def table(samples: list[Sample]) -> str:
     def of(turn: int, arm: str) -> list[Sample]:
         return [s for s in samples if s.turn == turn and s.arm == arm]
@@ -418,6 +538,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--host-gap-s", type=float, default=6.0, help="the host arm's wait before each turn (module docs)"
     )
     parser.add_argument(
+        "--itl-probe-tokens",
+        type=int,
+        default=0,
+        help="while the host arm runs, decodes of this many tokens on D itself, one after another; their "
+        "inter-token latency split by D's demotions goes into the report (default 0: none)",
+    )
+    parser.add_argument(
         "--arms",
         nargs="+",
         choices=ARMS,
@@ -434,6 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     off_router = None
     vllm_arm: VllmProxy | None = None
     counters: EngineCounters | None = None
+    probe: DecodeProbe | None = None
     arms = tuple(args.arms)
     started = time.monotonic()
     with asyncio.Runner() as loop:
@@ -498,7 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
 
                 together = tuple(arm for arm in arms if arm != "host")
-                for run in range(args.runs):
+                for run in range(args.runs if together else 0):
                     prompts: dict[str, list[int]] = {arm: [] for arm in together}
                     for turn in range(1, args.turns + 1):
                         # Each arm goes first as often as the others.
@@ -506,6 +634,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         for arm in together[shift:] + together[:shift]:
                             one_turn(run, turn, arm, prompts[arm])
                 if "host" in arms:
+                    if args.itl_probe_tokens > 0:
+                        probe_prompt = [rng.randrange(3, args.vocab) for _ in range(64)]
+                        probe = DecodeProbe(engines.decode_url, model, probe_prompt, args.itl_probe_tokens)
+                        probe.start()
                     for run in range(args.runs):
                         prompt: list[int] = []
                         for turn in range(1, args.turns + 1):
@@ -513,6 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 time.sleep(args.host_gap_s)
                             one_turn(run, turn, "host", prompt)
         finally:
+            decodes = probe.stop() if probe is not None else []
             if vllm_arm is not None:
                 loop.run(vllm_arm.aclose())
             if counters is not None:
@@ -538,6 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     {
                         "args": vars(args) | {"out": str(args.out), "workdir": str(workdir)},
                         "samples": [asdict(s) for s in samples],
+                        "itl_probe": [asdict(d) for d in decodes],
                     },
                     indent=1,
                     default=str,
@@ -545,6 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             if samples:
                 report = table(samples) + "\n\n" + overhead_split(samples) + host_table(samples)
+                report += probe_table(decodes, engine_events(log_lines(logs / "engine-decode-0.log"), ()))
                 (args.out / "conversation.md").write_text(report + "\n")
                 print(report)
             if logs.exists():

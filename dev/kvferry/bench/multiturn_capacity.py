@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvferry.bench.multiturn_stats import percentile
 from kvferry.bench.multiturn_workload import WorkloadSpec, plan_conversations
@@ -320,8 +320,16 @@ def _overlaps(windows: Sequence[tuple[float, float]], lo: float, hi: float) -> b
     return any(w_start <= hi and w_end >= lo for w_start, w_end in windows if w_start <= hi)
 
 
+class Streamed(Protocol):
+    """A streamed decode as its client saw it: the Unix arrival time of each chunk with tokens, and its
+    tokens (a capacity turn, or any other decode measured beside demotions)."""
+
+    @property
+    def chunks(self) -> Sequence[tuple[float, int]]: ...
+
+
 def split_itl(
-    turns: Iterable[CapacityTurn],
+    turns: Iterable[Streamed],
     windows: Sequence[tuple[float, float]],
     slack_s: float = RELAY_SLACK_S,
     *,
@@ -344,7 +352,7 @@ def split_itl(
 
 
 def split_decode_itl(
-    turns: Iterable[CapacityTurn], windows: Sequence[tuple[float, float]], slack_s: float = RELAY_SLACK_S
+    turns: Iterable[Streamed], windows: Sequence[tuple[float, float]], slack_s: float = RELAY_SLACK_S
 ) -> tuple[list[float], list[float]]:
     """Each decode's own inter-token latency (ms per token from its first streamed token to its last),
     split into decodes that ran while a demotion window opened and decodes that ran with none."""
@@ -482,9 +490,9 @@ def check_capacity_targets(
     host_turns = [t for t in turns if t.arm == HOST]
     host_events = events.get(HOST, EngineEvents())
     during, outside = split_itl(host_turns, host_events.demotion_windows())
-    increase = _increase(during, outside)
+    increase = itl_increase(during, outside)
     decodes_during, decodes_outside = split_decode_itl(host_turns, host_events.demotion_windows())
-    decode_increase = _increase(decodes_during, decodes_outside)
+    decode_increase = itl_increase(decodes_during, decodes_outside)
     copying, _ = split_itl(host_turns, host_events.copy_windows())
     relocating, _ = split_itl(
         host_turns, host_events.relocation_windows(), excluding=host_events.copy_windows()
@@ -521,7 +529,7 @@ def check_capacity_targets(
             if split:
                 parts.append(
                     f"intervals {name}: {percentile(split, 50):.1f} ms, "
-                    f"{_increase(split, outside):+.1%} ({len(split)})"
+                    f"{itl_increase(split, outside):+.1%} ({len(split)})"
                 )
     else:
         parts.append("no decode interval overlapped a demotion: ITL during demotions not measured")
@@ -538,15 +546,15 @@ def check_capacity_targets(
         decode_itl_met=None if decode_increase is None else decode_increase <= TARGET_ITL_INCREASE,
         decodes_during_n=len(decodes_during),
         decodes_outside_n=len(decodes_outside),
-        itl_increase_copy=_increase(copying, outside),
+        itl_increase_copy=itl_increase(copying, outside),
         itl_during_copy_n=len(copying),
-        itl_increase_relocation_only=_increase(relocating, outside),
+        itl_increase_relocation_only=itl_increase(relocating, outside),
         itl_during_relocation_only_n=len(relocating),
         explanation="; ".join(parts),
     )
 
 
-def _increase(during: Sequence[float], outside: Sequence[float]) -> float | None:
+def itl_increase(during: Sequence[float], outside: Sequence[float]) -> float | None:
     """p50 of ``during`` over p50 of ``outside``, minus one (None: either is empty)."""
     if not during or not outside:
         return None
@@ -717,6 +725,7 @@ __all__ = [
     "EngineEvents",
     "LevelSummary",
     "PoolCopy",
+    "Streamed",
     "build_capacity_report",
     "capacity",
     "check_capacity_targets",
@@ -725,6 +734,7 @@ __all__ = [
     "conversation_blocks",
     "default_levels",
     "engine_events",
+    "itl_increase",
     "level_markdown",
     "level_table",
     "log_lines",
