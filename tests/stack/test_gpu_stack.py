@@ -170,7 +170,8 @@ def test_the_host_table_sets_the_host_arm_beside_the_reuse_arm_turn_by_turn() ->
 
 def test_the_probe_table_splits_d_s_decodes_by_its_copies_into_the_pool() -> None:
     """The ITL probe's intervals that overlap a copy (within the relay's slack) are "during", the rest
-    "outside"; whole decodes split by whether a demotion ran beside them; a decode that failed is counted."""
+    "outside"; whole decodes split by whether a demotion ran beside them; a decode that failed is counted, a
+    copy from before the probe is not."""
     from kvferry.bench.multiturn_capacity import EngineEvents, PoolCopy
 
     from tools.gpu.stack_conversation import ProbeDecode, probe_table
@@ -181,7 +182,10 @@ def test_the_probe_table_splits_d_s_decodes_by_its_copies_into_the_pool() -> Non
     slowed = ProbeDecode(t0 + 1, [(t0 + 1 + 0.010 * i + (0.005 if i > 3 else 0.0), 1) for i in range(11)])
     failed = ProbeDecode(t0 + 2, error="503 engine busy")
     copy = PoolCopy(start=t0 + 1.036, end=t0 + 1.038, copy_ms=2.0, conversations=("c",))
-    rows = probe_table([steady, slowed, failed], EngineEvents(copies=[copy])).strip().splitlines()
+    # An earlier run's copy in the same log (a workdir used again) is not the probe's.
+    earlier = PoolCopy(start=t0 - 100, end=t0 - 99.99, copy_ms=10.0, conversations=("old",))
+    events = EngineEvents(copies=[earlier, copy], moved=[("old", t0 - 99)])
+    rows = probe_table([steady, slowed, failed], events).strip().splitlines()
     assert (
         rows[0] == "ITL probe on D: 3 decodes (1 failed) beside the host arm; D copied into its pool 1 times "
         "and moved 0 retentions."

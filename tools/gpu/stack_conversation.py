@@ -416,6 +416,12 @@ def probe_table(decodes: Sequence[ProbeDecode], events: EngineEvents) -> str:
     slack, is "during"), and per whole decode."""
     if not decodes:
         return ""
+    # D's log may hold earlier runs too (a stack workdir used again): only what happened while the probe ran.
+    began, ended = decodes[0].sent_unix, max((d.chunks[-1][0] for d in decodes if d.chunks), default=0.0)
+    events = EngineEvents(
+        moved=[(c, at) for c, at in events.moved if began <= at <= ended],
+        copies=[c for c in events.copies if began <= c.start <= ended],
+    )
     windows = events.demotion_windows()
     during, outside = split_itl(decodes, windows)
     copying, _ = split_itl(decodes, events.copy_windows())
