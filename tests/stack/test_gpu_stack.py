@@ -198,6 +198,22 @@ def test_the_probe_table_splits_d_s_decodes_by_its_copies_into_the_pool() -> Non
     assert probe_table([], EngineEvents()) == ""
 
 
+@pytest.mark.parametrize(
+    "argv", [["--itl-probe-tokens", "-1"], ["--itl-probe-tokens", "100", "--arms", "reuse"]]
+)
+def test_the_itl_probe_refuses_a_negative_count_or_a_run_without_the_host_arm(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Said before any stack starts, not a probe that never runs."""
+    from tools.gpu import stack_conversation
+
+    with pytest.raises(SystemExit) as exit_info:
+        stack_conversation.main(["--out", str(tmp_path), *argv])
+    assert exit_info.value.code == 2
+    assert "--itl-probe-tokens takes a count of tokens >= 0" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(("layout", "runs"), [("blocks-first", 2), ("kv-first", 4)])
 def test_the_host_tier_copies_tool_moves_and_maps_a_pool_bit_for_bit(
     tmp_path: Path, layout: str, runs: int

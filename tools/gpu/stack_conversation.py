@@ -559,6 +559,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("up_args", nargs="*", help="after --: arguments for kvferry up (e.g. --gpu)")
     args = parser.parse_args(argv)
+    if args.itl_probe_tokens < 0 or (args.itl_probe_tokens and "host" not in args.arms):
+        parser.error(
+            "--itl-probe-tokens takes a count of tokens >= 0 and runs beside the host arm (--arms ... host)"
+        )
     # A `timeout` still leaves the stack stopped and what was measured written.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out.mkdir(parents=True, exist_ok=True)
