@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from kvferry.connector.host_tier import (
     extend_remote_rows,
     next_demotion_at,
 )
+from kvferry.connector.logs import COPIED_LOG
 from kvferry.connector.retention import RetainedEntry
 
 REGIONS = 3
@@ -336,10 +338,13 @@ class HeldCopier(HostCopier):
         return self.copy
 
 
-def test_a_worker_counts_a_move_done_only_once_its_copy_is_and_never_waits_for_it_in_the_step() -> None:
+def test_a_worker_counts_a_move_done_only_once_its_copy_is_and_never_waits_for_it_in_the_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The decode worker's part of a demotion (kvferry.connector.connector.KvferryWorker._demote): a copy
     still running when the step's call returns is waited for by the worker's own thread, which then counts
-    the order done in the shared counter the scheduler reads."""
+    the order done in the shared counter the scheduler reads. Its line says the step's share apart from the
+    whole copy."""
     from kvferry.connector.connector import KvferryWorker
     from kvferry.connector.generations import DEMOTED, GenerationFile
     from kvferry.connector.host_tier import Demotion
@@ -351,8 +356,10 @@ def test_a_worker_counts_a_move_done_only_once_its_copy_is_and_never_waits_for_i
     worker.generation_file = GenerationFile.create(KV_BLOCKS + 4)
     worker._mover = None
     worker._moved_lock = threading.Lock()
+    caplog.set_level(logging.INFO, logger="kvferry.connector")
     worker._demote([Demotion(sequence=3, request_id="r1", block_ids=(1, 2), slots=(0, 1))])
     assert int(worker.generation_file.counters[DEMOTED]) == 0
+    time.sleep(0.05)  # the copy is held past the step's call
     copier.copy.released.set()
     deadline = time.monotonic() + 10
     while int(worker.generation_file.counters[DEMOTED]) != 3:
@@ -360,6 +367,8 @@ def test_a_worker_counts_a_move_done_only_once_its_copy_is_and_never_waits_for_i
         time.sleep(0.01)
     assert worker._mover is not None
     worker._mover.shutdown()
+    (line,) = [r for r in caplog.records if r.getMessage() == COPIED_LOG]
+    assert line.copy_ms >= 50 > line.step_ms  # type: ignore[attr-defined]
 
 
 def test_a_pull_naming_blocks_its_holder_cannot_address_here_fails_instead_of_reading_another_region(

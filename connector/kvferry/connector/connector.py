@@ -933,17 +933,27 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             nbytes, copy = pool.copy_in(demotion.block_ids, demotion.slots)
             copies.append(copy)
             copied += nbytes
+        # The step's share of the move: planning and starting its copies (a synchronous copier's: all of it).
+        step_ms = round((time.perf_counter() - started) * 1e3, 3)
         if all(copy.done() for copy in copies):
-            self._moved(demotions, copied, started, pool.copier.name)
+            self._moved(demotions, copied, started, pool.copier.name, step_ms)
             return
         # A GPU's copy runs on a stream of its own beside the step's forward pass: the step does not wait for
         # it; a thread of this worker does, then counts the order done (the scheduler polls while it runs).
         if self._mover is None:
             self._mover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-host-moves")
-        self._mover.submit(self._wait_then_moved, copies, demotions, copied, started, pool.copier.name)
+        self._mover.submit(
+            self._wait_then_moved, copies, demotions, copied, started, pool.copier.name, step_ms
+        )
 
     def _wait_then_moved(
-        self, copies: list[CopyDone], demotions: list[Demotion], copied: int, started: float, copier: str
+        self,
+        copies: list[CopyDone],
+        demotions: list[Demotion],
+        copied: int,
+        started: float,
+        copier: str,
+        step_ms: float,
     ) -> None:
         try:
             for copy in copies:
@@ -952,9 +962,11 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             # Never counted done: the retention stays in the KV cache and the order's slots stay taken.
             logger.exception("a copy into the host pool failed", extra={"orders": len(demotions)})
             return
-        self._moved(demotions, copied, started, copier)
+        self._moved(demotions, copied, started, copier, step_ms)
 
-    def _moved(self, demotions: list[Demotion], copied: int, started: float, copier: str) -> None:
+    def _moved(
+        self, demotions: list[Demotion], copied: int, started: float, copier: str, step_ms: float
+    ) -> None:
         """The orders' copies are in the pool: counted done for the scheduler (shared counter)."""
         file = self.generation_file
         assert file is not None
@@ -972,6 +984,7 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 "bytes": copied,
                 "copy": copier,
                 "copy_ms": round(seconds * 1e3, 3),
+                "step_ms": step_ms,
                 "gbps": round(copied / seconds / 1e9, 3) if seconds > 0 else None,
             },
         )
