@@ -69,9 +69,9 @@ class RecordingCopier(HostCopier):
     def __init__(self) -> None:
         self.runs: list[Run] = []
 
-    def start(self, runs: Sequence[Run]) -> CopyDone:
+    def start(self, runs: Sequence[Run], after: object | None = None) -> CopyDone:
         self.runs.extend(runs)
-        return super().start(runs)
+        return super().start(runs, after)
 
 
 def interleaved_kv_cache() -> tuple[np.ndarray, np.ndarray]:
@@ -328,13 +328,24 @@ class HeldCopy:
 
 
 class HeldCopier(HostCopier):
+    """Copies as the host copier does, but the copy counts as done only once the test lets it (a GPU's); says
+    on which thread the move was ordered (checkpoint) and on which its copies started."""
+
     name = "held"
+    synchronous = False
 
     def __init__(self) -> None:
         self.copy = HeldCopy()
+        self.threads: list[tuple[str, str]] = []
 
-    def start(self, runs: Sequence[Run]) -> CopyDone:
-        super().start(runs)
+    def checkpoint(self) -> object | None:
+        self.threads.append(("checkpoint", threading.current_thread().name))
+        return "the step's work so far"
+
+    def start(self, runs: Sequence[Run], after: object | None = None) -> CopyDone:
+        assert after == "the step's work so far"
+        self.threads.append(("start", threading.current_thread().name))
+        super().start(runs, after)
         return self.copy
 
 
@@ -343,8 +354,9 @@ def test_a_worker_counts_a_move_done_only_once_its_copy_is_and_never_waits_for_i
 ) -> None:
     """The decode worker's part of a demotion (kvferry.connector.connector.KvferryWorker._demote): a copy
     still running when the step's call returns is waited for by the worker's own thread, which then counts
-    the order done in the shared counter the scheduler reads. Its line says the step's share apart from the
-    whole copy."""
+    the order done in the shared counter the scheduler reads. The step's thread does not even plan the copies:
+    it orders the move after its own work so far, and that thread starts them. The line says the step's share
+    apart from the whole copy."""
     from kvferry.connector.connector import KvferryWorker
     from kvferry.connector.generations import DEMOTED, GenerationFile
     from kvferry.connector.host_tier import Demotion
@@ -369,6 +381,11 @@ def test_a_worker_counts_a_move_done_only_once_its_copy_is_and_never_waits_for_i
     worker._mover.shutdown()
     (line,) = [r for r in caplog.records if r.getMessage() == COPIED_LOG]
     assert line.copy_ms >= 50 > line.step_ms  # type: ignore[attr-defined]
+    step = threading.current_thread().name
+    assert copier.threads[0] == ("checkpoint", step)
+    assert copier.threads[1][0] == "start" and copier.threads[1][1].startswith("kvferry-host-moves")
+    pool = worker.host_pool
+    assert pool.slot_bytes(0) == block_bytes(rows, 1) and pool.slot_bytes(1) == block_bytes(rows, 2)
 
 
 def test_a_pull_naming_blocks_its_holder_cannot_address_here_fails_instead_of_reading_another_region(

@@ -4,7 +4,8 @@ Two processes on the same device, as the one-GPU stack runs its engines. The hol
 vLLM's FLASH_ATTN layout (one tensor per layer, [2 (K, V), blocks, 16, kv_heads, head_dim], bf16, seeded
 random bytes) and the connector's :class:`kvferry.connector.host_tier.HostPool` over it (a shared-memory
 file, pinned, filled by :class:`kvferry.connector.copies.CudaCopier`): it times the move of a retention's
-blocks into pool slots (what a demotion runs). The reader ("P") maps D's pool
+blocks into pool slots as a demotion runs it (ordered after the calling thread's work, planned and started
+on a thread of its own). The reader ("P") maps D's pool
 (:class:`~kvferry.connector.host_tier.MappedHostPool`) and copies the slots into its own KV cache with its
 copier, in the runs the connector's mapped pull posts (:func:`kvferry.connector.copies.merge_runs`); every
 copy lands in poisoned blocks and is compared bit for bit with D's seeded source.
@@ -23,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
@@ -99,6 +101,7 @@ def _holder(conn: Connection, args: argparse.Namespace, blocks: int, slots: int)
     pool = HostPool(_rows(layers, args.layout), [blocks] * (2 * len(layers)), slots, copier)
     make_s = time.perf_counter() - started
     moves: list[dict[str, Any]] = []
+    mover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-host-moves")
     for tokens in args.tokens:
         n = math.ceil(tokens / BLOCK_SIZE_TOKENS)
         ids = list(range(SRC_FIRST_BLOCK, SRC_FIRST_BLOCK + n))
@@ -106,13 +109,16 @@ def _holder(conn: Connection, args: argparse.Namespace, blocks: int, slots: int)
         times = []
         for _ in range(args.warmup + args.reps):
             started = time.perf_counter()
-            nbytes, copy = pool.copy_in(ids, targets)
+            # As the decode worker moves: ordered after this thread's work, planned and started on another.
+            after = copier.checkpoint()
+            nbytes, copy = mover.submit(pool.copy_in, ids, targets, after).result()
             copy.wait()
             times.append(time.perf_counter() - started)
         best = statistics.median(times[args.warmup :])
         moves.append({"tokens": tokens, "bytes": nbytes, "ms": best * 1e3, "gbps": nbytes / best / 1e9})
     conn.send({"layout": asdict(pool.layout()), "moves": moves, "pool_make_s": make_s, "copier": copier.name})
     conn.recv()  # P is done with the pool
+    mover.shutdown()
 
 
 def _reader(conn: Connection, args: argparse.Namespace, blocks: int) -> None:

@@ -927,42 +927,35 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             )
             return
         started = time.perf_counter()
-        copied = 0
-        copies: list[CopyDone] = []
-        for demotion in demotions:
-            nbytes, copy = pool.copy_in(demotion.block_ids, demotion.slots)
-            copies.append(copy)
-            copied += nbytes
-        # The step's share of the move: planning and starting its copies (a synchronous copier's: all of it).
-        step_ms = round((time.perf_counter() - started) * 1e3, 3)
-        if all(copy.done() for copy in copies):
-            self._moved(demotions, copied, started, pool.copier.name, step_ms)
+        if pool.copier.synchronous:
+            copied = sum(pool.copy_in(d.block_ids, d.slots)[0] for d in demotions)
+            self._moved(demotions, copied, started, pool.copier.name, _ms_since(started))
             return
-        # A GPU's copy runs on a stream of its own beside the step's forward pass: the step does not wait for
-        # it; a thread of this worker does, then counts the order done (the scheduler polls while it runs).
+        # A GPU's copy runs on a stream of its own beside the step's forward pass, and the step does not even
+        # plan it: a thread of this worker plans and starts the copies (after what the step queued so far),
+        # waits for them, then counts the order done (the scheduler polls meanwhile).
+        after = pool.copier.checkpoint()
         if self._mover is None:
             self._mover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-host-moves")
-        self._mover.submit(
-            self._wait_then_moved, copies, demotions, copied, started, pool.copier.name, step_ms
-        )
+        self._mover.submit(self._move, pool, demotions, after, started, _ms_since(started))
 
-    def _wait_then_moved(
-        self,
-        copies: list[CopyDone],
-        demotions: list[Demotion],
-        copied: int,
-        started: float,
-        copier: str,
-        step_ms: float,
+    def _move(
+        self, pool: HostPool, demotions: list[Demotion], after: object | None, started: float, step_ms: float
     ) -> None:
         try:
+            copied = 0
+            copies: list[CopyDone] = []
+            for demotion in demotions:
+                nbytes, copy = pool.copy_in(demotion.block_ids, demotion.slots, after)
+                copies.append(copy)
+                copied += nbytes
             for copy in copies:
                 copy.wait()
         except Exception:
             # Never counted done: the retention stays in the KV cache and the order's slots stay taken.
             logger.exception("a copy into the host pool failed", extra={"orders": len(demotions)})
             return
-        self._moved(demotions, copied, started, copier, step_ms)
+        self._moved(demotions, copied, started, pool.copier.name, step_ms)
 
     def _moved(
         self, demotions: list[Demotion], copied: int, started: float, copier: str, step_ms: float
@@ -1197,6 +1190,10 @@ def _generations_problem(params: dict[str, Any]) -> str | None:
     if len(generations.values) != blocks:
         return f"{len(generations.values)} generations for {blocks} remote blocks"
     return None
+
+
+def _ms_since(started: float) -> float:
+    return round((time.perf_counter() - started) * 1e3, 3)
 
 
 def _kv_tensors(kv_caches: Any) -> list[Any]:

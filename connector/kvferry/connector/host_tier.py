@@ -361,9 +361,12 @@ class HostPool:
         """(address, bytes) of the whole pool, for one NIXL registration (DRAM)."""
         return self.base, self.nbytes
 
-    def copy_in(self, block_ids: Sequence[int], slots: Sequence[int]) -> tuple[int, CopyDone]:
+    def copy_in(
+        self, block_ids: Sequence[int], slots: Sequence[int], after: object | None = None
+    ) -> tuple[int, CopyDone]:
         """Starts copying KV-cache blocks into slots, one copy per run consecutive on both sides (regions the
-        KV cache interleaves, together). Returns the bytes and what tells when they are in place."""
+        KV cache interleaves, together), after ``after`` (the copier's checkpoint; None: after what the
+        calling thread queued). Returns the bytes and what tells when they are in place."""
         if len(block_ids) != len(slots):
             raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
         blocks = np.asarray(block_ids, dtype=np.int64)
@@ -376,7 +379,7 @@ class HostPool:
         destinations = table[region_ids, 0] + np.tile(targets, regions) * table[region_ids, 2]
         # In address order, interleaved regions' pieces of consecutive blocks join into one range.
         runs = merge_runs(destinations, rows[:, 0], rows[:, 1])
-        return sum(n for _, _, n in runs), self.copier.start(runs)
+        return sum(n for _, _, n in runs), self.copier.start(runs, after)
 
     def slot_bytes(self, slot: int) -> bytes:
         """One slot's bytes, region by region (tests compare them with the KV cache's)."""
