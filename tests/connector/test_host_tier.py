@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvferry.connector.copies import CopyDone, HostCopier, Run
+from kvferry.connector.copies import CopyDone, CopyError, HostCopier, Run
 from kvferry.connector.host_tier import (
     Demotions,
     HostPool,
@@ -314,6 +314,24 @@ def test_an_idle_step_takes_every_waiting_order_whole() -> None:
     assert [(d.request_id, d.final) for d in demotions.take_unsent()] == [("a", True), ("b", True)]
 
 
+def test_cancelled_orders_come_back_whole_with_their_slots_and_no_order_goes_out_after() -> None:
+    """After a worker failed a copy: the order in flight, the one half sent and the one not sent yet, each
+    whole."""
+    allocator = SlotAllocator(16)
+    demotions = Demotions(allocator)
+    sent = demotions.order("sent", [1, 2])
+    half = demotions.order("half", list(range(10, 16)))
+    waiting = demotions.order("waiting", [30])
+    assert sent is not None and half is not None and waiting is not None
+    assert [d.final for d in demotions.take_unsent(4)] == [True, False]  # sent whole, half's first 2 blocks
+    cancelled = demotions.cancel()
+    assert cancelled == [sent, half, waiting]
+    for demotion in cancelled:
+        allocator.free(demotion.slots)
+    assert allocator.free_count == 16
+    assert demotions.stopped and demotions.take_unsent() == [] and not demotions.busy("half")
+
+
 class HeldCopy:
     """A copy that is done only once the test lets it be (as a GPU's, still on its stream)."""
 
@@ -368,6 +386,7 @@ def test_a_worker_counts_a_move_done_only_once_its_copy_is_and_never_waits_for_i
     worker.generation_file = GenerationFile.create(KV_BLOCKS + 4)
     worker._mover = None
     worker._moved_lock = threading.Lock()
+    worker._move_failed = False
     caplog.set_level(logging.INFO, logger="kvferry.connector")
     worker._demote([Demotion(sequence=3, request_id="r1", block_ids=(1, 2), slots=(0, 1))])
     assert int(worker.generation_file.counters[DEMOTED]) == 0
@@ -386,6 +405,51 @@ def test_a_worker_counts_a_move_done_only_once_its_copy_is_and_never_waits_for_i
     assert copier.threads[1][0] == "start" and copier.threads[1][1].startswith("kvferry-host-moves")
     pool = worker.host_pool
     assert pool.slot_bytes(0) == block_bytes(rows, 1) and pool.slot_bytes(1) == block_bytes(rows, 2)
+
+
+class FailingCopier(HostCopier):
+    """Fails its first copy; counts the copies it was asked for."""
+
+    name = "failing"
+
+    def __init__(self, synchronous: bool) -> None:
+        self.synchronous = synchronous
+        self.starts = 0
+
+    def checkpoint(self) -> object | None:
+        return None
+
+    def start(self, runs: Sequence[Run], after: object | None = None) -> CopyDone:
+        self.starts += 1
+        if self.starts == 1:
+            raise CopyError("the GPU refused the copy")
+        return super().start(runs, after)
+
+
+@pytest.mark.parametrize("synchronous", [True, False])
+def test_after_a_failed_copy_no_later_move_is_copied_or_counted_done(synchronous: bool) -> None:
+    """The done counter means "every order up to N": had a later order counted done, the scheduler would
+    publish the failed one's slots, never written, and pulls of them would pass the fence. The worker says
+    which order failed and copies nothing after (the scheduler then cancels what it has not seen done)."""
+    from kvferry.connector.connector import KvferryWorker
+    from kvferry.connector.generations import DEMOTE_FAILED, DEMOTED, GenerationFile
+    from kvferry.connector.host_tier import Demotion
+
+    _memory, rows = kv_cache()
+    copier = FailingCopier(synchronous)
+    worker = KvferryWorker.__new__(KvferryWorker)  # its demotion state alone; no vLLM
+    worker.host_pool = HostPool(rows, [KV_BLOCKS] * REGIONS, slots=4, copier=copier)
+    worker.generation_file = GenerationFile.create(KV_BLOCKS + 4)
+    worker._mover = None
+    worker._moved_lock = threading.Lock()
+    worker._move_failed = False
+    worker._demote([Demotion(sequence=1, request_id="r1", block_ids=(1, 2), slots=(0, 1))])
+    worker._demote([Demotion(sequence=2, request_id="r2", block_ids=(3,), slots=(2,))])
+    if worker._mover is not None:
+        worker._mover.shutdown()  # waits for both
+    counters = worker.generation_file.counters
+    assert (int(counters[DEMOTE_FAILED]), int(counters[DEMOTED])) == (1, 0)
+    assert copier.starts == 1
 
 
 def test_a_pull_naming_blocks_its_holder_cannot_address_here_fails_instead_of_reading_another_region(

@@ -50,6 +50,7 @@ from kvferry.connector.compat import KvLayout, kv_compatibility_hash
 from kvferry.connector.copies import ByteCopier, CopyDone, copier_for
 from kvferry.connector.fence import PulledBlocks, PullFence
 from kvferry.connector.generations import (
+    DEMOTE_FAILED,
     DEMOTED,
     FENCED_PULLS,
     GenerationArray,
@@ -701,7 +702,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         ``demote_below_free_fraction``, the least recently used ones until they would not be. Only
         retentions the registry acknowledged move (a relocation replaces a published record), each once."""
         demotions = self.demotions
-        if demotions is None:
+        if demotions is None or demotions.stopped:
             return
         now = time.monotonic()
         if now < demotions.no_room_until:
@@ -768,6 +769,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         """Retains what the workers copied into the pool as relocations of the KV-cache retentions; their
         publish supersedes those, whose blocks go back to vLLM a grace after it is accepted."""
         assert self.demotions is not None
+        # Any worker's failed copy stops the moves; the done counter never passes it (KvferryWorker._failed).
+        failed = self.generations.counter(DEMOTE_FAILED)
         done = self.demotions.completed(self.generations.counter_min(DEMOTED))
         for demotion in done:
             entry = self.table.get(demotion.request_id)
@@ -802,17 +805,32 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                     "slots": [demotion.slots[0], demotion.slots[-1]] if demotion.slots else [],
                 },
             )
+        if failed and not self.demotions.stopped:
+            self._stop_demotions(failed)
         if done:
             self.accounting.set_retained_blocks(self.table.held_blocks(Tier.DEVICE))
             if self._link is not None:
                 self._link.poke()
             self._timer.poke()
 
+    def _stop_demotions(self, failed_sequence: int) -> None:
+        """A worker failed a copy into the pool (its log says why): the orders not counted done are cancelled,
+        their slots freed, and no retention moves from now on; those ordered stay in the KV cache."""
+        assert self.demotions is not None
+        cancelled = self.demotions.cancel()
+        for demotion in cancelled:
+            self.demotions.allocator.free(demotion.slots)
+        logger.error(
+            "a worker failed a copy into the host pool: moves to the pool stop on this engine",
+            extra={"failed_order": failed_sequence, "cancelled": [d.request_id for d in cancelled]},
+        )
+        self._timer.poke()
+
     def _next_due(self) -> float | None:
         """When the engine must next be woken: the table's next change, or the next demotion."""
         due = self.table.next_due()
         demotions = self.demotions
-        if demotions is None:
+        if demotions is None or demotions.stopped:
             return due
         next_move = next_demotion_at(
             self.table.live_entries(Tier.DEVICE),
@@ -874,6 +892,8 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         # Waits for a GPU's copies into the pool off the step (made at the first); guards the done counter.
         self._mover: ThreadPoolExecutor | None = None
         self._moved_lock = threading.Lock()
+        # A copy into the pool failed: no move is copied or counted done after it (Demotions.cancel).
+        self._move_failed = False
         # Holders' pools on this host are mapped and copied from here (kvferry.connector.host_tier).
         self.map_host_pools = settings.map_host_pools
         self.copier: ByteCopier | None = None
@@ -928,8 +948,13 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             return
         started = time.perf_counter()
         if pool.copier.synchronous:
-            copied = sum(pool.copy_in(d.block_ids, d.slots)[0] for d in demotions)
-            self._moved(demotions, copied, started, pool.copier.name, _ms_since(started))
+            if not self._move_failed:
+                try:
+                    copied = sum(pool.copy_in(d.block_ids, d.slots)[0] for d in demotions)
+                except Exception:
+                    self._failed(demotions)
+                    return
+                self._moved(demotions, copied, started, pool.copier.name, _ms_since(started))
             return
         # A GPU's copy runs on a stream of its own beside the step's forward pass, and the step does not even
         # plan it: a thread of this worker plans and starts the copies (after what the step queued so far),
@@ -942,6 +967,8 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
     def _move(
         self, pool: HostPool, demotions: list[Demotion], after: object | None, started: float, step_ms: float
     ) -> None:
+        if self._move_failed:
+            return
         try:
             copied = 0
             copies: list[CopyDone] = []
@@ -952,10 +979,25 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             for copy in copies:
                 copy.wait()
         except Exception:
-            # Never counted done: the retention stays in the KV cache and the order's slots stay taken.
-            logger.exception("a copy into the host pool failed", extra={"orders": len(demotions)})
+            self._failed(demotions)
             return
         self._moved(demotions, copied, started, pool.copier.name, step_ms)
+
+    def _failed(self, demotions: list[Demotion]) -> None:
+        """A copy into the pool failed. The done counter says "every order up to N", so no later order may be
+        counted done either: the worker copies none, and the scheduler cancels what it has not seen done
+        (their retentions stay in the KV cache; the engine takes no more moves)."""
+        logger.exception(
+            "a copy into the host pool failed; this engine moves no more retentions to its pool",
+            extra={"request_ids": [d.request_id for d in demotions]},
+        )
+        file = self.generation_file
+        assert file is not None
+        with self._moved_lock:
+            self._move_failed = True
+            file.counters[DEMOTE_FAILED] = max(
+                int(file.counters[DEMOTE_FAILED]), *(d.sequence for d in demotions)
+            )
 
     def _moved(
         self, demotions: list[Demotion], copied: int, started: float, copier: str, step_ms: float
@@ -966,6 +1008,8 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         finished = [d.sequence for d in demotions if d.final]
         if finished:
             with self._moved_lock:
+                if self._move_failed:
+                    return
                 file.counters[DEMOTED] = max(int(file.counters[DEMOTED]), *finished)
         seconds = time.perf_counter() - started
         logger.info(

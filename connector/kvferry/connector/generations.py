@@ -54,6 +54,8 @@ COUNTER_SLOTS = 8
 FENCED_PULLS, CHECKED_PULLS = 0, 1
 # The sequence number of the last host-tier demotion the worker copied (kvferry.connector.host_tier).
 DEMOTED = 2
+# The sequence number of a demotion whose copy failed; the worker counts no demotion done after it.
+DEMOTE_FAILED = 3
 # The file's identity (random, never 0): a peer that mapped a file through /proc checks it is the one the
 # holder advertised, not another process's that took the same pid and fd.
 IDENTITY = COUNTER_SLOTS - 1

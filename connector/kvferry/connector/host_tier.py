@@ -211,6 +211,8 @@ class Demotions:
     ordered: set[str] = field(default_factory=set)
     # The pool had no room: no order is tried before this (monotonic) or before slots come back.
     no_room_until: float = 0.0
+    # A worker failed a copy: no order is made any more on this engine (:meth:`cancel`).
+    stopped: bool = False
     # Orders whose final part has not gone yet, whole, by sequence.
     _whole: dict[int, Demotion] = field(default_factory=dict)
     _sequence: int = 0
@@ -250,6 +252,17 @@ class Demotions:
         """Orders the workers finished (every order up to ``done_sequence``), oldest first."""
         done = sorted(s for s in self.in_flight if s <= done_sequence)
         return [self.in_flight.pop(s) for s in done]
+
+    def cancel(self) -> list[Demotion]:
+        """Every order not counted done, whole, oldest first, and no more orders (``stopped``): a worker
+        failed a copy, and a worker counts nothing done after a failure, so any of these may be partly copied.
+        Their slots are the caller's to free; their retentions stay in the KV cache."""
+        cancelled = sorted([*self.in_flight.values(), *self._whole.values()], key=lambda d: d.sequence)
+        self.in_flight.clear()
+        self._whole.clear()
+        self.unsent.clear()
+        self.stopped = True
+        return cancelled
 
     def busy(self, request_id: str) -> bool:
         return any(d.request_id == request_id for d in (*self.unsent, *self.in_flight.values()))
