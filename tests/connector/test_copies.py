@@ -57,3 +57,28 @@ def test_the_host_copier_copies_at_once_and_a_cpu_cache_gets_it() -> None:
     assert copy.done()
     assert target[8:24].tolist() == list(range(16))
     assert isinstance(copier_for([torch.zeros(4)]), HostCopier)
+
+
+def test_a_gpu_copier_s_ranges_find_the_range_holding_a_run_and_swap_in_whole_on_add() -> None:
+    """The GPU copier's address lookup (CudaCopier runs it; pure Python): the range that holds all of a run,
+    the closest start first where ranges overlap; none for a run that spills over. A lookup under way keeps
+    the lists it began with while another thread adds (a handshake maps a peer's pool beside a copy)."""
+    from kvferry.connector.copies import _Ranges
+
+    ranges = _Ranges()
+    memory = {base: bytes((base + i) % 251 for i in range(100)) for base in (1000, 5000, 1040)}
+    for base in (5000, 1000, 1040):
+        ranges.add(base, 100, memoryview(memory[base]))
+
+    def found(address: int, nbytes: int) -> bytes:
+        view = ranges.slice(address, nbytes)
+        assert view is not None
+        return bytes(view)
+
+    assert found(1010, 5) == memory[1000][10:15]
+    assert found(1050, 5) == memory[1040][10:15]  # inside both: the closer start
+    assert found(1090, 40) == memory[1040][50:90]  # past 1000's end, inside 1040's
+    assert ranges.slice(5090, 20) is None and ranges.slice(10, 1) is None
+    before = ranges._ranges
+    ranges.add(9000, 10, memoryview(bytearray(10)))
+    assert ranges._ranges is not before and before[0] == [1000, 1040, 5000]

@@ -889,7 +889,8 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         # The host tier's pool, made once vLLM registered the KV cache (register_kv_caches).
         self.host_pool_slots = settings.host_pool_blocks
         self.host_pool: HostPool | None = None
-        # Waits for a GPU's copies into the pool off the step (made at the first); guards the done counter.
+        # Plans, starts and waits for a GPU's copies into the pool off the step (made at the first move); the
+        # lock guards the done and failed counters.
         self._mover: ThreadPoolExecutor | None = None
         self._moved_lock = threading.Lock()
         # A copy into the pool failed: no move is copied or counted done after it (Demotions.cancel).

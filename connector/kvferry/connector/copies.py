@@ -92,28 +92,32 @@ class HostCopier:
 
 
 class _Ranges:
-    """Known memory ranges by start address, each with a byte view built on first use."""
+    """Known memory ranges by start address, each with a byte view.
+
+    Added to on a handshake's thread while copies run on others (the step's, a mover's): each add swaps in new
+    lists at once, so a lookup sees the ranges before the add or after it, never a half-inserted range."""
 
     def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._sizes: list[int] = []
-        self._views: list[Any] = []
+        self._ranges: tuple[list[int], list[int], list[Any]] = ([], [], [])
 
     def add(self, address: int, nbytes: int, view: Any) -> None:
-        index = bisect.bisect_right(self._starts, address)
-        self._starts.insert(index, address)
-        self._sizes.insert(index, nbytes)
-        self._views.insert(index, view)
+        starts, sizes, views = (list(column) for column in self._ranges)
+        index = bisect.bisect_right(starts, address)
+        starts.insert(index, address)
+        sizes.insert(index, nbytes)
+        views.insert(index, view)
+        self._ranges = (starts, sizes, views)
 
     def slice(self, address: int, nbytes: int) -> Any | None:
         """A view of ``nbytes`` at ``address`` when one known range holds all of them."""
-        index = bisect.bisect_right(self._starts, address) - 1
+        starts, sizes, views = self._ranges
+        index = bisect.bisect_right(starts, address) - 1
         # Ranges may overlap (views into one storage): try the closest starts first.
         while index >= 0:
-            start, size = self._starts[index], self._sizes[index]
+            start, size = starts[index], sizes[index]
             if address + nbytes <= start + size:
                 offset = address - start
-                return self._views[index][offset : offset + nbytes]
+                return views[index][offset : offset + nbytes]
             index -= 1
         return None
 
