@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -332,6 +333,22 @@ def test_cancelled_orders_come_back_whole_with_their_slots_and_no_order_goes_out
     assert demotions.stopped and demotions.take_unsent() == [] and not demotions.busy("half")
 
 
+def moving_worker(copier: HostCopier) -> tuple[Any, np.ndarray, np.ndarray]:
+    """A decode worker with its demotion state alone (no vLLM): a pool of 4 slots over a small KV cache, and
+    its generation file; with the KV cache's rows and the memory they point into (the caller keeps it)."""
+    from kvferry.connector.connector import KvferryWorker
+    from kvferry.connector.generations import GenerationFile
+
+    memory, rows = kv_cache()
+    worker = KvferryWorker.__new__(KvferryWorker)
+    worker.host_pool = HostPool(rows, [KV_BLOCKS] * REGIONS, slots=4, copier=copier)
+    worker.generation_file = GenerationFile.create(KV_BLOCKS + 4)
+    worker._mover = None
+    worker._moved_lock = threading.Lock()
+    worker._move_failed = False
+    return worker, rows, memory
+
+
 class HeldCopy:
     """A copy that is done only once the test lets it be (as a GPU's, still on its stream)."""
 
@@ -375,18 +392,11 @@ def test_a_worker_counts_a_move_done_only_once_its_copy_is_and_never_waits_for_i
     the order done in the shared counter the scheduler reads. The step's thread does not even plan the copies:
     it orders the move after its own work so far, and that thread starts them. The line says the step's share
     apart from the whole copy."""
-    from kvferry.connector.connector import KvferryWorker
-    from kvferry.connector.generations import DEMOTED, GenerationFile
+    from kvferry.connector.generations import DEMOTED
     from kvferry.connector.host_tier import Demotion
 
-    _memory, rows = kv_cache()
     copier = HeldCopier()
-    worker = KvferryWorker.__new__(KvferryWorker)  # its demotion state alone; no vLLM
-    worker.host_pool = HostPool(rows, [KV_BLOCKS] * REGIONS, slots=4, copier=copier)
-    worker.generation_file = GenerationFile.create(KV_BLOCKS + 4)
-    worker._mover = None
-    worker._moved_lock = threading.Lock()
-    worker._move_failed = False
+    worker, rows, _memory = moving_worker(copier)
     caplog.set_level(logging.INFO, logger="kvferry.connector")
     worker._demote([Demotion(sequence=3, request_id="r1", block_ids=(1, 2), slots=(0, 1))])
     assert int(worker.generation_file.counters[DEMOTED]) == 0
@@ -431,18 +441,11 @@ def test_after_a_failed_copy_no_later_move_is_copied_or_counted_done(synchronous
     """The done counter means "every order up to N": had a later order counted done, the scheduler would
     publish the failed one's slots, never written, and pulls of them would pass the fence. The worker says
     which order failed and copies nothing after (the scheduler then cancels what it has not seen done)."""
-    from kvferry.connector.connector import KvferryWorker
-    from kvferry.connector.generations import DEMOTE_FAILED, DEMOTED, GenerationFile
+    from kvferry.connector.generations import DEMOTE_FAILED, DEMOTED
     from kvferry.connector.host_tier import Demotion
 
-    _memory, rows = kv_cache()
     copier = FailingCopier(synchronous)
-    worker = KvferryWorker.__new__(KvferryWorker)  # its demotion state alone; no vLLM
-    worker.host_pool = HostPool(rows, [KV_BLOCKS] * REGIONS, slots=4, copier=copier)
-    worker.generation_file = GenerationFile.create(KV_BLOCKS + 4)
-    worker._mover = None
-    worker._moved_lock = threading.Lock()
-    worker._move_failed = False
+    worker, _rows, _memory = moving_worker(copier)
     worker._demote([Demotion(sequence=1, request_id="r1", block_ids=(1, 2), slots=(0, 1))])
     worker._demote([Demotion(sequence=2, request_id="r2", block_ids=(3,), slots=(2,))])
     if worker._mover is not None:
