@@ -168,6 +168,16 @@ def test_the_host_table_sets_the_host_arm_beside_the_reuse_arm_turn_by_turn() ->
     assert host_table([s for s in samples if s.arm == "reuse"]) == ""
 
 
+def test_a_streamed_answer_s_events_are_their_data_lines_up_to_done() -> None:
+    """What the conversation's turns and the ITL probe read of vLLM's server-sent events."""
+    import httpx
+
+    from tools.gpu.stack_conversation import sse_data
+
+    body = b'data: {"a": 1}\n\n: a comment\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
+    assert list(sse_data(httpx.Response(200, content=body))) == ['{"a": 1}', '{"b": 2}']
+
+
 def test_the_probe_table_splits_d_s_decodes_by_its_copies_into_the_pool() -> None:
     """The ITL probe's intervals that overlap a copy (within the relay's slack) are "during", the rest
     "outside"; whole decodes split by whether a demotion ran beside them; a decode that failed is counted, a

@@ -56,7 +56,7 @@ import sys
 import tarfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,6 +150,13 @@ def served_model(base_url: str) -> str:
     return str(answer.json()["data"][0]["id"])
 
 
+def sse_data(answer: httpx.Response) -> Iterator[str]:
+    """The data of each event of a streamed answer (server-sent events), up to ``[DONE]`` (not given)."""
+    for line in answer.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield line[len("data: ") :]
+
+
 def complete(
     client: httpx.Client, base_url: str, model: str, conversation: str, tokens: list[int], max_tokens: int
 ) -> tuple[float, float, dict[str, Any], str]:
@@ -176,12 +183,10 @@ def complete(
     with client.stream("POST", f"{base_url}/v1/completions", content=content, headers=headers) as answer:
         if answer.status_code != 200:
             raise RuntimeError(f"{base_url}: {answer.status_code} {answer.read().decode(errors='replace')}")
-        for line in answer.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
+        for data in sse_data(answer):
             if ttft is None:
                 ttft = time.perf_counter() - started
-            event = json.loads(line[len("data: ") :])
+            event = json.loads(data)
             usage = event.get("usage") or usage
             response_id = event.get("id") or response_id
     total = time.perf_counter() - started
@@ -399,12 +404,10 @@ class DecodeProbe:
                     self._stop.wait(1.0)
 
     def _read(self, answer: httpx.Response, decode: ProbeDecode) -> None:
-        for line in answer.iter_lines():
+        for data in sse_data(answer):
             if self._stop.is_set():
                 return
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: ") :])
+            event = json.loads(data)
             tokens = sum(len(choice.get("token_ids") or ()) for choice in event.get("choices") or ())
             if tokens:
                 decode.chunks.append((time.time(), tokens))
