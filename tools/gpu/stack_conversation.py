@@ -439,15 +439,15 @@ def probe_table(decodes: Sequence[ProbeDecode], events: EngineEvents) -> str:
         "| ITL ms per token | n | p50 | p90 | p50 vs outside (target <= +10 %) |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for name, values in (
-        ("intervals outside demotions", outside),
-        ("intervals during a demotion", during),
-        ("... of which during a copy", copying),
-        ("whole decodes with no demotion", decodes_outside),
-        ("whole decodes beside a demotion", decodes_during),
+    # Each row with what it is compared with (none for the references themselves).
+    for name, values, reference in (
+        ("intervals outside demotions", outside, None),
+        ("intervals during a demotion", during, outside),
+        ("... of which during a copy", copying, outside),
+        ("whole decodes with no demotion", decodes_outside, None),
+        ("whole decodes beside a demotion", decodes_during, decodes_outside),
     ):
-        reference = decodes_outside if name.startswith("whole") else outside
-        increase = None if values is reference else itl_increase(values, reference)
+        increase = None if reference is None else itl_increase(values, reference)
         p50 = percentile(values, 50) if values else None
         p90 = percentile(values, 90) if values else None
         rows.append(
