@@ -890,7 +890,8 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self.host_pool_slots = settings.host_pool_blocks
         self.host_pool: HostPool | None = None
         # Plans, starts and waits for a GPU's copies into the pool off the step (made at the first move); the
-        # lock guards the done and failed counters.
+        # lock guards the done and failed counters. Moves are copied and counted on one thread (the step's, or
+        # this one), in order, so none is counted after a failed one.
         self._mover: ThreadPoolExecutor | None = None
         self._moved_lock = threading.Lock()
         # A copy into the pool failed: no move is copied or counted done after it (Demotions.cancel).
@@ -947,15 +948,16 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 "demotion ordered but this worker has no host pool", extra={"orders": len(demotions)}
             )
             return
+        if self._move_failed:
+            return  # the scheduler cancels what it has not seen done
         started = time.perf_counter()
         if pool.copier.synchronous:
-            if not self._move_failed:
-                try:
-                    copied = sum(pool.copy_in(d.block_ids, d.slots)[0] for d in demotions)
-                except Exception:
-                    self._failed(demotions)
-                    return
-                self._moved(demotions, copied, started, pool.copier.name, _ms_since(started))
+            try:
+                copied = sum(pool.copy_in(d.block_ids, d.slots)[0] for d in demotions)
+            except Exception:
+                self._failed(demotions)
+                return
+            self._moved(demotions, copied, started, pool.copier.name, _ms_since(started))
             return
         # A GPU's copy runs on a stream of its own beside the step's forward pass, and the step does not even
         # plan it: a thread of this worker plans and starts the copies (after what the step queued so far),
@@ -969,7 +971,7 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self, pool: HostPool, demotions: list[Demotion], after: object | None, started: float, step_ms: float
     ) -> None:
         if self._move_failed:
-            return
+            return  # an earlier order on this thread failed after this one was handed over
         try:
             copied = 0
             copies: list[CopyDone] = []
@@ -1009,8 +1011,6 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         finished = [d.sequence for d in demotions if d.final]
         if finished:
             with self._moved_lock:
-                if self._move_failed:
-                    return
                 file.counters[DEMOTED] = max(int(file.counters[DEMOTED]), *finished)
         seconds = time.perf_counter() - started
         logger.info(
