@@ -399,9 +399,10 @@ class StandInEngine:
             answer.raise_for_status()
         except httpx.HTTPError as error:
             # As a failed NIXL READ: vLLM recomputes what it could not load.
-            log.info(
-                "kv pull", extra={**fields, "failed": str(error), "content_ok": None, "recomputed": True}
-            )
+            # Never an empty "failed": a D killed mid-read ends the connection with an error whose text is ""
+            # (the oracle counts a pull as failed by that field).
+            failed = str(error) or type(error).__name__
+            log.info("kv pull", extra={**fields, "failed": failed, "content_ok": None, "recomputed": True})
             return 0
         read = answer.json()
         expected_contents = [
