@@ -25,7 +25,7 @@ from kvferry.pd.vllm_params import KvHandoff
 from kvferry.stack.engine import DirectTurn, direct_turn
 
 from tests.fixtures.engines import EnginePair
-from tests.sidecar.helpers import eventually
+from tests.fixtures.polling import eventually
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
@@ -194,7 +194,7 @@ async def test_prefill_declines_a_pull_whose_read_window_is_too_near_its_end(eng
             async with engine_pair.decode.client() as decode:
                 await _finish_handoff(decode, prompt, prefilled.handoff)
             assert prefilled.usage is not None and prefilled.usage.cached_tokens == 0
-    declined = engine_pair.prefill.connector_events(declined_line)
+    declined = await engine_pair.prefill.connector_lines(declined_line, count=declined_before + 2)
     assert len(declined) == declined_before + 2
     assert all(e["seconds_left"] <= 0.3 for e in declined[-2:])
 
@@ -255,10 +255,13 @@ async def test_streamed_decode_matches_and_a_cancelled_stream_is_not_retained(
 async def test_idle_engines_holding_retentions_use_almost_no_cpu(engine_pair: EnginePair) -> None:
     for index in range(3):
         await _run(engine_pair, Conversation(engine_pair, _conversation_id(f"idle{index}")), TEXTS[:2])
-    held = {e["request_id"] for e in engine_pair.decode.connector_events("retained")} - {
-        e["request_id"] for e in engine_pair.decode.connector_events("freed retained blocks")
-    }
-    assert len(held) >= 3
+
+    def held() -> set[object]:
+        return {e["request_id"] for e in engine_pair.decode.connector_events("retained")} - {
+            e["request_id"] for e in engine_pair.decode.connector_events("freed retained blocks")
+        }
+
+    await eventually(lambda: len(held()) >= 3, what="three retentions held")
     await asyncio.sleep(1.0)
     engines = (engine_pair.prefill, engine_pair.decode)
     before = [proc_cpu_seconds(e.process.process_ids()) for e in engines]
@@ -338,11 +341,9 @@ async def test_a_release_mark_frees_the_decode_blocks_at_finish(engine_pair: Eng
     assert len(decoded.token_ids) == 4
     # No blocks offered for a next turn: the connector took the request off vLLM's delayed free.
     assert decoded.retained is None
-    released = [
-        e
-        for e in engine_pair.decode.connector_events("released at finish")
-        if str(e["request_id"]).startswith(f"cmpl-{request_id}-")
-    ]
+    released = await engine_pair.decode.connector_lines(
+        "released at finish", lambda e: str(e["request_id"]).startswith(f"cmpl-{request_id}-")
+    )
     assert len(released) == 1
     retained_ids = {str(e["request_id"]) for e in engine_pair.decode.connector_events("retained")}
     assert not any(r.startswith(f"cmpl-{request_id}-") for r in retained_ids)

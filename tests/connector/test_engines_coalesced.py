@@ -61,10 +61,10 @@ def _id(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
-def _pull_of(engine: EngineHandle, request_id: str) -> Pull:
+async def _pull_of(engine: EngineHandle, request_id: str) -> Pull:
     """The ``kv pull`` event of the request sent with X-Request-Id ``request_id``."""
     prefix = f"cmpl-{request_id}-"
-    found = [e for e in engine.connector_events("kv pull") if str(e.get("request_id", "")).startswith(prefix)]
+    found = await engine.connector_lines("kv pull", lambda e: str(e.get("request_id", "")).startswith(prefix))
     assert len(found) == 1, f"expected one pull by {request_id} on {engine.engine_id}, found {len(found)}"
     return Pull(found[0])
 
@@ -204,7 +204,7 @@ async def _compare_reads(pair: EnginePair, prompt: list[int], turn: DirectTurn) 
     out_vllm = await _decode(pair, prompt, via_vllm, request_id=ids["d-vllm"])
     out_kvferry = await _decode(pair, prompt, via_kvferry, request_id=ids["d-kvf"])
     assert out_vllm == out_kvferry and len(out_kvferry) == 16
-    plain, coalesced = _pull_of(pair.prefill, ids["p-vllm"]), _pull_of(pair.prefill, ids["p-kvf"])
+    plain, coalesced = await _pull_of(pair.prefill, ids["p-vllm"]), await _pull_of(pair.prefill, ids["p-kvf"])
     assert plain["reader_role"] == "kv_producer"
     assert plain["digest"] and plain["digest"] == coalesced["digest"], "the two pulls received different KV"
     assert plain["blocks"] == coalesced["blocks"] == reusable // pair.block_size
@@ -249,7 +249,8 @@ async def test_p_to_d_pull_same_bytes_and_outputs(engine_pair: EnginePair) -> No
         engine_pair, prompt, second, options=KVFERRY_PULL, request_id=ids["d-kvf"], cache_salt=ids["d-kvf"]
     )
     assert out_vllm == out_kvferry
-    plain, coalesced = _pull_of(engine_pair.decode, ids["d-vllm"]), _pull_of(engine_pair.decode, ids["d-kvf"])
+    plain = await _pull_of(engine_pair.decode, ids["d-vllm"])
+    coalesced = await _pull_of(engine_pair.decode, ids["d-kvf"])
     assert plain["reader_role"] == "kv_consumer"
     assert plain["blocks"] == coalesced["blocks"] >= len(prompt) // engine_pair.block_size - 1
     assert plain["digest"] and plain["digest"] == coalesced["digest"]
@@ -271,8 +272,8 @@ async def test_pulls_coalesce_by_default(engine_pair: EnginePair) -> None:
             request_id=request_id,
         )
     assert second.prefill.usage is not None and second.prefill.usage.cached_tokens
-    d_to_p = _pull_of(engine_pair.prefill, f"{request_id}-p")
-    p_to_d = _pull_of(engine_pair.decode, f"{request_id}-d")
+    d_to_p = await _pull_of(engine_pair.prefill, f"{request_id}-p")
+    p_to_d = await _pull_of(engine_pair.decode, f"{request_id}-d")
     for pull in (d_to_p, p_to_d):
         assert pull["coalesced"] and "fallback_reason" not in pull.event
         assert pull["nixl_descriptors"] == pull.regions * pull["block_runs_sorted"]
@@ -307,7 +308,7 @@ async def test_pulled_blocks_keep_their_places_while_p_computes_the_rest(engine_
         request_id=request_id,
     )
     await _decode(pair, prompt, handoff, max_tokens=1, request_id=_id("keep-d"))
-    pull = _pull_of(pair.prefill, request_id)
+    pull = await _pull_of(pair.prefill, request_id)
     assert handoff.blocks is not None and pull["blocks"] == reusable // pair.block_size
     (prompt_blocks,) = handoff.blocks.block_ids
     pulled, computed = list(prompt_blocks[: pull["blocks"]]), list(prompt_blocks[pull["blocks"] :])

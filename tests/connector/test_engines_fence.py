@@ -34,9 +34,10 @@ from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
 
 from tests.fixtures.engines import TEST_READ_WINDOW_SECONDS, EngineHandle, EnginePair
+from tests.fixtures.polling import eventually
 from tests.fixtures.registry import RegistryHandle, unique
 from tests.fixtures.sidecar import SidecarHandle
-from tests.sidecar.helpers import eventually, find_engine
+from tests.sidecar.helpers import find_engine
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
@@ -144,8 +145,8 @@ def assert_same_kv(pulled: dict[int, float], recomputed: dict[int, float]) -> No
     assert worst <= LOGPROB_TOLERANCE, f"log-probabilities differ by {worst:.3g}: the KV differs"
 
 
-def fence_line(engine: EngineHandle, request_id: str) -> dict[str, Any]:
-    (line,) = [e for e in engine.connector_events(PULL_FENCE_LOG) if request_id in str(e.get("request_id"))]
+async def fence_line(engine: EngineHandle, request_id: str) -> dict[str, Any]:
+    (line,) = await engine.connector_lines(PULL_FENCE_LOG, lambda e: request_id in str(e.get("request_id")))
     return line
 
 
@@ -167,7 +168,7 @@ async def test_a_reuse_whose_blocks_d_still_holds_passes_the_fence(engine_pair: 
 
     assert pull.blocks.num_tokens is not None and cached == pull.blocks.num_tokens
     assert scratch_cached == 0
-    line = fence_line(engine_pair.prefill, f"{conversation}-t2")
+    line = await fence_line(engine_pair.prefill, f"{conversation}-t2")
     assert line["fenced"] is False
     assert line["remote_engine_id"] == engine_pair.decode.engine_id
     # P and D on one host: P compared D's generations in D's mapped file, no NIXL request.
@@ -251,7 +252,7 @@ async def test_a_pull_of_blocks_d_freed_is_fenced_and_recomputed(
     pulled, cached = await first_token(engine_pair, prompt, f"{conversation}-t2", pull, mark)
     recomputed, _ = await first_token(engine_pair, prompt, f"{conversation}-scratch")
 
-    line = fence_line(engine_pair.prefill, f"{conversation}-t2")
+    line = await fence_line(engine_pair.prefill, f"{conversation}-t2")
     assert line["fenced"] is True
     assert line["generations_read"] != expand_block_runs(line["block_runs"])[1]
     assert cached == 0, "P must recompute the whole prompt after a fenced pull"

@@ -50,6 +50,7 @@ from tests.fixtures.engines import (
     EngineHandle,
     EnginePair,
 )
+from tests.fixtures.polling import eventually
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
 from tests.fixtures.sidecar import SidecarHandle
@@ -62,7 +63,6 @@ from tests.router.test_router_engines import (
     start_sidecar,
     warm_up,
 )
-from tests.sidecar.helpers import eventually
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
@@ -152,9 +152,9 @@ async def stack(
         await asyncio.to_thread(process.stop)
 
 
-def pull_line(pair: EnginePair, request_id: str) -> dict[str, Any]:
+async def pull_line(pair: EnginePair, request_id: str) -> dict[str, Any]:
     """P's ``kv pull`` line of a request's pull (read "mapped" or "nixl")."""
-    (line,) = [e for e in pair.prefill.connector_events("kv pull") if request_id in str(e.get("request_id"))]
+    (line,) = await pair.prefill.connector_lines("kv pull", lambda e: request_id in str(e.get("request_id")))
     return line
 
 
@@ -175,8 +175,7 @@ async def test_an_idle_retention_moves_to_the_host_pool_and_the_next_turn_pulls_
     assert record.engine_request_id == first_request + HOST_REQUEST_SUFFIX
     assert all(KV_CAPACITY_BLOCKS <= b < KV_CAPACITY_BLOCKS + POOL_SLOTS for b in record.block_ids)
     assert len(record.block_generations) == len(record.block_ids)
-    copied = stack.decode.connector_events("copied to the host pool")
-    assert any(first_request in e["request_ids"] for e in copied), copied
+    await stack.decode.connector_lines("copied to the host pool", lambda e: first_request in e["request_ids"])
 
     # The KV-cache blocks go back to vLLM once the move was accepted, a grace later.
     def kv_cache_freed() -> list[dict[str, object]]:
@@ -192,12 +191,10 @@ async def test_an_idle_retention_moves_to_the_host_pool_and_the_next_turn_pulls_
     assert second.turn == 2 and second.decode_engine_id == HOST_DECODE_ID
     assert second.reuse == router_pb2.REUSE_DECISION_PULL
     assert second.pulled_tokens >= 4 * BLOCK_SIZE
-    fences = [
-        e
-        for e in stack.pair.prefill.connector_events("kv pull fence")
-        if e.get("remote_request_id") == record.engine_request_id
-    ]
-    assert fences and fences[-1]["fenced"] is False, fences
+    fences = await stack.pair.prefill.connector_lines(
+        "kv pull fence", lambda e: e.get("remote_request_id") == record.engine_request_id
+    )
+    assert fences[-1]["fenced"] is False, fences
     _, recomputed, scratch = await generate(
         stack.router_stub(), chat(f"scratch-{uuid.uuid4().hex[:8]}", model, history, retain=False)
     )
@@ -258,12 +255,12 @@ async def test_a_pool_pull_reads_the_moved_kv_and_a_pull_of_freed_slots_is_fence
     mark = ConversationMark(tenant, conversation, 2)
     pulled, cached = await first_token(pair, prompt_2, f"{conversation}-t2", pull, mark)
     recomputed, _ = await first_token(pair, prompt_2, f"{conversation}-scratch")
-    assert fence_line(pair.prefill, f"{conversation}-t2")["fenced"] is False
+    assert (await fence_line(pair.prefill, f"{conversation}-t2"))["fenced"] is False
     assert pull.blocks.num_tokens is not None and cached == pull.blocks.num_tokens
     assert_same_kv(pulled, recomputed)
 
     # On one host P maps the holder's pool and copies the slots itself.
-    assert pull_line(pair, f"{conversation}-t2")["read"] == "mapped"
+    assert (await pull_line(pair, f"{conversation}-t2"))["read"] == "mapped"
 
     # P times pulls from the holder's pool apart from pulls from its KV cache, and the router prices a
     # host-tier retention by that rate. Pulled again, over NIXL this time (the path for a holder on another
@@ -277,7 +274,7 @@ async def test_a_pool_pull_reads_the_moved_kv_and_a_pull_of_freed_slots_is_fence
         options=PullOptions(mapped=False),
     )
     assert_same_kv(again, recomputed)
-    assert pull_line(pair, f"{conversation}-t2-again")["read"] == "nixl"
+    assert (await pull_line(pair, f"{conversation}-t2-again"))["read"] == "nixl"
 
     def host_pool_rate() -> float:
         engine = stack.router.engines.get(pair.prefill.engine_id)
@@ -306,7 +303,7 @@ async def test_a_pool_pull_reads_the_moved_kv_and_a_pull_of_freed_slots_is_fence
     # (a read window of its own: the first one closed meanwhile, and P would decline it).
     late = reuse_pull(retained, prompt_2)
     pulled_late, cached_late = await first_token(pair, prompt_2, f"{conversation}-late", late, mark)
-    line = fence_line(pair.prefill, f"{conversation}-late")
+    line = await fence_line(pair.prefill, f"{conversation}-late")
     assert line["fenced"] is True
     assert cached_late == 0
     assert_same_kv(pulled_late, recomputed)
@@ -325,8 +322,10 @@ async def test_a_full_pool_evicts_its_least_recently_used_retention_to_take_a_ne
     # Four conversations of 6 blocks do not fit 20 slots: the pool evicts its oldest to take the last one.
     last = await stack.moved(convs[-1])
     assert all(KV_CAPACITY_BLOCKS <= b < KV_CAPACITY_BLOCKS + POOL_SLOTS for b in last.block_ids)
-    evictions = stack.decode.connector_events("evicting least recently used host-tier retention (pool full)")
-    assert evictions, "the pool should have evicted to make room"
+    # The pool should have evicted to make room.
+    evictions = await stack.decode.connector_lines(
+        "evicting least recently used host-tier retention (pool full)"
+    )
     evicted = {str(e["conversation_id"]) for e in evictions}
     for conversation in evicted & set(convs):
         assert await stack.record(conversation) is None, f"{conversation} was evicted and must be gone"

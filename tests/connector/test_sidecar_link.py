@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -23,6 +23,8 @@ from kvferry.stack.etcd_process import free_port
 from kvferry.v1 import resources_pb2
 from kvferry.v1 import sidecar_service_pb2 as pb
 from kvferry.v1 import sidecar_service_pb2_grpc as pb_grpc
+
+from tests.fixtures.polling import eventually
 
 
 class StandInSidecar(pb_grpc.SidecarServiceServicer):  # type: ignore[misc]
@@ -118,14 +120,6 @@ async def _serve(sidecar: StandInSidecar, port: int) -> grpc.aio.Server:
     return server
 
 
-async def _eventually(check: Callable[[], bool], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
-
-
 REPORT = RetentionReport(
     tenant="acme", conversation_id="c1", engine_id="decode-0", request_id="r1", block_ids=(1, 2),
     num_tokens=40, block_digests=(b"\x01" * 16,), turn=2, ttl_seconds=30,
@@ -157,11 +151,11 @@ async def test_reports_ends_events_and_stats_flow_both_ways(link_parts: Any) -> 
     try:
         loop.start()
         link.start()
-        await _eventually(lambda: link.connected and "sync" in listener.kinds())
+        await eventually(lambda: link.connected and "sync" in listener.kinds())
         assert listener.calls[0] == ("sync", (["r-live"], 33))
         listener.calls_to_make += [REPORT, EndCall("acme", "c0", "r0", EndReason.EVICTED)]
         link.poke()
-        await _eventually(lambda: "ack" in listener.kinds() and "end_confirmed" in listener.kinds())
+        await eventually(lambda: "ack" in listener.kinds() and "end_confirmed" in listener.kinds())
         (sent,) = sidecar.reports
         assert (sent.engine_request_id, list(sent.block_ids), sent.turn, sent.ttl_seconds) == (
             "r1",
@@ -191,13 +185,13 @@ async def test_reports_ends_events_and_stats_flow_both_ways(link_parts: Any) -> 
                 revision=51,
             )
         )
-        await _eventually(lambda: "ended" in listener.kinds())
+        await eventually(lambda: "ended" in listener.kinds())
         calls = dict(listener.calls)
         assert calls["renewed"] == ("r1", float(expire.seconds), 50)
         assert calls["ended"] == ("r1", EndReason.SUPERSEDED, 51)
 
         accounting.set_retained_blocks(2)
-        await _eventually(lambda: any(s.retained_blocks == 2 for s in sidecar.stats))
+        await eventually(lambda: any(s.retained_blocks == 2 for s in sidecar.stats))
     finally:
         await server.stop(None)
 
@@ -213,7 +207,7 @@ async def test_a_refused_report_reaches_the_listener(link_parts: Any) -> None:
         link.start()
         listener.calls_to_make.append(REPORT)
         link.poke()
-        await _eventually(lambda: "refused" in listener.kinds())
+        await eventually(lambda: "refused" in listener.kinds())
         assert dict(listener.calls)["refused"] == ("r1", grpc.StatusCode.FAILED_PRECONDITION)
         assert len(sidecar.reports) == 1
     finally:
@@ -225,20 +219,20 @@ async def test_calls_waiting_while_the_sidecar_is_away_go_out_when_it_returns(li
     listener.calls_to_make += [REPORT, EndCall("acme", "c9", "r9", EndReason.HARD_CAP)]
     loop.start()
     link.start()
-    await _eventually(lambda: "failed" in listener.kinds(), within=5.0)
+    await eventually(lambda: "failed" in listener.kinds(), within=5.0)
     assert not link.connected
     sidecar = StandInSidecar()
     server = await _serve(sidecar, port)
     try:
         # The link reconnects by itself (backoff <= 10 s); nothing was dropped meanwhile.
-        await _eventually(lambda: bool(sidecar.reports) and bool(sidecar.ends), within=20.0)
+        await eventually(lambda: bool(sidecar.reports) and bool(sidecar.ends), within=20.0)
         assert sidecar.reports[0].engine_request_id == "r1"
         assert (sidecar.ends[0].engine_request_id, sidecar.ends[0].reason) == (
             "r9",
             resources_pb2.RELEASE_REASON_HARD_CAP,
         )
         # Settled once their answers are back (the stand-in records a call before it answers).
-        await _eventually(lambda: listener.calls_to_make == [], within=5.0)
+        await eventually(lambda: listener.calls_to_make == [], within=5.0)
     finally:
         await server.stop(None)
 
@@ -256,7 +250,7 @@ async def test_due_timer_wakes_at_the_deadline_and_after_changes() -> None:
         target = time.monotonic() + 0.5
         due[0] = target
         timer.poke()
-        await _eventually(lambda: bool(wakes), within=3.0)
+        await eventually(lambda: bool(wakes), within=3.0)
         assert wakes[0] >= target - 0.01
         due[0] = None
         timer.poke()

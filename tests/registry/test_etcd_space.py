@@ -20,9 +20,9 @@ from kvferry.testing.loop_thread import LoopThread
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import registry_service_pb2_grpc as api_grpc
 
+from tests.fixtures.polling import eventually
 from tests.fixtures.registry import TEST_TTLS
 from tests.registry.builders import engine
-from tests.sidecar.helpers import eventually
 
 pytestmark = pytest.mark.timeout(180)
 

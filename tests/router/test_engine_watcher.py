@@ -12,7 +12,7 @@ from kvferry.router.registry_client import EngineEvent, EngineWatcher, RegistryU
 from kvferry.runtime.backoff import BackoffPolicy
 from kvferry.v1 import resources_pb2
 
-from tests.sidecar.helpers import eventually
+from tests.fixtures.polling import eventually
 
 
 def engine(engine_id: str) -> EngineInfo:

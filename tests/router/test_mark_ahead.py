@@ -18,8 +18,8 @@ from kvferry.router.limits import TenantLimits, TenantLimitSettings, TurnSlot
 from kvferry.router.openai_responses import ResponseStore
 from kvferry.router.tenants import ApiKeys
 
+from tests.fixtures.polling import eventually
 from tests.router.test_turns import PROMPT, TENANT, Cluster
-from tests.sidecar.helpers import eventually
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -13,9 +13,9 @@ from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 
+from tests.fixtures.polling import eventually
 from tests.fixtures.registry import RegistryHandle, unique
 from tests.registry.builders import publish, register, retention
-from tests.sidecar.helpers import eventually
 
 pytestmark = pytest.mark.timeout(60)
 

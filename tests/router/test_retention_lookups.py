@@ -29,9 +29,9 @@ from kvferry.runtime.timestamps import to_timestamp
 from kvferry.v1 import registry_service_pb2 as api
 from kvferry.v1 import resources_pb2 as resources
 
+from tests.fixtures.polling import eventually
 from tests.pd.fake_engine import FakeEngine
 from tests.router.test_turns import NOW, PROMPT, TENANT, Cluster, FakeRegistry
-from tests.sidecar.helpers import eventually
 
 pytestmark = pytest.mark.timeout(20)
 

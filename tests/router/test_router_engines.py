@@ -32,11 +32,11 @@ from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
 from tests.fixtures.engines import ENGINE_SETTINGS, TEST_READ_WINDOW_SECONDS, EnginePair
+from tests.fixtures.polling import eventually
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import router_api_keys
 from tests.fixtures.sidecar import TEST_BACKOFF, SidecarHandle, sidecar_test_config
 from tests.fixtures.stopping import stop_all
-from tests.sidecar.helpers import eventually
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 

@@ -16,11 +16,11 @@ from kvferry.stack.readiness import grpc_serving
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
+from tests.fixtures.polling import eventually
 from tests.fixtures.registry import RegistryHandle
 from tests.fixtures.router import RouterFactory, Stack, wait_for_engines
 from tests.fixtures.tcp_proxy import CuttableProxy
 from tests.router.test_router_standin import chat_request, generate
-from tests.sidecar.helpers import eventually
 
 pytestmark = pytest.mark.timeout(90)
 

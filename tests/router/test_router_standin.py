@@ -31,6 +31,7 @@ from kvferry.v1 import resources_pb2
 from kvferry.v1 import router_service_pb2 as router_pb2
 from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
+from tests.fixtures.polling import eventually
 from tests.fixtures.router import (
     LIMITED_API_KEY,
     LIMITED_MODEL,
@@ -40,7 +41,6 @@ from tests.fixtures.router import (
     metadata,
     wait_for_engines,
 )
-from tests.sidecar.helpers import eventually
 
 pytestmark = pytest.mark.timeout(60)
 

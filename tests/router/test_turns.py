@@ -44,8 +44,8 @@ from kvferry.router.turns import (
 from kvferry.runtime.errors import Aborted, ErrorKind, ResourceExhausted, ServiceError
 from kvferry.v1 import resources_pb2
 
+from tests.fixtures.polling import eventually
 from tests.pd.fake_engine import FakeEngine, render
-from tests.sidecar.helpers import eventually
 
 BS = 4
 SALT = "kv-a"

@@ -79,21 +79,6 @@ async def find_engine(stub: registry_grpc.RegistryServiceStub, engine_id: str) -
             return None
 
 
-async def eventually(check: Callable[[], Any], within: float = 10.0, what: str = "") -> Any:
-    """Polls ``check`` (sync or async) until it returns something truthy."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if loop.time() > deadline:
-            raise TimeoutError(f"{what or check} not true within {within} s")
-        await asyncio.sleep(0.05)
-
-
 class Releases:
     """A WatchReleases stream read in the background, as the connector would read it (saying its
     ``release_grace_seconds`` when given)."""

@@ -15,9 +15,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvferry.v1 import sidecar_service_pb2_grpc as sidecar_grpc
 
+from tests.fixtures.polling import eventually
 from tests.fixtures.registry import RegistryHandle, unique
 from tests.fixtures.sidecar import StandInEngineFactory
-from tests.sidecar.helpers import eventually, find_engine, report, retention
+from tests.sidecar.helpers import find_engine, report, retention
 
 pytestmark = pytest.mark.timeout(60)
 

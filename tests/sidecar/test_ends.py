@@ -20,9 +20,10 @@ from kvferry.v1 import resources_pb2
 from kvferry.v1 import sidecar_service_pb2 as sidecar_pb2
 from kvferry.v1 import sidecar_service_pb2_grpc as sidecar_grpc
 
+from tests.fixtures.polling import eventually
 from tests.fixtures.registry import RegistryHandle, unique
 from tests.fixtures.sidecar import SidecarHandle, StandInEngineFactory, sidecar_test_config
-from tests.sidecar.helpers import SYNC, Releases, eventually, retention, status_of
+from tests.sidecar.helpers import SYNC, Releases, retention, status_of
 
 pytestmark = pytest.mark.timeout(60)
 

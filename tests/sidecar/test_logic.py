@@ -26,9 +26,10 @@ from kvferry.sidecar.releases import ENDED, RENEWED, SYNC, Event, RetentionBook,
 from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
 
+from tests.fixtures.polling import eventually
 from tests.fixtures.sidecar import sidecar_test_config
 from tests.sidecar.fakes import FakeRegistry, ScriptedProbe
-from tests.sidecar.helpers import eventually, retention
+from tests.sidecar.helpers import retention
 
 pytestmark = pytest.mark.timeout(30)
 

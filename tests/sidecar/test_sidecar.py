@@ -21,6 +21,7 @@ from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
 from kvferry.v1 import sidecar_service_pb2 as sidecar_pb2
 
+from tests.fixtures.polling import eventually
 from tests.fixtures.registry import RegistryHandle, unique
 from tests.fixtures.sidecar import (
     TEST_BACKOFF,
@@ -38,7 +39,6 @@ from tests.sidecar.helpers import (
     RENEWED,
     SYNC,
     Releases,
-    eventually,
     find_engine,
     report,
     retention,

@@ -24,9 +24,10 @@ from kvferry.v1 import registry_service_pb2 as registry_pb2
 from kvferry.v1 import resources_pb2
 
 from tests.fixtures.engines import EngineHandle, EnginePair
+from tests.fixtures.polling import eventually
 from tests.fixtures.registry import RegistryHandle, unique
 from tests.fixtures.sidecar import SidecarFactory, SidecarHandle, sidecar_for_engine
-from tests.sidecar.helpers import eventually, find_engine
+from tests.sidecar.helpers import find_engine
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
@@ -292,9 +293,9 @@ async def test_an_eviction_on_d_is_freed_only_after_the_registry_stopped_serving
                     request_id=f"budget-{index}-{uuid.uuid4().hex[:8]}",
                 )
         engine = engine_pair.decode
-        (evicted,) = [
-            e for e in engine.connector_events(EVICTING) if e.get("conversation_id") in conversations
-        ]
+        (evicted,) = await engine.connector_lines(
+            EVICTING, lambda e: e.get("conversation_id") in conversations
+        )
         assert evicted["conversation_id"] == conversations[0]
 
         def freed() -> list[dict[str, object]]:
