@@ -19,6 +19,11 @@ BENCHMARKS: list[tuple[str, str, str]] = [
         "turns under injected faults, checked by the no-served-after-freed oracle",
     ),
     ("fence", "kvferry.bench.fence", "what pull-time fencing adds to the pull of a long retained prompt"),
+    (
+        "floor",
+        "kvferry.bench.floor",
+        "this machine's CPU floor for a relayed chunk and a request/answer exchange",
+    ),
 ]
 
 
