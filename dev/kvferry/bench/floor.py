@@ -104,16 +104,21 @@ async def _relay(source_port: int, peers: Connection) -> float:
     relayed: asyncio.Future[float] = asyncio.get_running_loop().create_future()
 
     async def serve_sink(sink_reader: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        await sink_reader.readexactly(1)
-        source, source_writer = await asyncio.open_connection("127.0.0.1", source_port)
-        source_writer.write(b"!")
-        reads, started = 0, time.process_time()
-        while chunk := await source.read(65536):
-            sink.write(chunk)
-            reads += 1
-        relayed.set_result((time.process_time() - started) / max(reads, 1) * 1e6)
-        source_writer.close()
-        sink.close()
+        try:
+            await sink_reader.readexactly(1)
+            source, source_writer = await asyncio.open_connection("127.0.0.1", source_port)
+            source_writer.write(b"!")
+            reads, started = 0, time.process_time()
+            while chunk := await source.read(65536):
+                sink.write(chunk)
+                reads += 1
+            relayed.set_result((time.process_time() - started) / max(reads, 1) * 1e6)
+            source_writer.close()
+        except Exception as error:  # the round fails at once, not at the wait's bound
+            if not relayed.done():
+                relayed.set_exception(error)
+        finally:
+            sink.close()
 
     server = await asyncio.start_server(serve_sink, "127.0.0.1", 0)
     peers.send(server.sockets[0].getsockname()[1])
