@@ -426,9 +426,6 @@ class FailingCopier(HostCopier):
         self.synchronous = synchronous
         self.starts = 0
 
-    def checkpoint(self) -> object | None:
-        return None
-
     def start(self, runs: Sequence[Run], after: object | None = None) -> CopyDone:
         self.starts += 1
         if self.starts == 1:

@@ -21,7 +21,7 @@ import multiprocessing
 import statistics
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from multiprocessing.connection import Connection
 
 # A chat chunk as vLLM streams it (one token), and a request and answer of the size of a turn's small calls.
@@ -74,18 +74,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def astuple(floor: Floor) -> tuple[float, float, float]:
-    return floor.relay_us_per_chunk, floor.exchange_us, floor.wakeup_us
-
-
 def measure(chunks: int, exchanges: int, interval: float) -> Floor:
     """One round of both, the peers in a child process started for it."""
     import uvloop
 
-    ours, theirs = multiprocessing.get_context("spawn").Pipe()
-    peers = multiprocessing.get_context("spawn").Process(
-        target=_serve_peers, args=(theirs, chunks, interval), daemon=True
-    )
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    peers = spawn.Process(target=_serve_peers, args=(theirs, chunks, interval), daemon=True)
     peers.start()
     try:
         if not ours.poll(60):
