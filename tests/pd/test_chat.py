@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
+from aiohttp import web
 from kvferry.pd import engine_api as api
 from kvferry.pd import engine_client as vh
 from kvferry.pd.chat import ChatDelta, ChatMessage, ChatRequest, ToolCallDelta, template_arguments
 from kvferry.pd.vllm_params import PROMPT_TOKEN_IDS, KvHandoff
 
+from tests.fixtures.http_answers import answering
 from tests.pd.test_params import P_PARAMS
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -94,23 +95,22 @@ async def test_the_client_posts_chat_turns_to_the_chat_endpoint() -> None:
     handoff = KvHandoff.from_params(P_PARAMS)
     assert handoff is not None
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        seen.append((request.url.path, body))
-        if request.url.path == "/tokenize":
-            return httpx.Response(200, json={"tokens": [1, 2, 3], "count": 3, "max_model_len": 99})
+    async def handler(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        seen.append((request.path, body))
+        if request.path == "/tokenize":
+            return web.json_response({"tokens": [1, 2, 3], "count": 3, "max_model_len": 99})
         if body["kv_transfer_params"].get("do_remote_decode"):
-            return httpx.Response(
-                200,
-                json={"choices": [{"index": 0, "message": {"content": "x"}}], "kv_transfer_params": P_PARAMS,
-                      "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
+            return web.json_response(
+                {"choices": [{"index": 0, "message": {"content": "x"}}], "kv_transfer_params": P_PARAMS,
+                 "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
             )  # fmt: skip
         choice = {"index": 0, "message": {"content": "hey"}, "finish_reason": "stop"}
         usage = {"prompt_tokens": 3, "completion_tokens": 1}
         answer = {"id": "c", "choices": [choice], "usage": usage, "kv_transfer_params": {"x": 1}}
-        return httpx.Response(200, json=answer)
+        return web.json_response(answer)
 
-    async with vh.VllmEngineClient("http://engine", "m", transport=httpx.MockTransport(handler)) as client:
+    async with answering(handler) as url, vh.VllmEngineClient(url, "m") as client:
         ids = await client.render_chat(CHAT)
         prefilled = await client.prefill(api.PrefillRequest(tuple(ids), chat=CHAT))
         decoded = await client.decode(api.DecodeRequest(tuple(ids), prefilled.handoff, chat=CHAT))

@@ -1,19 +1,21 @@
-"""The engine HTTP client's wire forms (streams, errors), without an engine.
+"""The engine HTTP client's wire forms (streams, errors), against a loopback server instead of an engine.
 
 The same calls run against real engines in tests/connector/test_engines.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
 
-import httpx
 import pytest
+from aiohttp import web
 from kvferry.pd import engine_api as api
 from kvferry.pd import engine_client as vh
 from kvferry.pd.vllm_params import KvHandoff
+from multidict import CIMultiDict
 
+from tests.fixtures.http_answers import answering
 from tests.pd.test_params import P_PARAMS
 
 
@@ -81,35 +83,30 @@ async def test_a_decode_stream_split_anywhere_yields_the_same_chunks() -> None:
     for size in (1, 2, 7, len(body)):
         pieces = [body[i : i + size] for i in range(0, len(body), size)]
 
-        def handler(request: httpx.Request, pieces: list[bytes] = pieces) -> httpx.Response:
-            return httpx.Response(200, stream=_Pieces(pieces))
+        async def stream(request: web.Request, pieces: list[bytes] = pieces) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for piece in pieces:
+                await response.write(piece)
+                await asyncio.sleep(0)  # each piece its own write, so the client reads them apart
+            await response.write_eof()
+            return response
 
-        async with vh.VllmEngineClient(
-            "http://engine", "m", transport=httpx.MockTransport(handler)
-        ) as client:
+        async with answering(stream) as url, vh.VllmEngineClient(url, "m") as client:
             chunks = [c async for c in client.decode_stream(api.DecodeRequest((1, 2, 3), handoff))]
         assert [c.text for c in chunks] == ["hé", "llo", ""], size
         assert [c.token_ids for c in chunks] == [(5,), (6, 7), ()]
         assert chunks[1].finish_reason == "length" and chunks[2].usage == api.Usage(3, 3, None)
 
 
-class _Pieces(httpx.AsyncByteStream):
-    def __init__(self, pieces: list[bytes]) -> None:
-        self._pieces = pieces
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for piece in self._pieces:
-            yield piece
-
-
 async def test_http_errors_and_unreachable_engines_raise_typed_errors() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    async def refuse(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
         assert body["max_tokens"] == 1 and body["kv_transfer_params"]["do_remote_decode"] is True
         assert request.headers["X-Request-Id"] == "rid-1"
-        return httpx.Response(400, json={"error": {"message": "prompt too long", "code": 400}})
+        return web.json_response({"error": {"message": "prompt too long", "code": 400}}, status=400)
 
-    async with vh.VllmEngineClient("http://engine", "m", transport=httpx.MockTransport(handler)) as client:
+    async with answering(refuse) as url, vh.VllmEngineClient(url, "m") as client:
         with pytest.raises(api.EngineHttpError, match="prompt too long") as caught:
             await client.prefill(api.PrefillRequest((1, 2, 3), request_id="rid-1"))
         assert caught.value.status_code == 400
@@ -124,37 +121,42 @@ async def test_http_errors_and_unreachable_engines_raise_typed_errors() -> None:
 
 async def test_a_call_on_a_closed_client_is_the_engines_failure() -> None:
     """The router closes the client of an engine that left while a turn may still hold it: that turn's next
-    call must fail as an unreachable engine (retried elsewhere), not with httpx's RuntimeError."""
-    client = vh.VllmEngineClient(
-        "http://engine", "m", transport=httpx.MockTransport(lambda _: httpx.Response(200))
-    )
-    await client.aclose()
-    with pytest.raises(api.EngineUnavailableError, match="closed"):
-        await client.tokenize("hi")
-    with pytest.raises(api.EngineUnavailableError, match="closed"):
-        await client.models()
-    with pytest.raises(api.EngineUnavailableError, match="closed"):
-        handoff = KvHandoff.from_params(P_PARAMS)
-        assert handoff is not None
-        async for _ in client.decode_stream(api.DecodeRequest((1, 2), handoff)):
-            pass
+    call must fail as an unreachable engine (retried elsewhere), not with the HTTP library's own error."""
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"tokens": [1]})
+
+    async with answering(ok) as url:
+        client = vh.VllmEngineClient(url, "m")
+        assert await client.tokenize("hi") == [1]
+        await client.aclose()
+        with pytest.raises(api.EngineUnavailableError, match="closed"):
+            await client.tokenize("hi")
+        with pytest.raises(api.EngineUnavailableError, match="closed"):
+            await client.models()
+        with pytest.raises(api.EngineUnavailableError, match="closed"):
+            handoff = KvHandoff.from_params(P_PARAMS)
+            assert handoff is not None
+            async for _ in client.decode_stream(api.DecodeRequest((1, 2), handoff)):
+                pass
+        assert not await client.health()
 
 
-async def test_engine_requests_carry_the_encoded_body_as_json() -> None:
-    seen: list[httpx.Request] = []
+async def test_engine_requests_carry_the_encoded_body_as_json_and_the_callers_headers() -> None:
+    seen: list[tuple[CIMultiDict[str], bytes]] = []
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return httpx.Response(
-            200,
-            json={"choices": [{"token_ids": [7]}], "kv_transfer_params": P_PARAMS, "usage": None},
+    async def answer(request: web.Request) -> web.Response:
+        seen.append((request.headers.copy(), await request.read()))
+        return web.json_response(
+            {"choices": [{"token_ids": [7]}], "kv_transfer_params": P_PARAMS, "usage": None}
         )
 
-    client = vh.VllmEngineClient("http://engine", "m", transport=httpx.MockTransport(answer))
-    try:
+    async with (
+        answering(answer) as url,
+        vh.VllmEngineClient(url, "m", headers=lambda: {"traceparent": "00-ab-cd-01"}) as client,
+    ):
         await client.prefill(api.PrefillRequest(token_ids=(1, 2, 3), request_id="r1"))
-    finally:
-        await client.aclose()
-    (request,) = seen
-    assert request.headers["content-type"] == "application/json" and request.headers["x-request-id"] == "r1"
-    assert json.loads(request.content)["prompt"] == [1, 2, 3]
+    ((headers, content),) = seen
+    assert headers["Content-Type"] == "application/json" and headers["X-Request-Id"] == "r1"
+    assert headers["traceparent"] == "00-ab-cd-01"
+    assert json.loads(content)["prompt"] == [1, 2, 3]

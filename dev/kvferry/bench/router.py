@@ -390,7 +390,6 @@ async def _run_level(
     from kvferry.pd.engine_api import DecodeChunk, Sampling
     from kvferry.pd.engine_client import VllmEngineClient
     from kvferry.pd.sequence import EngineTurn, PrefillToken, prefill_then_decode
-    from kvferry.router.aiohttp_transport import AiohttpTransport
     from kvferry.v1 import router_service_pb2 as router_pb2
     from kvferry.v1 import router_service_pb2_grpc as router_grpc
 
@@ -398,13 +397,9 @@ async def _run_level(
     stub = router_grpc.RouterServiceStub(channel) if channel is not None else None
     metadata = (("authorization", f"Bearer {BENCH_API_KEY}"),)
     pair = engines[0]
-    # The same client stack the router uses (the pd engine client over aiohttp), so only the router differs.
-    prefill = VllmEngineClient(
-        pair.prefill_url, model, transport=AiohttpTransport(max_connections=concurrency * 2 + 8)
-    )
-    decode = VllmEngineClient(
-        pair.decode_url, model, transport=AiohttpTransport(max_connections=concurrency * 2 + 8)
-    )
+    # The same engine client the router uses, so only the router differs.
+    prefill = VllmEngineClient(pair.prefill_url, model, max_connections=concurrency * 2 + 8)
+    decode = VllmEngineClient(pair.decode_url, model, max_connections=concurrency * 2 + 8)
     timings: list[TurnTiming] = []
     run_id = f"{path}-{concurrency}-{time.monotonic_ns()}"
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency * 2 + 8))
@@ -557,16 +552,11 @@ async def _run_chat_level(
     from kvferry.pd.chat import ChatRequest
     from kvferry.pd.engine_client import VllmEngineClient
     from kvferry.pd.sequence import EngineTurn, prefill_then_decode
-    from kvferry.router.aiohttp_transport import AiohttpTransport
 
     conversations_per_client = max(1, -(-args.samples // (concurrency * args.turns)))
     pair = engines[0]
-    prefill = VllmEngineClient(
-        pair.prefill_url, model, transport=AiohttpTransport(max_connections=concurrency * 2 + 8)
-    )
-    decode = VllmEngineClient(
-        pair.decode_url, model, transport=AiohttpTransport(max_connections=concurrency * 2 + 8)
-    )
+    prefill = VllmEngineClient(pair.prefill_url, model, max_connections=concurrency * 2 + 8)
+    decode = VllmEngineClient(pair.decode_url, model, max_connections=concurrency * 2 + 8)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency * 2 + 8))
     headers = {"Authorization": f"Bearer {BENCH_API_KEY}", "Content-Type": "application/json"}
     timings: list[TurnTiming] = []

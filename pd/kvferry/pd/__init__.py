@@ -10,7 +10,7 @@ own distribution. Pure modules (the connector, inside vLLM, imports only these):
 - :mod:`kvferry.pd.reuse`: which retained prefix a prefill may pull, and until when;
 - :mod:`kvferry.pd.engine_api`: the requests and answers of one engine in P/D mode, and the engine port.
 
-With the HTTP stack (httpx, prometheus_client), for the router, the stack, the benchmarks and tools:
+With the HTTP stack (aiohttp, prometheus_client), for the router, the stack, the benchmarks and tools:
 
 - :mod:`kvferry.pd.engine_client`: the typed async client of one vLLM engine;
 - :mod:`kvferry.pd.engine_metrics`: what kvferry reads from an engine's Prometheus endpoint;

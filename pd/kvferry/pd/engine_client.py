@@ -27,11 +27,11 @@ the HTTP connection; vLLM aborts the request when its client disconnects.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from kvferry.pd.chat import ChatRequest
 from kvferry.pd.engine_api import (
     DecodeChunk,
@@ -48,6 +48,10 @@ from kvferry.pd.engine_metrics import EngineMetrics, parse_metrics
 from kvferry.pd.json_codec import decode_json, encode_json
 from kvferry.pd.kvferry_params import BlockGenerations
 from kvferry.pd.vllm_params import KvHandoff
+from yarl import URL
+
+# An engine call's failures on the way (refused, reset, cut, timed out), as aiohttp raises them.
+_TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
 @dataclass(frozen=True)
@@ -56,20 +60,28 @@ class HttpTimeouts:
 
     connect: float = 3.0
     read: float = 120.0
-    write: float = 10.0
+    # Waiting for one of the client's connections to the engine to come free.
     pool: float = 10.0
-    # Health and metadata calls (health, models, tokenize, metrics).
+    # Health and metadata calls (health, models, tokenize, metrics): each read.
     control: float = 5.0
 
-    def for_generation(self) -> httpx.Timeout:
-        return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
+    def for_generation(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(
+            total=None, connect=self.pool, sock_connect=self.connect, sock_read=self.read
+        )
 
-    def for_control(self) -> httpx.Timeout:
-        return httpx.Timeout(self.control, connect=self.connect)
+    def for_control(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(
+            total=None, connect=self.pool, sock_connect=self.connect, sock_read=self.control
+        )
 
 
 class VllmEngineClient:
     """Talks to one engine. Create once per engine and share; close with :meth:`aclose`.
+
+    One aiohttp session per client, made in the running event loop on the first call: its connector hands out
+    a kept-alive connection in constant time however many turns share the engine. ``headers``, when given,
+    adds headers to every request (the router's: the turn's W3C trace context: engine spans join its trace).
 
     Implements :class:`kvferry.pd.engine_api.EngineApi`."""
 
@@ -80,20 +92,19 @@ class VllmEngineClient:
         *,
         timeouts: HttpTimeouts | None = None,
         max_connections: int = 64,
-        transport: httpx.AsyncBaseTransport | None = None,
+        headers: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.timeouts = timeouts or HttpTimeouts()
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=self.timeouts.for_generation(),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            transport=transport,
-        )
-        # Request URLs by path, parsed once: httpx parses a relative path and merges it with the base URL
-        # on every request (about a third of building a turn's engine request).
-        self._urls: dict[str, httpx.URL] = {}
+        self._generation_timeout = self.timeouts.for_generation()
+        self._control_timeout = self.timeouts.for_control()
+        self._max_connections = max_connections
+        self._extra_headers = headers
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+        # Request URLs by path, built once (parsing a URL is a noticeable part of building a request).
+        self._urls: dict[str, URL] = {}
 
     async def __aenter__(self) -> VllmEngineClient:
         return self
@@ -102,29 +113,62 @@ class VllmEngineClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
-    def _url(self, path: str) -> httpx.URL:
+    def _url(self, path: str) -> URL:
         url = self._urls.get(path)
         if url is None:
-            url = self._urls[path] = httpx.URL(self.base_url + path)
+            url = self._urls[path] = URL(self.base_url + path)
         return url
 
-    def _require_open(self) -> None:
-        """A call on a closed client (its engine left while a turn still held it) is the engine's
-        failure, which callers retry elsewhere, not httpx's RuntimeError."""
-        if self._http.is_closed:
+    def _client(self) -> aiohttp.ClientSession:
+        """The session. A call on a closed client (its engine left while a turn still held it) is the
+        engine's failure, which callers retry elsewhere."""
+        if self._closed:
             raise EngineUnavailableError(self.base_url, ConnectionError("the engine's client is closed"))
+        session = self._session
+        if session is None:
+            session = self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(
+                    limit=self._max_connections, limit_per_host=0, keepalive_timeout=30.0
+                ),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
+            )
+        return session
+
+    def _headers(self, request_id: str | None, *, body: bool) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"} if body else {}
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        if self._extra_headers is not None:
+            headers.update(self._extra_headers())
+        return headers
+
+    def _unavailable(self, error: BaseException, timeout: aiohttp.ClientTimeout) -> EngineUnavailableError:
+        """The engine's failure, its cause said in terms of this client's timeouts."""
+        cause: BaseException = error
+        if isinstance(error, aiohttp.ConnectionTimeoutError):
+            cause = TimeoutError(
+                f"no connection within {timeout.sock_connect} s (connect timeout), or none of the client's"
+                f" free within {timeout.connect} s (pool timeout)"
+            )
+        elif isinstance(error, TimeoutError):
+            cause = TimeoutError(f"no bytes within {timeout.sock_read} s (read timeout)")
+        return EngineUnavailableError(self.base_url, cause)
 
     # -- control ----------------------------------------------------------------------------
 
     async def health(self) -> bool:
         """True when the engine answers /health with 200."""
         try:
-            response = await self._http.get(self._url("/health"), timeout=self.timeouts.for_control())
-        except httpx.HTTPError:
+            status, _ = await self._call("GET", "/health", control=True)
+        except EngineUnavailableError:
             return False
-        return response.status_code == 200
+        return status == 200
 
     async def models(self) -> list[ModelInfo]:
         body = await self._get_json("/v1/models")
@@ -160,12 +204,9 @@ class VllmEngineClient:
 
     async def metrics_text(self) -> str:
         """The engine's Prometheus exposition as is."""
-        try:
-            response = await self._http.get(self._url("/metrics"), timeout=self.timeouts.for_control())
-        except httpx.HTTPError as error:
-            raise EngineUnavailableError(self.base_url, error) from error
-        _raise_for_status(self.base_url, response)
-        return response.text
+        status, content = await self._call("GET", "/metrics", control=True)
+        _raise_for_status(self.base_url, status, content)
+        return content.decode("utf-8", "replace")
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Aborts requests by the ids given as X-Request-Id (vLLM's external ids)."""
@@ -214,23 +255,35 @@ class VllmEngineClient:
         """Streams the decode engine's output. Stop iterating (or cancel) to abort it."""
         path, body = self._decode_body(request, stream=True)
         parse = _chat_event if request.chat is not None else _completion_event
-        headers = _request_headers(request.request_id)
-        self._require_open()
+        session = self._client()
+        timeout = self._generation_timeout
         try:
-            async with self._http.stream(
-                "POST", self._url(path), content=encode_json(body), headers=headers
-            ) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    _raise_for_status(self.base_url, response)
-                events = SseData()
-                async for piece in response.aiter_bytes():
-                    for data in events.feed(piece):
-                        chunk = parse(self.base_url, data)
-                        if chunk is not None:
-                            yield chunk
-        except httpx.HTTPError as error:
-            raise EngineUnavailableError(self.base_url, error) from error
+            response = await session.post(
+                self._url(path),
+                data=encode_json(body),
+                headers=self._headers(request.request_id, body=True),
+                timeout=timeout,
+                allow_redirects=False,
+            )
+        except _TRANSPORT_ERRORS as error:
+            raise self._unavailable(error, timeout) from error
+        try:
+            if response.status >= 400:
+                _raise_for_status(self.base_url, response.status, await response.read())
+            events = SseData()
+            async for piece in response.content.iter_any():
+                for data in events.feed(piece):
+                    chunk = parse(self.base_url, data)
+                    if chunk is not None:
+                        yield chunk
+        except _TRANSPORT_ERRORS as error:
+            raise self._unavailable(error, timeout) from error
+        finally:
+            # Closing before the body ended drops the connection: the engine sees its client go and aborts.
+            if response.content.at_eof():
+                response.release()
+            else:
+                response.close()
 
     async def decode(self, request: DecodeRequest) -> DecodeResult:
         """Non-streaming decode; its answer names the blocks D retained (``retained``)."""
@@ -273,37 +326,48 @@ class VllmEngineClient:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    async def _get_json(self, path: str) -> dict[str, Any]:
-        self._require_open()
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        control: bool,
+        request_id: str | None = None,
+    ) -> tuple[int, bytes]:
+        """One request and its whole answer: (status, body bytes)."""
+        session = self._client()
+        timeout = self._control_timeout if control else self._generation_timeout
         try:
-            response = await self._http.get(self._url(path), timeout=self.timeouts.for_control())
-        except httpx.HTTPError as error:
-            raise EngineUnavailableError(self.base_url, error) from error
-        _raise_for_status(self.base_url, response)
-        return _json_object(self.base_url, response)
+            async with session.request(
+                method,
+                self._url(path),
+                data=None if body is None else encode_json(body),
+                headers=self._headers(request_id, body=body is not None),
+                timeout=timeout,
+                allow_redirects=False,
+            ) as response:
+                return response.status, await response.read()
+        except _TRANSPORT_ERRORS as error:
+            raise self._unavailable(error, timeout) from error
+
+    async def _get_json(self, path: str) -> dict[str, Any]:
+        status, content = await self._call("GET", path, control=True)
+        _raise_for_status(self.base_url, status, content)
+        return _json_object(self.base_url, status, content)
 
     async def _post(
         self, path: str, body: Mapping[str, Any], *, control: bool = False, request_id: str | None = None
-    ) -> httpx.Response:
-        timeout = self.timeouts.for_control() if control else self.timeouts.for_generation()
-        self._require_open()
-        try:
-            response = await self._http.post(
-                self._url(path),
-                content=encode_json(body),
-                timeout=timeout,
-                headers=_request_headers(request_id),
-            )
-        except httpx.HTTPError as error:
-            raise EngineUnavailableError(self.base_url, error) from error
-        _raise_for_status(self.base_url, response)
-        return response
+    ) -> tuple[int, bytes]:
+        status, content = await self._call("POST", path, body, control=control, request_id=request_id)
+        _raise_for_status(self.base_url, status, content)
+        return status, content
 
     async def _post_json(
         self, path: str, body: Mapping[str, Any], *, control: bool = False, request_id: str | None = None
     ) -> dict[str, Any]:
-        response = await self._post(path, body, control=control, request_id=request_id)
-        return _json_object(self.base_url, response)
+        status, content = await self._post(path, body, control=control, request_id=request_id)
+        return _json_object(self.base_url, status, content)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,33 +375,26 @@ class VllmEngineClient:
 # ---------------------------------------------------------------------------------------------
 
 
-def _request_headers(request_id: str | None) -> dict[str, str]:
-    headers = {"Content-Type": "application/json"}
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    return headers
-
-
-def _raise_for_status(url: str, response: httpx.Response) -> None:
-    if response.status_code < 400:
+def _raise_for_status(url: str, status: int, content: bytes) -> None:
+    if status < 400:
         return
-    message = response.text
+    message = content.decode("utf-8", "replace")
     try:
-        body = decode_json(response.content)
+        body = decode_json(content)
         error = body.get("error", body) if isinstance(body, dict) else body
         message = str(error.get("message", error)) if isinstance(error, dict) else str(error)
     except ValueError:
         pass
-    raise EngineHttpError(url, response.status_code, message[:2000])
+    raise EngineHttpError(url, status, message[:2000])
 
 
-def _json_object(url: str, response: httpx.Response) -> dict[str, Any]:
+def _json_object(url: str, status: int, content: bytes) -> dict[str, Any]:
     try:
-        body = decode_json(response.content)
+        body = decode_json(content)
     except ValueError:
-        raise EngineHttpError(url, response.status_code, f"not JSON: {response.text[:200]!r}") from None
+        raise EngineHttpError(url, status, f"not JSON: {content[:200]!r}") from None
     if not isinstance(body, dict):
-        raise EngineHttpError(url, response.status_code, f"expected a JSON object, got {type(body).__name__}")
+        raise EngineHttpError(url, status, f"expected a JSON object, got {type(body).__name__}")
     return body
 
 

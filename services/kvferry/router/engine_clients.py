@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient
-from kvferry.router.aiohttp_transport import AiohttpTransport
 from kvferry.router.engines import EngineInfo
+from kvferry.runtime.tracing import trace_headers
 
 
 class EngineClients:
@@ -30,7 +30,8 @@ class EngineClients:
             engine.model,
             timeouts=self._timeouts,
             max_connections=self._max_connections,
-            transport=AiohttpTransport(max_connections=self._max_connections),
+            # W3C trace context of the current span (the turn's), so engine spans join the turn's trace.
+            headers=trace_headers,
         )
         self._clients[engine.engine_id] = client
         return client

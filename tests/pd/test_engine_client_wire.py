@@ -1,5 +1,5 @@
-"""The router's aiohttp transport under vllm_http: engine failures surface as the httpx errors vllm_http
-turns into EngineUnavailableError (a refused connection, an engine that never answers, a cut stream)."""
+"""The engine client on real sockets that fail: a refused connection, an engine that never answers and a
+stream cut mid-way are each the engine's failure (EngineUnavailableError), which the router retries."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 from kvferry.pd.engine_api import DecodeRequest, EngineUnavailableError, PrefillRequest
 from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
-from kvferry.router.aiohttp_transport import AiohttpTransport
 
 
 def client(url: str, read_timeout: float = 0.3, connect_timeout: float = 0.5) -> VllmEngineClient:
@@ -19,7 +18,7 @@ def client(url: str, read_timeout: float = 0.3, connect_timeout: float = 0.5) ->
         url,
         "m",
         timeouts=HttpTimeouts(connect=connect_timeout, read=read_timeout),
-        transport=AiohttpTransport(max_connections=4),
+        max_connections=4,
     )
 
 
@@ -46,7 +45,7 @@ async def test_engine_that_never_answers_times_out_as_unavailable() -> None:
         async with client(f"http://127.0.0.1:{port}", connect_timeout=10) as engine:
             with pytest.raises(EngineUnavailableError) as failed:
                 await engine.prefill(PrefillRequest(token_ids=(1, 2, 3)))
-            assert "ReadTimeout" in str(failed.value)
+            assert "no bytes within 0.3 s (read timeout)" in str(failed.value)
     finally:
         server.close()
 
