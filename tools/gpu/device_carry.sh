@@ -6,7 +6,7 @@
 #   puts this worktree's files (tracked and untracked-not-ignored; the test model's tokenizer too) as
 #   CHECKOUT/.gpu-carry/src.tar.gz and the wheels of WHEEL_DIR... (shared/gpu/fetch-wheels.sh's folders c1,
 #   c2, ..., or any folder of wheels) in
-#   CHECKOUT/.gpu-carry/wN folders of at most 52 MB, each wheel over that split into NAME.whl.part-N files.
+#   CHECKOUT/.gpu-carry/wN folders that fit a call beside the checkout, each wheel over that split into parts.
 #   CHECKOUT/.git/info/exclude must ignore /.gpu-carry/ (so nothing of it is ever committed there).
 # There, one call per folder, within a warm machine's idle window (what is under /tmp stays between calls):
 #   run(command="bash .gpu-carry/device.sh take", carry=[".gpu-carry/wN", ".gpu-carry/device.sh"])
@@ -45,8 +45,12 @@ stage() {
     cat "$whl".part-* >"$whl" && rm "$whl".part-*
   done
   # Wheels over the limit are split into parts; then first-fit decreasing into as few folders as will do.
-  # 52 MB: with the checkout itself (~8 MB) a call stays under the 64 MiB a `run` carries.
-  limit=52000000
+  # A call carries at most 64 MiB: a folder, the checkout's own files (which `run` ships every call) and, with
+  # the last folder, src.tar.gz and device.sh; 1 MB to spare.
+  local tree
+  tree=$(cd "$checkout" && git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null |
+    awk '{s += $1} END {print s + 0}')
+  limit=$((67108864 - tree - $(stat -c %s "$carry/src.tar.gz") - $(stat -c %s "$carry/device.sh") - 1000000))
   for f in "$carry"/all/*; do
     [ "$(stat -c %s "$f")" -gt $limit ] && split -b $limit -d -a 1 "$f" "$f.part-" && rm "$f"
   done
