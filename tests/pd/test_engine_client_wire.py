@@ -27,8 +27,9 @@ async def test_refused_connection_is_unavailable() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     async with client(f"http://127.0.0.1:{port}") as engine:
-        with pytest.raises(EngineUnavailableError):
+        with pytest.raises(EngineUnavailableError) as failed:
             await engine.prefill(PrefillRequest(token_ids=(1, 2, 3)))
+        assert failed.value.refused
 
 
 async def test_engine_that_never_answers_times_out_as_unavailable() -> None:
@@ -46,6 +47,7 @@ async def test_engine_that_never_answers_times_out_as_unavailable() -> None:
             with pytest.raises(EngineUnavailableError) as failed:
                 await engine.prefill(PrefillRequest(token_ids=(1, 2, 3)))
             assert "no bytes within 0.3 s (read timeout)" in str(failed.value)
+            assert not failed.value.refused  # a connection was made: the sidecar calls such an engine failing
     finally:
         server.close()
 

@@ -19,7 +19,6 @@ from kvferry.sidecar.engine import (
     EngineState,
     ProbeResult,
     _cache_facts,
-    _model_facts,
 )
 from kvferry.sidecar.registration import EngineIdentity, Phase, RegistrationRejected, describe_engine
 from kvferry.sidecar.releases import ENDED, RENEWED, SYNC, Event, RetentionBook, Subscription
@@ -48,10 +47,10 @@ gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="2730",swap_sp
 """
 
 
-def test_engine_facts_come_from_models_and_metrics() -> None:
+def test_cache_facts_come_from_the_metrics() -> None:
+    # The model's facts come from /v1/models: tests/sidecar/test_engine_probe.py.
     assert _cache_facts(VLLM_METRICS_EXCERPT) == (16, 2730)
     assert _cache_facts("# nothing\n") == (None, None)
-    assert _model_facts({"data": [{"id": "tiny", "max_model_len": 2048}]}) == ("tiny", 2048)
 
 
 def _identity(**kwargs: object) -> EngineIdentity:

@@ -37,11 +37,13 @@ class EngineHttpError(Exception):
 
 
 class EngineUnavailableError(Exception):
-    """The engine could not be reached, or did not answer within the timeout."""
+    """The engine could not be reached, or did not answer within the timeout. ``refused``: no connection could
+    be made at all (nothing listens at the engine's address), as against one that broke or timed out."""
 
-    def __init__(self, url: str, cause: BaseException) -> None:
+    def __init__(self, url: str, cause: BaseException, *, refused: bool = False) -> None:
         super().__init__(f"{url}: engine unreachable: {type(cause).__name__}: {cause}")
         self.url = url
+        self.refused = refused
 
 
 # Every error an engine call raises for the engine's sake (not the caller's).

@@ -56,7 +56,8 @@ _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 @dataclass(frozen=True)
 class HttpTimeouts:
-    """Seconds; every call is bounded. ``read`` bounds each read, so a stream stalls at most that."""
+    """Seconds. A call's connection and each of its reads are bounded (``read``: a stream stalls at most
+    that); writing a request's body has no bound of its own."""
 
     connect: float = 3.0
     read: float = 120.0
@@ -158,17 +159,23 @@ class VllmEngineClient:
             )
         elif isinstance(error, TimeoutError):
             cause = TimeoutError(f"no bytes within {timeout.sock_read} s (read timeout)")
-        return EngineUnavailableError(self.base_url, cause)
+        return EngineUnavailableError(
+            self.base_url, cause, refused=isinstance(error, aiohttp.ClientConnectorError)
+        )
 
     # -- control ----------------------------------------------------------------------------
 
     async def health(self) -> bool:
         """True when the engine answers /health with 200."""
         try:
-            status, _ = await self._call("GET", "/health", control=True)
+            return await self.health_status() == 200
         except EngineUnavailableError:
             return False
-        return status == 200
+
+    async def health_status(self) -> int:
+        """The status /health answers with; :class:`EngineUnavailableError` when there is no answer."""
+        status, _ = await self._call("GET", "/health", control=True)
+        return status
 
     async def models(self) -> list[ModelInfo]:
         body = await self._get_json("/v1/models")

@@ -9,7 +9,6 @@ environment variable named in its help; flags win.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -212,8 +211,6 @@ def run(args: argparse.Namespace) -> int:
     """Runs until SIGTERM/SIGINT (exit 0, engine deregistered) or a fatal error such as the registry
     refusing the engine (exit 2)."""
     setup_logging(args.log_level)
-    # httpx logs every request at INFO: one /health probe every few seconds is not news.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = config_from_args(args)
     except ValueError as error:

@@ -7,9 +7,10 @@ import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-import httpx
+from kvferry.pd.engine_api import ENGINE_ERRORS, EngineUnavailableError
+from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient
 from kvferry.runtime.clock import Clock
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -59,56 +60,43 @@ class EngineProbe(Protocol):
 
 
 class HttpEngineProbe:
-    """Probes vLLM's OpenAI server: ``/health``, ``/v1/models`` and ``/metrics``."""
+    """Probes vLLM's OpenAI server through the engine client: ``/health``, ``/v1/models`` and ``/metrics``."""
 
     def __init__(self, base_url: str, *, timeout_seconds: float = 5.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_seconds))
+        timeouts = HttpTimeouts(connect=timeout_seconds, pool=timeout_seconds, control=timeout_seconds)
+        # The probe asks nothing of a model: the client's model is never sent.
+        self._client = VllmEngineClient(self.base_url, model="", timeouts=timeouts, max_connections=2)
 
     async def close(self) -> None:
         await self._client.aclose()
 
     async def check_health(self) -> ProbeResult:
         try:
-            response = await self._client.get("/health")
-        except httpx.ConnectError:
-            return ProbeResult.UNREACHABLE
-        except httpx.HTTPError:
-            return ProbeResult.FAILING
-        return ProbeResult.OK if response.status_code == 200 else ProbeResult.FAILING
+            status = await self._client.health_status()
+        except EngineUnavailableError as error:
+            return ProbeResult.UNREACHABLE if error.refused else ProbeResult.FAILING
+        return ProbeResult.OK if status == 200 else ProbeResult.FAILING
 
     async def read_facts(self) -> EngineFacts:
-        models = await self._get_json("/v1/models")
-        model, max_model_len = _model_facts(models)
+        try:
+            models = await self._client.models()
+        except (*ENGINE_ERRORS, KeyError, TypeError, ValueError) as err:
+            raise EngineProbeError(f"GET {self.base_url}/v1/models failed: {err!r}") from err
+        if not models:
+            raise EngineProbeError(f"{self.base_url}/v1/models gave no model")
         block_size, capacity = None, None
         try:
-            metrics = await self._client.get("/metrics")
-            if metrics.status_code == 200:
-                block_size, capacity = _cache_facts(metrics.text)
-        except httpx.HTTPError as err:
+            block_size, capacity = _cache_facts(await self._client.metrics_text())
+        except (*ENGINE_ERRORS, ValueError) as err:
             # Flags can supply these; /v1/models is what we cannot do without.
             log.info("engine /metrics unreadable", extra={"error": repr(err)})
         return EngineFacts(
-            model=model, max_model_len=max_model_len, block_size=block_size, kv_capacity_blocks=capacity
+            model=models[0].id,
+            max_model_len=models[0].max_model_len,
+            block_size=block_size,
+            kv_capacity_blocks=capacity,
         )
-
-    async def _get_json(self, path: str) -> Any:
-        try:
-            response = await self._client.get(path)
-            response.raise_for_status()
-            return response.json()
-        except (httpx.HTTPError, ValueError) as err:
-            raise EngineProbeError(f"GET {self.base_url}{path} failed: {err!r}") from err
-
-
-def _model_facts(body: Any) -> tuple[str | None, int | None]:
-    data = body.get("data") if isinstance(body, dict) else None
-    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
-        raise EngineProbeError(f"/v1/models gave no model: {str(body)[:200]}")
-    card = data[0]
-    model = card.get("id") if isinstance(card.get("id"), str) else None
-    max_len = card.get("max_model_len")
-    return model, max_len if isinstance(max_len, int) else None
 
 
 def _cache_facts(metrics_text: str) -> tuple[int | None, int | None]:
