@@ -38,24 +38,23 @@ PART_BLOCKS = 32
 
 
 def finish(done: Any) -> None:
-    """Waits for a part: a CUDA event (per run) or the copier's CopyDone (batched)."""
+    """Waits for a part: the copier's CopyDone (``CudaCopier.start``) or a CUDA event (the other ways)."""
     if hasattr(done, "wait"):
         done.wait()
     else:
         done.synchronize()
 
 
-def per_run_start(copier: CudaCopier, runs: Sequence[Run]) -> Any:
-    """``CudaCopier.start`` as it was: a ``copy_`` from Python per run."""
-    destinations = [copier._view(d, n) for d, _, n in runs]
-    sources = [copier._view(s, n) for _, s, n in runs]
+def on_copier_stream(copier: CudaCopier, issue: Callable[[torch.cuda.Stream], object]) -> Any:
+    """Runs ``issue(stream)`` on the copier's stream, after what the current stream queued; returns an event
+    recorded after it (as ``CudaCopier.start`` orders its copies)."""
     with torch.cuda.device(copier.device):
-        copier._stream.wait_stream(torch.cuda.current_stream(copier.device))
-        with torch.cuda.stream(copier._stream):
-            for destination, source in zip(destinations, sources, strict=True):
-                destination.copy_(source, non_blocking=True)
+        stream = copier._stream
+        stream.wait_stream(torch.cuda.current_stream(copier.device))
+        with torch.cuda.stream(stream):
+            issue(stream)
             event = torch.cuda.Event()
-            event.record(copier._stream)
+            event.record(stream)
     return event
 
 
@@ -63,13 +62,7 @@ def batched_start(copier: CudaCopier, runs: Sequence[Run]) -> Any:
     """The same copies in one ``torch._foreach_copy_`` call: one trip through the dispatcher (and the GIL)."""
     destinations = [copier._view(d, n) for d, _, n in runs]
     sources = [copier._view(s, n) for _, s, n in runs]
-    with torch.cuda.device(copier.device):
-        copier._stream.wait_stream(torch.cuda.current_stream(copier.device))
-        with torch.cuda.stream(copier._stream):
-            torch._foreach_copy_(destinations, sources, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(copier._stream)
-    return event
+    return on_copier_stream(copier, lambda _: torch._foreach_copy_(destinations, sources, non_blocking=True))
 
 
 _DRIVER = ctypes.CDLL("libcuda.so.1")
@@ -80,18 +73,14 @@ _DRIVER.cuMemcpyAsync.restype = ctypes.c_int
 def driver_start(copier: CudaCopier, runs: Sequence[Run]) -> Any:
     """The same copies by address through the driver (``cuMemcpyAsync``, unified addressing): no tensor
     views, and ctypes lets the GIL go for each call."""
-    with torch.cuda.device(copier.device):
-        stream = copier._stream
-        stream.wait_stream(torch.cuda.current_stream(copier.device))
-        handle = stream.cuda_stream
-        copy = _DRIVER.cuMemcpyAsync
+
+    def issue(stream: torch.cuda.Stream) -> None:
         for destination, source, nbytes in runs:
-            status = copy(destination, source, nbytes, handle)
+            status = _DRIVER.cuMemcpyAsync(destination, source, nbytes, stream.cuda_stream)
             if status != 0:
                 raise SystemExit(f"cuMemcpyAsync failed: CUresult {status}")
-        event = torch.cuda.Event()
-        event.record(stream)
-    return event
+
+    return on_copier_stream(copier, issue)
 
 
 class _Location(ctypes.Structure):
@@ -135,17 +124,15 @@ def driver_batch_start(copier: CudaCopier, runs: Sequence[Run]) -> Any:
     sizes = (ctypes.c_size_t * count)(*(n for _, _, n in runs))
     attributes = _CopyAttributes(_SRC_ACCESS_ORDER_STREAM, _Location(0, 0), _Location(0, 0), 0)
     first = (ctypes.c_size_t * 1)(0)
-    with torch.cuda.device(copier.device):
-        stream = copier._stream
-        stream.wait_stream(torch.cuda.current_stream(copier.device))
+
+    def issue(stream: torch.cuda.Stream) -> None:
         status = _BATCH(
             destinations, sources, sizes, count, ctypes.byref(attributes), first, 1, stream.cuda_stream
         )
         if status != 0:
             raise SystemExit(f"cuMemcpyBatchAsync failed: CUresult {status}")
-        event = torch.cuda.Event()
-        event.record(stream)
-    return event
+
+    return on_copier_stream(copier, issue)
 
 
 class Mover(threading.Thread):
@@ -220,7 +207,7 @@ def main() -> None:
     step_times(1.0, work)  # warm up
     ways: dict[str, Callable[[Sequence[Run]], Any] | None] = {
         "none": None,
-        "per_run": lambda runs: per_run_start(copier, runs),
+        "per_run": copier.start,
         "batched": lambda runs: batched_start(copier, runs),
         "driver": lambda runs: driver_start(copier, runs),
         "driver_batch": lambda runs: driver_batch_start(copier, runs),
