@@ -11,8 +11,8 @@ from typing import Protocol
 
 from kvferry.pd.engine_api import ENGINE_ERRORS, EngineUnavailableError
 from kvferry.pd.engine_client import HttpTimeouts, VllmEngineClient
+from kvferry.pd.engine_metrics import samples
 from kvferry.runtime.clock import Clock
-from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger("kvferry.sidecar.engine")
 
@@ -100,10 +100,8 @@ class HttpEngineProbe:
 
 
 def _cache_facts(metrics_text: str) -> tuple[int | None, int | None]:
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != _CACHE_CONFIG_METRIC:
-            continue
-        for sample in family.samples:
+    for sample in samples(metrics_text):
+        if sample.name == _CACHE_CONFIG_METRIC:
             return _as_int(sample.labels.get("block_size")), _as_int(sample.labels.get("num_gpu_blocks"))
     return None, None
 
