@@ -16,10 +16,11 @@ from datetime import datetime
 
 import pytest
 from kvferry.bench.multiturn_stack import proc_cpu_seconds
+from kvferry.connector.logs import HANDSHAKE_AHEAD_LOG
 from kvferry.pd.chat import ChatMessage, ChatRequest
 from kvferry.pd.engine_api import DecodeRequest, PrefillRequest, PrefillResult, Sampling
 from kvferry.pd.engine_client import VllmEngineClient
-from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
+from kvferry.pd.kvferry_params import ConversationMark, PeerAddress, ReleaseMark
 from kvferry.pd.reuse import RetainedKv, max_reusable_tokens
 from kvferry.pd.vllm_params import KvHandoff
 from kvferry.stack.engine import DirectTurn, direct_turn
@@ -77,6 +78,43 @@ TEXTS = [
 async def _run(pair: EnginePair, conversation: Conversation, texts: Sequence[str]) -> list[DirectTurn]:
     async with pair.prefill.client() as prefill, pair.decode.client() as decode:
         return [await conversation.step(prefill, decode, text) for text in texts]
+
+
+async def test_a_prefill_naming_its_decode_engine_handshakes_with_it_before_any_pull(
+    engine_pair: EnginePair,
+) -> None:
+    """``kvferry_peer`` (the router names the turn's decode engine, which the next turn pulls from): P starts
+    its NIXL handshake with that engine at once, so the first pull does not wait for it. Naming P itself, or
+    a peer P already has, starts none. First in the file: the session's engines have not pulled P <- D yet
+    (run after other engine tests, P may already have that handshake from a pull)."""
+    pair = engine_pair
+    pulled_before = bool(pair.prefill.connector_events("kv pull"))
+    decode_peer = PeerAddress(pair.decode.engine_id, pair.decode.nixl_host, pair.decode.nixl_port)
+    itself = PeerAddress(pair.prefill.engine_id, pair.prefill.nixl_host, pair.prefill.nixl_port)
+
+    def handshakes() -> list[dict[str, object]]:
+        return [
+            line
+            for line in pair.prefill.connector_events(HANDSHAKE_AHEAD_LOG)
+            if line["peer_engine_id"] in (decode_peer.engine_id, itself.engine_id)
+        ]
+
+    async with pair.prefill.client() as prefill, pair.decode.client() as decode:
+        prompt = tuple(await prefill.render_chat(ChatRequest.of([ChatMessage("user", TEXTS[2])])))
+        for peer in (itself, decode_peer, decode_peer):
+            prefilled = await prefill.prefill(PrefillRequest(prompt, peer=peer))
+            sampling = Sampling(max_tokens=2, ignore_eos=True)
+            decoded = await decode.decode(DecodeRequest(prompt, prefilled.handoff, ReleaseMark(), sampling))
+            assert len(decoded.token_ids) == 2
+            if peer == decode_peer and not pulled_before:
+                [line] = await pair.prefill.connector_lines(
+                    HANDSHAKE_AHEAD_LOG, lambda line: line["peer_engine_id"] == decode_peer.engine_id
+                )
+                assert line["ok"] is True
+                assert line["peer"] == f"{pair.decode.nixl_host}:{pair.decode.nixl_port}"
+    await asyncio.sleep(0.5)
+    # One handshake with D at most (the second naming found it done), none with itself.
+    assert len(handshakes()) == (0 if pulled_before else 1)
 
 
 async def test_prefill_pulls_the_history_from_decode_and_computes_only_the_suffix(

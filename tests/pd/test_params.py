@@ -227,9 +227,17 @@ def test_every_kvferry_key_is_in_the_versioned_module() -> None:
         kvferry_params.READ_MS_KEY,
         kvferry_params.GENERATIONS_KEY,
         kvferry_params.TIER_KEY,
+        kvferry_params.PEER_KEY,
     }
-    assert keys == {"kvferry", "kvferry_pull", "kvferry_read_ms", "kvferry_generations", "kvferry_tier"}
-    assert kvferry_params.KVFERRY_PARAMS_VERSION == 7
+    assert keys == {
+        "kvferry",
+        "kvferry_pull",
+        "kvferry_read_ms",
+        "kvferry_generations",
+        "kvferry_tier",
+        "kvferry_peer",
+    }
+    assert kvferry_params.KVFERRY_PARAMS_VERSION == 8
     # kvferry's top-level keys never collide with vLLM's.
     assert not keys & {
         *vllm_params.REMOTE_BLOCK_KEYS,
@@ -310,3 +318,33 @@ def test_a_pull_from_the_host_pool_says_so_and_a_kv_cache_pull_adds_nothing() ->
             kvferry_params.tier_from_params({"kvferry_tier": bad})
     with pytest.raises(ValueError, match="kvferry_tier must be one of"):
         kvferry_params.tier_params("disk")
+
+
+def test_a_prefill_names_the_engine_it_will_pull_from_next() -> None:
+    """Version 8: P handshakes with the turn's decode engine ahead of the next turn's pull from it."""
+    peer = kvferry_params.PeerAddress(engine_id="decode-0", host="10.0.0.7", port=5600)
+    params = PrefillRequest(token_ids=(1, 2, 3), peer=peer).transfer_params()
+    assert params["kvferry_peer"] == {"engine_id": "decode-0", "host": "10.0.0.7", "port": 5600}
+    assert kvferry_params.PeerAddress.from_params(params) == peer
+    assert kvferry_params.PeerAddress.from_params({}) is None
+    assert "kvferry_peer" not in PrefillRequest(token_ids=(1, 2, 3)).transfer_params()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "decode-0",
+        {"engine_id": "d", "host": "h"},
+        {"engine_id": "d", "host": "h", "port": 1, "extra": 2},
+        {"engine_id": "", "host": "h", "port": 1},
+        {"engine_id": "d", "host": "", "port": 1},
+        {"engine_id": "d", "host": "h", "port": "5600"},
+        {"engine_id": "d", "host": "h", "port": True},
+        {"engine_id": "d", "host": "h", "port": 0},
+        {"engine_id": "d", "host": "h", "port": 65536},
+        {"engine_id": 7, "host": "h", "port": 1},
+    ],
+)
+def test_a_malformed_peer_is_refused_with_the_key(raw: object) -> None:
+    with pytest.raises(ValueError, match="kvferry_peer"):
+        kvferry_params.PeerAddress.from_params({"kvferry_peer": raw})

@@ -17,7 +17,7 @@ import pytest
 from kvferry.pd.chat import ChatRequest
 from kvferry.pd.digest import block_digests
 from kvferry.pd.engine_api import DecodeRequest, EngineApi
-from kvferry.pd.kvferry_params import ConversationMark, ReleaseMark
+from kvferry.pd.kvferry_params import ConversationMark, PeerAddress, ReleaseMark
 from kvferry.pd.vllm_params import PROMPT_TOKEN_IDS
 from kvferry.router.calibration import CostProfile
 from kvferry.router.cli import config_from_args, configure
@@ -239,6 +239,20 @@ async def test_a_first_turn_recomputes_streams_and_is_published(cluster: Cluster
         prefill.request_id == f"{result.request_id}-1-p" and decode.request_id == f"{result.request_id}-1-d"
     )
     assert cluster.idle()
+
+
+async def test_p_is_told_the_retaining_decode_engine_so_it_handshakes_before_the_next_turn_pulls(
+    cluster: Cluster,
+) -> None:
+    """P's first pull from an engine would otherwise wait for NIXL's handshake with it (0.85 s on an H100)."""
+    await cluster.turn(PROMPT)
+    assert cluster.fakes["p1"].prefills[-1].peer == PeerAddress("d1", "10.0.0.1", 5600)
+    await cluster.turn([*PROMPT, 101, 102, 103, 7, 8, 9])
+    assert cluster.fakes["p1"].prefills[-1].peer == PeerAddress("d1", "10.0.0.1", 5600)
+    # Nothing will be pulled from the decode engine of a turn it does not retain.
+    await cluster.turn(PROMPT, conversation=None)
+    await cluster.turn(PROMPT, conversation="c2", retain=False)
+    assert [prefill.peer for prefill in cluster.fakes["p1"].prefills[2:]] == [None, None]
 
 
 async def test_the_turn_line_says_where_the_ttft_went(

@@ -12,6 +12,7 @@ run in file order on one ``kvferry up`` (a start costs about two minutes here).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -20,10 +21,13 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from kvferry.connector.logs import HANDSHAKE_AHEAD_LOG
 from kvferry.stack.demo import TEST_MODEL, run_demo
 from kvferry.stack.engine import REPO_ROOT
 from kvferry.stack.etcd_process import free_port
@@ -50,6 +54,11 @@ class RunningStack:
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "KVFERRY_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
+
+    def json_lines(self, component: str) -> list[dict[str, Any]]:
+        """A component's structured log lines (those starting '{"ts"', as kvferry writes them)."""
+        lines = (self.home / "logs" / f"{component}.log").read_text(errors="replace").splitlines()
+        return [json.loads(line) for line in lines if line.startswith('{"ts"')]
 
     def supervisor_lines(self) -> list[str]:
         return (self.home / "logs" / "supervisor.log").read_text(errors="replace").splitlines()
@@ -153,6 +162,23 @@ def test_up_runs_the_demo_with_reuse_and_says_what_to_look_at(stack: RunningStac
     }
     for component in ("registry", "router", "engine-decode-0", "sidecar-decode-0", "supervisor"):
         assert (stack.home / "logs" / f"{component}.log").stat().st_size > 0
+
+
+def test_the_prefill_engine_handshook_with_the_decode_engine_during_turn_1(stack: RunningStack) -> None:
+    """The router names a retained turn's decode engine to P (``kvferry_peer``): P's NIXL handshake with it
+    runs during turn 1, so turn 2's pull (the first from that engine) does not wait for it."""
+    prefill_lines = stack.json_lines("engine-prefill-0")
+    [handshake] = [line for line in prefill_lines if line["msg"] == HANDSHAKE_AHEAD_LOG]
+    assert handshake["ok"] is True and handshake["peer_engine_id"] == "decode-0", handshake
+    # The demo's first turn is the first the router ran.
+    first_turn = next(line for line in stack.json_lines("router") if line["msg"] == "turn done")
+    assert _ts(handshake) < _ts(first_turn), (handshake, first_turn)
+    first_pull = next(line for line in prefill_lines if line["msg"] == "kv pull")
+    assert _ts(handshake) < _ts(first_pull)
+
+
+def _ts(line: dict[str, Any]) -> float:
+    return datetime.strptime(str(line["ts"]), "%Y-%m-%dT%H:%M:%S.%fZ").timestamp()
 
 
 def test_the_settings_given_reach_etcd_and_the_engines(stack: RunningStack) -> None:

@@ -30,6 +30,9 @@ between them. What kvferry changes:
   thread; NIXL's progress thread sleeps between polls instead of spinning; vLLM's READs (D->P
   and P->D pulls) are posted as the fewest, largest descriptors the block ids and KV layout
   allow (``coalesce_pulls``, kvferry.connector.nixl_pulls), each pull logged as ``kv pull``.
+- prefill engine: a request naming the engine it will pull from next (``kvferry_peer``: the turn's decode
+  engine) starts the NIXL handshake with that engine on vLLM's handshake thread, so the next turn's
+  pull does not wait for it.
 
 Unmarked requests behave exactly as with vLLM's NixlConnector.
 """
@@ -77,6 +80,7 @@ from kvferry.connector.logs import (
     COPIED_LOG,
     EVICTED_LOG,
     FREED_LOG,
+    HANDSHAKE_AHEAD_LOG,
     MOVED_LOG,
     POOL_FULL_LOG,
     READY_LOG,
@@ -97,6 +101,7 @@ from kvferry.pd.kvferry_params import (
     BlockGenerations,
     ConversationMark,
     Mark,
+    PeerAddress,
     PullOptions,
     ReleaseMark,
     parse_mark,
@@ -129,6 +134,8 @@ _NO_ROOM_RETRY_SECONDS = 5.0
 _PRESSURE_CHECK_SECONDS = 0.25
 # Per-request pull options the worker keeps at most (a request whose pull never starts is dropped).
 _MAX_PULL_OPTIONS = 1024
+# A peer's tensor-parallel size in a handshake ahead: the size routers' pulls name (RemoteBlocks.tp_size).
+_PEER_TP_SIZE = 1
 
 
 def engine_layout(vllm_config: VllmConfig) -> KvLayout:
@@ -160,6 +167,8 @@ class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
         self.pull_generations: dict[str, tuple[int, ...]] = {}
         # Host-tier demotions for the worker to copy (kvferry.connector.host_tier).
         self.demotions: list[Demotion] = []
+        # Engines to handshake with ahead of pulls (kvferry_params.PeerAddress).
+        self.peers: list[PeerAddress] = []
 
     @classmethod
     def extend(
@@ -171,6 +180,7 @@ class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
         read_deadlines: dict[str, float] | None = None,
         pull_generations: dict[str, tuple[int, ...]] | None = None,
         demotions: list[Demotion] | None = None,
+        peers: list[PeerAddress] | None = None,
     ) -> KvferryConnectorMetadata:
         meta = cls()
         meta.__dict__.update(base.__dict__)
@@ -180,6 +190,7 @@ class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
         meta.read_deadlines = read_deadlines or {}
         meta.pull_generations = pull_generations or {}
         meta.demotions = demotions or []
+        meta.peers = peers or []
         return meta
 
 
@@ -230,6 +241,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._pull_options: dict[str, PullOptions] = {}
         self._read_deadlines: dict[str, float] = {}
         self._pull_generations: dict[str, tuple[int, ...]] = {}
+        # Peers named since the last step (by engine id), for the workers to handshake with.
+        self._peers: dict[str, PeerAddress] = {}
         # Pulls of a retention under way (prefill side), until vLLM reports them received or failed.
         self._pulls: dict[str, Request] = {}
         # The host tier: pool slots are block ids num_blocks + slot (kvferry.connector.host_tier).
@@ -408,6 +421,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         )
         if options is not None:
             self._pull_options[request.request_id] = options
+        self._note_peer(request)
         params = request.kv_transfer_params
         if num_external_tokens > 0 and vllm_params.wants_remote_decode(params):
             self._pulls[request.request_id] = request
@@ -415,6 +429,18 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             generations = BlockGenerations.from_params(params)
             if generations is not None:
                 self._pull_generations[request.request_id] = generations.values
+
+    def _note_peer(self, request: Request) -> None:
+        """Passes the engine a request says this one will pull from next to the workers (next step)."""
+        try:
+            peer = PeerAddress.from_params(request.kv_transfer_params)
+        except ValueError as bad:
+            logger.warning(
+                "ignoring a malformed peer", extra={"request_id": request.request_id, "error": str(bad)}
+            )
+            return
+        if peer is not None and peer.engine_id != self.engine_id:
+            self._peers[peer.engine_id] = peer
 
     @staticmethod
     def _pull_tier(request: Request) -> Tier:
@@ -573,7 +599,9 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             read_deadlines=deadlines,
             pull_generations=generations,
             demotions=self._demotions_for(scheduler_output),
+            peers=list(self._peers.values()),
         )
+        self._peers.clear()
         self._worker_added, self._worker_released = [], []
         return meta
 
@@ -938,7 +966,43 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                     self.fence.expect(request_id, generations)
             if metadata.demotions:
                 self._demote(metadata.demotions)
+            for peer in metadata.peers:
+                self._handshake_ahead(peer)
         super().start_load_kv(metadata)
+
+    def _handshake_ahead(self, peer: PeerAddress) -> None:
+        """Starts the NIXL handshake with an engine this one will pull from, on vLLM's handshake thread (none
+        when one is done or under way). A pull from that engine meanwhile waits for this same handshake."""
+        with self._handshake_lock:
+            if peer.engine_id in self._remote_agents or peer.engine_id in self._handshake_futures:
+                return
+        started = time.perf_counter()
+        try:
+            pending = self._ensure_handshake(peer.engine_id, peer.host, peer.port, _PEER_TP_SIZE)
+        except Exception as error:  # a handshake ahead only saves time: it never fails the step
+            logger.warning(
+                "could not start a handshake ahead; the first pull from the peer will handshake",
+                extra={"peer_engine_id": peer.engine_id, "error": f"{type(error).__name__}: {error}"},
+            )
+            return
+        if pending is None:
+            return
+
+        def handshook(done: Any) -> None:
+            failure = done.exception()
+            logger.log(
+                logging.WARNING if failure is not None else logging.INFO,
+                HANDSHAKE_AHEAD_LOG,
+                extra={
+                    "peer_engine_id": peer.engine_id,
+                    "peer": f"{peer.host}:{peer.port}",
+                    "ms": _ms_since(started),
+                    "ok": failure is None,
+                    **({"error": f"{type(failure).__name__}: {failure}"} if failure is not None else {}),
+                },
+            )
+
+        pending.add_done_callback(handshook)
 
     def _demote(self, demotions: list[Demotion]) -> None:
         """Copies retentions into the host pool, then tells the scheduler (shared counter) they are there."""

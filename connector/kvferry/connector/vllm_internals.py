@@ -61,6 +61,10 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
    blocks of the worker's own memory type (``nixl_memory_type``; both engines alike). A pull naming a block
    id at or past ``dst_num_blocks`` of its holder (a pool this worker could not add) is failed before vLLM
    computes its descriptors (:func:`holder_block_count`): they would fall into the next region.
+11. A handshake ahead of the pulls (``kvferry_peer``): the worker calls vLLM's ``_ensure_handshake(engine_id,
+   host, port, tp_size)``, the same entry a pull waiting for its peer takes, after looking at
+   ``_remote_agents`` and ``_handshake_futures`` under ``_handshake_lock`` (it starts none that is done or
+   under way, and logs the ones it started).
 """
 
 from __future__ import annotations
@@ -131,6 +135,7 @@ def check_vllm() -> str:
                 "_handle_failed_transfer",
                 "register_kv_caches",
                 "_nixl_handshake",
+                "_ensure_handshake",
                 "_pop_done_transfers",
             ),
         ),
@@ -154,7 +159,13 @@ def check_vllm() -> str:
         missing.append("NixlPullConnectorScheduler.set_xfer_handshake_metadata")
     missing += [
         f"NixlBaseConnectorWorker.{n}"
-        for n in ("_recving_metadata", "_remote_agents", "xfer_handshake_metadata")
+        for n in (
+            "_recving_metadata",
+            "_remote_agents",
+            "xfer_handshake_metadata",
+            "_handshake_futures",
+            "_handshake_lock",
+        )
         if n not in worker_source
     ]
     if missing:

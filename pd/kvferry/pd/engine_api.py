@@ -18,6 +18,7 @@ from kvferry.pd.kvferry_params import (
     BlockGenerations,
     ConversationMark,
     Mark,
+    PeerAddress,
     PullOptions,
     mark_params,
     read_ms_params,
@@ -61,10 +62,11 @@ def prefill_transfer_params(
     pull_options: PullOptions | None = None,
     generations: BlockGenerations | None = None,
     tier: str = DEVICE_TIER,
+    peer: PeerAddress | None = None,
 ) -> dict[str, Any]:
     """``kv_transfer_params`` for a prefill request (P computes, D will pull), pulling ``reuse`` first within
     ``read_ms`` milliseconds (and checking its blocks' ``generations`` after the pull) from the holder's
-    ``tier``."""
+    ``tier``; ``peer``: the engine P will pull from next (P handshakes with it ahead)."""
     params = vllm_params.prefill_params(reuse)
     params.update(mark_params(mark))
     if reuse is not None and read_ms is not None:
@@ -75,6 +77,8 @@ def prefill_transfer_params(
         params.update(tier_params(tier))
     if pull_options is not None:
         params.update(pull_options.to_params())
+    if peer is not None:
+        params.update(peer.to_params())
     return params
 
 
@@ -146,6 +150,9 @@ class PrefillRequest:
     # How P samples its one token: the turn's own settings when that token is the turn's first output
     # (kvferry.pd.sequence hands it over); None: greedy (the token is only a by-product of the prefill).
     sampling: Sampling | None = None
+    # The engine this turn's KV goes to, which P will pull the conversation from next turn: P's connector
+    # handshakes with it now, off that turn's time to first token.
+    peer: PeerAddress | None = None
 
     def transfer_params(self) -> dict[str, Any]:
         if self.reuse is not None and self.mark is not None and self.read_ms is None:
@@ -157,6 +164,7 @@ class PrefillRequest:
             pull_options=self.pull_options,
             generations=self.generations,
             tier=self.tier,
+            peer=self.peer,
         )
         if self.chat is not None and self.token_ids:
             params[vllm_params.PROMPT_TOKEN_IDS] = list(self.token_ids)

@@ -15,6 +15,8 @@ Wire forms (JSON, inside ``kv_transfer_params``)::
     where the reused blocks are:          "kvferry_tier": "host"  (the holder's host pool; absent: its KV
                                           cache)
     per-request pull options (tests):     "kvferry_pull": {"coalesce": false, "digest": true}
+    the engine the turn's KV goes to:     "kvferry_peer": {"engine_id": "decode-0", "host": "10.0.0.7",
+                                          "port": 5600}  (on a prefill: handshake with it ahead)
 """
 
 from __future__ import annotations
@@ -50,8 +52,12 @@ from typing import Any
 #   7: "kvferry_tier" ("device" or "host") on a prefill request that pulls a retention: which of the holder's
 #      tiers the blocks are in. The pull is the same either way; P keeps its measured pull rate per peer and
 #      tier (the router's cost model reads them). Absent: the KV cache.
+#   8: "kvferry_peer" {engine_id, host, port} on a prefill request: the decode engine this turn's KV goes to,
+#      which will hold the conversation's retention (its NIXL side channel). P's connector starts its NIXL
+#      handshake with that engine in the background unless it has one, so the next turn's pull from it does
+#      not wait for the handshake (0.85 s on an H100). Absent: P handshakes at its first pull, as vLLM does.
 #
-KVFERRY_PARAMS_VERSION: int = 7
+KVFERRY_PARAMS_VERSION: int = 8
 
 # The mark: which conversation a request belongs to, or that nothing will reuse it.
 MARK_KEY = "kvferry"
@@ -73,6 +79,8 @@ GENERATIONS_KEY = "kvferry_generations"
 TIER_KEY = "kvferry_tier"
 DEVICE_TIER, HOST_TIER = "device", "host"
 PULL_TIERS = (DEVICE_TIER, HOST_TIER)
+# On a prefill request: the engine P will pull from next (version 8).
+PEER_KEY = "kvferry_peer"
 # Generations are below 2**53 so that every JSON parser (IEEE doubles included) carries them exactly.
 MAX_GENERATION = 2**53 - 1
 
@@ -247,3 +255,41 @@ def tier_from_params(params: Mapping[str, Any] | None) -> str:
     if raw not in PULL_TIERS:
         raise ValueError(f"{TIER_KEY} must be one of {PULL_TIERS}, got {raw!r:.100}")
     return str(raw)
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """``kv_transfer_params["kvferry_peer"]``: an engine a prefill engine will pull from (the turn's decode
+    engine, which retains the conversation), where its NIXL side channel listens. P's connector handshakes
+    with it ahead of the first pull."""
+
+    engine_id: str
+    host: str
+    port: int
+
+    def to_params(self) -> dict[str, Any]:
+        return {PEER_KEY: {"engine_id": self.engine_id, "host": self.host, "port": self.port}}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> PeerAddress | None:
+        """The peer in ``params``; None when absent. Raises ValueError when malformed."""
+        raw = (params or {}).get(PEER_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, Mapping) or set(raw) != {"engine_id", "host", "port"}:
+            shape = '{"engine_id": str, "host": str, "port": int}'
+            raise ValueError(f"{PEER_KEY} must be {shape}, got {raw!r:.200}")
+        engine_id, host, port = raw["engine_id"], raw["host"], raw["port"]
+        if (
+            not isinstance(engine_id, str)
+            or not engine_id
+            or not isinstance(host, str)
+            or not host
+            or not isinstance(port, int)
+            or isinstance(port, bool)
+            or not 0 < port < 65536
+        ):
+            raise ValueError(
+                f"{PEER_KEY} needs a non-empty engine_id and host and a port in 1..65535, got {raw!r:.200}"
+            )
+        return cls(engine_id=engine_id, host=host, port=port)

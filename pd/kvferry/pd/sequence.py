@@ -45,7 +45,14 @@ from kvferry.pd.engine_api import (
     Sampling,
     Usage,
 )
-from kvferry.pd.kvferry_params import DEVICE_TIER, BlockGenerations, ConversationMark, Mark, PullOptions
+from kvferry.pd.kvferry_params import (
+    DEVICE_TIER,
+    BlockGenerations,
+    ConversationMark,
+    Mark,
+    PeerAddress,
+    PullOptions,
+)
 from kvferry.pd.reuse import ReadWindow
 from kvferry.pd.vllm_params import KvHandoff, RemoteBlocks
 
@@ -85,6 +92,9 @@ class EngineTurn:
     chat: ChatRequest | None = None
     # A streamed turn may take its first token from P (module docs); needs kvferry's connector on D.
     first_token_from_prefill: bool = False
+    # The decode engine's NIXL side channel, for P to handshake with ahead of the next turn's pull from it
+    # (kvferry_params.PeerAddress; routers send it on turns D retains).
+    decode_peer: PeerAddress | None = None
 
     def hands_first_token_over(self, *, stream: bool) -> bool:
         """Whether P samples the turn's first output token, for D to continue after it (module docs)."""
@@ -281,6 +291,7 @@ async def prefill(
             generations=pull.generations if pull is not None else None,
             tier=pull.tier if pull is not None else DEVICE_TIER,
             sampling=turn.sampling if sample else None,
+            peer=turn.decode_peer,
         )
     )
     seconds = time.perf_counter() - started
