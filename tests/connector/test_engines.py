@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+import httpx
 import pytest
 from kvferry.bench.multiturn_stack import proc_cpu_seconds
 from kvferry.connector.logs import HANDSHAKE_AHEAD_LOG
@@ -22,7 +23,7 @@ from kvferry.pd.engine_api import DecodeRequest, PrefillRequest, PrefillResult, 
 from kvferry.pd.engine_client import VllmEngineClient
 from kvferry.pd.kvferry_params import ConversationMark, PeerAddress, ReleaseMark
 from kvferry.pd.reuse import RetainedKv, max_reusable_tokens
-from kvferry.pd.vllm_params import KvHandoff
+from kvferry.pd.vllm_params import KvHandoff, prefill_params
 from kvferry.stack.engine import DirectTurn, direct_turn
 
 from tests.fixtures.engines import EnginePair
@@ -85,7 +86,7 @@ async def test_a_prefill_naming_its_decode_engine_handshakes_with_it_before_any_
 ) -> None:
     """``kvferry_peer`` (the router names the turn's decode engine, which the next turn pulls from): P starts
     its NIXL handshake with that engine at once, so the first pull does not wait for it. Naming P itself, or
-    a peer P already has, starts none. First in the file: the session's engines have not pulled P <- D yet
+    a peer P already has, starts none; a malformed peer is logged and ignored. First in the file: the session's engines have not pulled P <- D yet
     (run after other engine tests, P may already have that handshake from a pull)."""
     pair = engine_pair
     pulled_before = bool(pair.prefill.connector_events("kv pull"))
@@ -112,6 +113,22 @@ async def test_a_prefill_naming_its_decode_engine_handshakes_with_it_before_any_
                 )
                 assert line["ok"] is True
                 assert line["peer"] == f"{pair.decode.nixl_host}:{pair.decode.nixl_port}"
+        # A malformed peer is logged and ignored: the request is served as without one.
+        body = {
+            "model": pair.model,
+            "prompt": list(prompt),
+            "max_tokens": 1,
+            "kv_transfer_params": {**prefill_params(None), "kvferry_peer": decode_peer.engine_id},
+        }
+        async with httpx.AsyncClient(base_url=pair.prefill.http_url, timeout=300.0) as raw:
+            answer = await raw.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        handoff = KvHandoff.from_params(answer.json()["kv_transfer_params"])
+        assert handoff is not None
+        sampling = Sampling(max_tokens=2, ignore_eos=True)
+        await decode.decode(DecodeRequest(prompt, handoff, ReleaseMark(), sampling))
+        [ignored] = await pair.prefill.connector_lines("ignoring a malformed peer")
+        assert "kvferry_peer" in ignored["error"]
     await asyncio.sleep(0.5)
     # One handshake with D at most (the second naming found it done), none with itself.
     assert len(handshakes()) == (0 if pulled_before else 1)
