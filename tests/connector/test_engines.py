@@ -86,8 +86,9 @@ async def test_a_prefill_naming_its_decode_engine_handshakes_with_it_before_any_
 ) -> None:
     """``kvferry_peer`` (the router names the turn's decode engine, which the next turn pulls from): P starts
     its NIXL handshake with that engine at once, so the first pull does not wait for it. Naming P itself, or
-    a peer P already has, starts none; a malformed peer is logged and ignored. First in the file: the session's engines have not pulled P <- D yet
-    (run after other engine tests, P may already have that handshake from a pull)."""
+    a peer P already has, starts none; a malformed peer is logged and ignored. First in the file: the
+    session's engines have not pulled P <- D yet (run after other engine tests, P may already have that
+    handshake from a pull)."""
     pair = engine_pair
     pulled_before = bool(pair.prefill.connector_events("kv pull"))
     decode_peer = PeerAddress(pair.decode.engine_id, pair.decode.nixl_host, pair.decode.nixl_port)

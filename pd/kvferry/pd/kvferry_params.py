@@ -55,7 +55,8 @@ from typing import Any
 #   8: "kvferry_peer" {engine_id, host, port} on a prefill request: the decode engine this turn's KV goes to,
 #      which will hold the conversation's retention (its NIXL side channel). P's connector starts its NIXL
 #      handshake with that engine in the background unless it has one, so the next turn's pull from it does
-#      not wait for the handshake (0.85 s on an H100). Absent: P handshakes at its first pull, as vLLM does.
+#      not wait for the handshake (0.7-0.9 s on an H100). Absent: P handshakes at its first pull, as vLLM
+#      does.
 #
 KVFERRY_PARAMS_VERSION: int = 8
 
