@@ -11,6 +11,7 @@ from kvferry.connector.coalesce import (
     PlanError,
     PullPlan,
     block_runs,
+    first_block_pairs,
     plan_pull,
     segments_of,
 )
@@ -213,3 +214,63 @@ def test_block_run_statistics() -> None:
     assert runs.mean_run_blocks == 2.5
     with pytest.raises(ValueError):
         block_runs([1], [])
+
+
+def layer_ranges(base: int, *, layers: int = LAYERS, gap: int = 1 << 20) -> list[tuple[int, int]]:
+    """The registrations behind per_layer_list / kv_split_list: one per layer, from its block 0."""
+    return [(base + layer * (BLOCKS * PAGE + gap), BLOCKS * PAGE) for layer in range(layers)]
+
+
+def with_segments(listed: DescriptorList, ranges: list[tuple[int, int]]) -> DescriptorList:
+    return DescriptorList.of(listed.rows, segments_of(listed.rows, ranges))
+
+
+def test_first_block_pairs_read_each_region_s_block_0_into_the_local_block_0() -> None:
+    # The peer has more blocks per region than this engine (another KV cache size): regions still match.
+    ranges = layer_ranges(1 << 30)
+    remote_rows = [
+        ((1 << 40) + layer * (3 * BLOCKS * PAGE) + b * PAGE, PAGE, 0)
+        for layer in range(LAYERS)
+        for b in range(2 * BLOCKS)
+    ]
+    local, remote = first_block_pairs(
+        with_segments(per_layer_list(1 << 30), ranges), ranges, DescriptorList.of(remote_rows)
+    )
+    assert local.tolist() == [[start, PAGE, 0] for start, _ in ranges]
+    assert remote.tolist() == [[(1 << 40) + layer * 3 * BLOCKS * PAGE, PAGE, 0] for layer in range(LAYERS)]
+
+
+def test_first_block_pairs_take_the_first_half_of_a_kv_split_block() -> None:
+    ranges = layer_ranges(1 << 30)
+    local, remote = first_block_pairs(
+        with_segments(kv_split_list(1 << 30), ranges), ranges, kv_split_list(1 << 40)
+    )
+    assert local.tolist() == [[start, PAGE // 2, 0] for start, _ in ranges]
+    assert [row[0] for row in remote.tolist()] == [start for start, _ in layer_ranges(1 << 40)]
+
+
+def test_first_block_pairs_of_a_cross_layer_layout_is_one_read() -> None:
+    ranges = [(1 << 30, BLOCKS * LAYERS * PAGE)]
+    local, remote = first_block_pairs(
+        with_segments(cross_layer_list(1 << 30), ranges), ranges, cross_layer_list(1 << 40)
+    )
+    assert local.tolist() == [[1 << 30, PAGE, 0]]
+    assert remote.tolist() == [[1 << 40, PAGE, 0]]
+
+
+def test_first_block_pairs_refuse_lists_that_do_not_match_the_assumption() -> None:
+    ranges = layer_ranges(1 << 30)
+    local = with_segments(per_layer_list(1 << 30), ranges)
+    with pytest.raises(PlanError, match="registered ranges are not known"):
+        first_block_pairs(per_layer_list(1 << 30), ranges, per_layer_list(1 << 40))
+    with pytest.raises(PlanError, match="do not split"):
+        first_block_pairs(local, ranges, DescriptorList.of(per_layer_list(1 << 40).rows[:-1]))
+    # A registration that begins before a region's block 0: that first row may be a request's block.
+    early = [(start - PAGE, length + PAGE) for start, length in ranges]
+    with pytest.raises(PlanError, match="does not start its registered range"):
+        first_block_pairs(with_segments(per_layer_list(1 << 30), early), early, per_layer_list(1 << 40))
+    # Rows outside every registration.
+    with pytest.raises(PlanError, match="outside every registered range"):
+        first_block_pairs(
+            with_segments(per_layer_list(1 << 30), ranges[:1]), ranges[:1], per_layer_list(1 << 40)
+        )

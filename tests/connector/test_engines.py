@@ -17,7 +17,7 @@ from datetime import datetime
 import httpx
 import pytest
 from kvferry.bench.multiturn_stack import proc_cpu_seconds
-from kvferry.connector.logs import HANDSHAKE_AHEAD_LOG
+from kvferry.connector.logs import HANDSHAKE_AHEAD_LOG, PEER_WARMED_LOG
 from kvferry.pd.chat import ChatMessage, ChatRequest
 from kvferry.pd.engine_api import DecodeRequest, PrefillRequest, PrefillResult, Sampling
 from kvferry.pd.engine_client import VllmEngineClient
@@ -114,6 +114,14 @@ async def test_a_prefill_naming_its_decode_engine_handshakes_with_it_before_any_
                 )
                 assert line["ok"] is True
                 assert line["peer"] == f"{pair.decode.nixl_host}:{pair.decode.nixl_port}"
+                # Then, on a step of its own, P warms its reads from D: one READ of each region's first
+                # block into its null block, before any pull (later tests check pulled bytes).
+                [warmed] = await pair.prefill.connector_lines(
+                    PEER_WARMED_LOG, lambda line: line["peer_engine_id"] == decode_peer.engine_id
+                )
+                assert warmed["ok"] is True, warmed
+                assert warmed["descriptors"] >= 1 and warmed["bytes"] > 0
+                assert not pair.prefill.connector_events("kv pull")
         # A malformed peer is logged and ignored: the request is served as without one.
         body = {
             "model": pair.model,

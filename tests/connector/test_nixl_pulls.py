@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvferry.connector.coalesce import block_runs
+from kvferry.connector.coalesce import PlanError, block_runs
 from kvferry.connector.copies import HostCopier
 from kvferry.connector.host_tier import HostPool, MappedHostPool, extend_remote_rows
 from kvferry.connector.nixl_pulls import PoolList, PullCoalescer, PullContext, PullRecord
@@ -330,3 +330,30 @@ def test_a_mapped_pool_checks_the_files_identity(holder_pool: HostPool) -> None:
     assert other[0] is None and "identity differs" in other[1]
     gone = MappedHostPool.open(dataclasses.replace(layout, fd=10_000), HostCopier())
     assert gone[0] is None and "/proc/" in gone[1]
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "kv_halves"])
+def test_warm_reads_each_region_s_block_0_into_block_0_only_and_notifies_nobody(
+    pair: Pair, layout: str
+) -> None:
+    """PullCoalescer.warm (the connector's reads warmed ahead of a peer's first pull): block 0 of every layer
+    comes from the holder's block 0, no other byte changes, the holder gets no notice, and it is no pull."""
+    pair.prepare(layout)
+    for cache in pair.local.caches:
+        cache[:] = 0xEE
+    pulls = len(pair.records)
+    warmed = pair.reader.warm(pair.holder_name)
+    assert warmed.descriptors == LAYERS
+    length = warmed.bytes // LAYERS
+    assert length in (PAGE, PAGE // 2)
+    for local_cache, holder_cache in zip(pair.local.caches, pair.holder.caches, strict=True):
+        assert np.array_equal(local_cache[0, :length], holder_cache[0, :length])
+        assert (local_cache[0, length:] == 0xEE).all() and (local_cache[1:] == 0xEE).all()
+    assert len(pair.records) == pulls
+    time.sleep(0.2)
+    assert not any(pair.holder.agent.get_new_notifs().values())  # type: ignore[attr-defined]
+
+
+def test_warm_refuses_a_peer_without_a_prepared_list(pair: Pair) -> None:
+    with pytest.raises(PlanError, match="no descriptor list of that peer"):
+        pair.reader.warm("no-such-peer")

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvferry.connector.logs import HANDSHAKE_AHEAD_LOG
+from kvferry.connector.logs import HANDSHAKE_AHEAD_LOG, PEER_WARMED_LOG
 from kvferry.stack.demo import TEST_MODEL, run_demo
 from kvferry.stack.engine import REPO_ROOT
 from kvferry.stack.etcd_process import free_port
@@ -166,7 +166,8 @@ def test_up_runs_the_demo_with_reuse_and_says_what_to_look_at(stack: RunningStac
 
 def test_the_prefill_engine_handshook_with_the_decode_engine_during_turn_1(stack: RunningStack) -> None:
     """The router names a retained turn's decode engine to P (``kvferry_peer``): P's NIXL handshake with it
-    runs during turn 1, so turn 2's pull (the first from that engine) does not wait for it."""
+    runs during turn 1, so turn 2's pull (the first from that engine) does not wait for it, and P warms its
+    reads from that engine before turn 2 too."""
     prefill_lines = stack.json_lines("engine-prefill-0")
     [handshake] = [line for line in prefill_lines if line["msg"] == HANDSHAKE_AHEAD_LOG]
     assert handshake["ok"] is True and handshake["peer_engine_id"] == "decode-0", handshake
@@ -175,6 +176,10 @@ def test_the_prefill_engine_handshook_with_the_decode_engine_during_turn_1(stack
     assert _ts(handshake) < _ts(first_turn), (handshake, first_turn)
     first_pull = next(line for line in prefill_lines if line["msg"] == "kv pull")
     assert _ts(handshake) < _ts(first_pull)
+    # Then P warmed its reads from D (on an idle step the scheduler asked for), also before that pull.
+    [warmed] = [line for line in prefill_lines if line["msg"] == PEER_WARMED_LOG]
+    assert warmed["ok"] is True and warmed["peer_engine_id"] == "decode-0", warmed
+    assert _ts(handshake) <= _ts(warmed) < _ts(first_pull), (warmed, first_pull)
 
 
 def _ts(line: dict[str, Any]) -> float:

@@ -209,3 +209,44 @@ def block_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> BlockRuns
         return 1 + sum(1 for (l0, r0), (l1, r1) in itertools.pairwise(seq) if (l1, r1) != (l0 + 1, r0 + 1))
 
     return BlockRuns(blocks=len(pairs), runs_as_listed=runs(pairs), runs_sorted=runs(sorted(pairs)))
+
+
+def first_block_pairs(
+    local: DescriptorList, registered: Sequence[tuple[int, int]], remote: DescriptorList
+) -> tuple[Rows, Rows]:
+    """A READ that touches every region of a peer once: each local registered range's first block
+    receives the same region's first block on the peer (rows: local, remote).
+
+    vLLM registers each KV region from its block 0, which its block pool never hands to a request (the
+    null block), so writing there changes nothing a request reads. Both lists hold the regions in the
+    same order, one equal share of rows each (the coalescer's assumption: same vLLM, layout and
+    config). Raises :class:`PlanError` when the lists do not look like that.
+    """
+    if local.segments is None or not registered:
+        raise PlanError("the local registered ranges are not known")
+    segments = local.segments
+    # Regions in row order; a region's rows must be one contiguous share of the list.
+    order = [int(s) for s in dict.fromkeys(segments.tolist()) if s >= 0]
+    if not order or int(np.count_nonzero(segments >= 0)) != len(local):
+        raise PlanError("some local rows lie outside every registered range")
+    share, rest = divmod(len(local), len(order))
+    if rest or any(bool(np.any(segments[i * share : (i + 1) * share] != s)) for i, s in enumerate(order)):
+        raise PlanError("the local rows are not one equal share per registered range")
+    remote_share, remote_rest = divmod(len(remote), len(order))
+    if remote_rest or remote_share == 0:
+        raise PlanError(f"{len(remote)} remote rows do not split into {len(order)} regions")
+    local_rows, remote_rows = [], []
+    for i, segment in enumerate(order):
+        mine = local.rows[i * share : (i + 1) * share]
+        first = mine[int(np.argmin(mine[:, ADDRESS]))]
+        if int(first[ADDRESS]) != registered[segment][0]:
+            raise PlanError("a region's first row does not start its registered range")
+        theirs = remote.rows[i * remote_share : (i + 1) * remote_share]
+        local_rows.append(first)
+        remote_rows.append(theirs[int(np.argmin(theirs[:, ADDRESS]))])
+    local_out = np.array(local_rows, dtype=np.uint64)
+    remote_out = np.array(remote_rows, dtype=np.uint64)
+    length = np.minimum(local_out[:, LENGTH], remote_out[:, LENGTH])
+    local_out[:, LENGTH] = length
+    remote_out[:, LENGTH] = length
+    return local_out, remote_out

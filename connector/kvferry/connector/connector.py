@@ -82,6 +82,7 @@ from kvferry.connector.logs import (
     FREED_LOG,
     HANDSHAKE_AHEAD_LOG,
     MOVED_LOG,
+    PEER_WARMED_LOG,
     POOL_FULL_LOG,
     READY_LOG,
     RETAINED_LOG,
@@ -136,6 +137,11 @@ _PRESSURE_CHECK_SECONDS = 0.25
 _MAX_PULL_OPTIONS = 1024
 # A peer's tensor-parallel size in a handshake ahead: the size routers' pulls name (RemoteBlocks.tp_size).
 _PEER_TP_SIZE = 1
+# After P is told of a new peer, idle steps at these delays (seconds) let its workers warm their reads from
+# that peer once its handshake is done (KvferryWorker._warm_handshook_peers); a handshake takes 0.7-0.9 s
+# on an H100. A worker that sees no done handshake within the last gives up (the first pull warms).
+_WARM_STEP_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
+_WARM_GIVE_UP_SECONDS = 5.0
 
 
 def engine_layout(vllm_config: VllmConfig) -> KvLayout:
@@ -167,8 +173,10 @@ class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
         self.pull_generations: dict[str, tuple[int, ...]] = {}
         # Host-tier demotions for the worker to copy (kvferry.connector.host_tier).
         self.demotions: list[Demotion] = []
-        # Engines to handshake with ahead of pulls (kvferry_params.PeerAddress).
+        # Engines to handshake with ahead of pulls (kvferry_params.PeerAddress), and whether the workers
+        # then warm their reads from them (the scheduler knows block 0 is vLLM's null block).
         self.peers: list[PeerAddress] = []
+        self.warm_peers = False
 
     @classmethod
     def extend(
@@ -181,6 +189,7 @@ class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
         pull_generations: dict[str, tuple[int, ...]] | None = None,
         demotions: list[Demotion] | None = None,
         peers: list[PeerAddress] | None = None,
+        warm_peers: bool = False,
     ) -> KvferryConnectorMetadata:
         meta = cls()
         meta.__dict__.update(base.__dict__)
@@ -191,6 +200,7 @@ class KvferryConnectorMetadata(NixlConnectorMetadata):  # type: ignore[misc]
         meta.pull_generations = pull_generations or {}
         meta.demotions = demotions or []
         meta.peers = peers or []
+        meta.warm_peers = warm_peers
         return meta
 
 
@@ -243,6 +253,12 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._pull_generations: dict[str, tuple[int, ...]] = {}
         # Peers named since the last step (by engine id), for the workers to handshake with.
         self._peers: dict[str, PeerAddress] = {}
+        # Peers ever named, and the idle steps due for warming reads from new ones (monotonic, sorted; a
+        # tuple replaced whole: the timer's thread reads it).
+        self._named_peers: set[str] = set()
+        self._warm_steps: tuple[float, ...] = ()
+        # Workers may warm into block 0 once vLLM's block pool shows it is the null block (bind_block_pool).
+        self._warm_peers = False
         # Pulls of a retention under way (prefill side), until vLLM reports them received or failed.
         self._pulls: dict[str, Request] = {}
         # The host tier: pool slots are block ids num_blocks + slot (kvferry.connector.host_tier).
@@ -303,6 +319,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 
     def bind_block_pool(self, block_pool: Any) -> None:
         self._block_pool = block_pool
+        self._warm_peers = vllm_internals.null_block_id(block_pool) == 0
         vllm_internals.watch_frees(block_pool, self.generations.on_freed)
 
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
@@ -441,6 +458,11 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             return
         if peer is not None and peer.engine_id != self.engine_id:
             self._peers[peer.engine_id] = peer
+            if self._warm_peers and peer.engine_id not in self._named_peers:
+                self._named_peers.add(peer.engine_id)
+                now = time.monotonic()
+                self._warm_steps = tuple(sorted((*self._warm_steps, *(now + d for d in _WARM_STEP_DELAYS))))
+                self._timer.poke()
 
     @staticmethod
     def _pull_tier(request: Request) -> Tier:
@@ -600,6 +622,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             pull_generations=generations,
             demotions=self._demotions_for(scheduler_output),
             peers=list(self._peers.values()),
+            warm_peers=self._warm_peers,
         )
         self._peers.clear()
         self._worker_added, self._worker_released = [], []
@@ -705,6 +728,11 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             self._demote_due()
             if self.demotions.unsent:
                 return True
+        if self._warm_steps and self._warm_steps[0] <= time.monotonic():
+            # An idle step for the workers to warm their reads from a new peer (_WARM_STEP_DELAYS).
+            now = time.monotonic()
+            self._warm_steps = tuple(t for t in self._warm_steps if t > now)
+            return True
         return bool(super().has_pending_push_work())
 
     # -- decode side: the host tier (kvferry.connector.host_tier) ------------------------------------
@@ -857,6 +885,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     def _next_due(self) -> float | None:
         """When the engine must next be woken: the table's next change, or the next demotion."""
         due = self.table.next_due()
+        if self._warm_steps:
+            due = self._warm_steps[0] if due is None else min(due, self._warm_steps[0])
         demotions = self.demotions
         if demotions is None or demotions.stopped:
             return due
@@ -908,6 +938,9 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._released_at: dict[str, float] = {}
         self._pull_options: dict[str, PullOptions] = {}
         self._read_deadlines: dict[str, float] = {}
+        # Peers this worker started a handshake ahead with, to warm reads from once it is done (engine id ->
+        # give up at, monotonic).
+        self._to_warm: dict[str, float] = {}
         agent: Any = getattr(self, "nixl_wrapper")  # noqa: B009 - set by vLLM's __init__
         self._kvferry_agent = agent
         # This worker's generations (peers READ them; the scheduler bumps them) and the landing slots of
@@ -967,15 +1000,19 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             if metadata.demotions:
                 self._demote(metadata.demotions)
             for peer in metadata.peers:
-                self._handshake_ahead(peer)
+                if self._handshake_ahead(peer) and metadata.warm_peers:
+                    self._to_warm[peer.engine_id] = now + _WARM_GIVE_UP_SECONDS
+            if self._to_warm:
+                self._warm_handshook_peers(now)
         super().start_load_kv(metadata)
 
-    def _handshake_ahead(self, peer: PeerAddress) -> None:
+    def _handshake_ahead(self, peer: PeerAddress) -> bool:
         """Starts the NIXL handshake with an engine this one will pull from, on vLLM's handshake thread (none
-        when one is done or under way). A pull from that engine meanwhile waits for this same handshake."""
+        when one is done or under way). A pull from that engine meanwhile waits for this same handshake.
+        True when this call started it."""
         with self._handshake_lock:
             if peer.engine_id in self._remote_agents or peer.engine_id in self._handshake_futures:
-                return
+                return False
         started = time.perf_counter()
         try:
             pending = self._ensure_handshake(peer.engine_id, peer.host, peer.port, _PEER_TP_SIZE)
@@ -984,9 +1021,9 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 "could not start a handshake ahead; the first pull from the peer will handshake",
                 extra={"peer_engine_id": peer.engine_id, "error": f"{type(error).__name__}: {error}"},
             )
-            return
+            return False
         if pending is None:
-            return
+            return False
 
         def handshook(done: Any) -> None:
             failure = done.exception()
@@ -1003,6 +1040,49 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             )
 
         pending.add_done_callback(handshook)
+        return True
+
+    def _warm_handshook_peers(self, now: float) -> None:
+        """Warms the reads from peers whose handshake ahead is done (PullCoalescer.warm), on the step's
+        thread like every other transfer; the scheduler asks for idle steps meanwhile (_WARM_STEP_DELAYS)."""
+        with self._handshake_lock:
+            agents = self._remote_agents
+            done = {e: list(agents[e].values()) for e in self._to_warm if e in agents}
+        for engine_id, give_up_at in list(self._to_warm.items()):
+            if engine_id in done:
+                del self._to_warm[engine_id]
+                for agent_name in done[engine_id]:
+                    self._warm(engine_id, agent_name)
+            elif now > give_up_at:
+                del self._to_warm[engine_id]
+
+    def _warm(self, engine_id: str, agent_name: Any) -> None:
+        started = time.perf_counter()
+        try:
+            warmed = self.pulls.warm(agent_name)
+        except Exception as error:  # warming only saves time: the first pull pays as before
+            logger.warning(
+                PEER_WARMED_LOG,
+                extra={
+                    "peer_engine_id": engine_id,
+                    "ok": False,
+                    "ms": _ms_since(started),
+                    "error": f"{type(error).__name__}: {error}",
+                },
+            )
+            return
+        logger.info(
+            PEER_WARMED_LOG,
+            extra={
+                "peer_engine_id": engine_id,
+                "ok": True,
+                "ms": _ms_since(started),
+                "plan_ms": round(warmed.plan_seconds * 1e3, 3),
+                "transfer_ms": round(warmed.transfer_seconds * 1e3, 3),
+                "descriptors": warmed.descriptors,
+                "bytes": warmed.bytes,
+            },
+        )
 
     def _demote(self, demotions: list[Demotion]) -> None:
         """Copies retentions into the host pool, then tells the scheduler (shared counter) they are there."""

@@ -34,6 +34,7 @@ COPIED_LOG = "copied to the host pool"
 MOVED_LOG = "moved to the host tier; the KV-cache blocks go once the registry accepts the move"
 POOL_FULL_LOG = "evicting least recently used host-tier retention (pool full)"
 HANDSHAKE_AHEAD_LOG = "handshook with a peer ahead of its pulls"
+PEER_WARMED_LOG = "warmed the reads from a peer ahead of its pulls"
 
 
 class KvferryJsonFormatter(JsonFormatter):

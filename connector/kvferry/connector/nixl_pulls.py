@@ -51,6 +51,7 @@ from kvferry.connector.coalesce import (
     DescriptorList,
     PlanError,
     block_runs,
+    first_block_pairs,
     plan_pull,
     segments_of,
 )
@@ -141,6 +142,18 @@ class PullRecord:
             out["digest"] = self.received_digest
             out["local_block_ids"] = list(self.local_block_ids)
         return out
+
+
+@dataclass(frozen=True)
+class WarmRead:
+    """A READ of each region's first block from a peer, posted before its first pull (see
+    :meth:`PullCoalescer.warm`)."""
+
+    descriptors: int
+    bytes: int
+    # Building the planner's views of both lists, and NIXL's request (its first with that peer).
+    plan_seconds: float
+    transfer_seconds: float
 
 
 @dataclass
@@ -469,6 +482,54 @@ class PullCoalescer:
             except Exception as error:
                 self._warn_once("send_notif", "could not notify a holder of a mapped pool read", error)
         return "DONE"
+
+    def warm(self, agent_name: str | bytes, *, timeout_seconds: float = 1.0) -> WarmRead:
+        """READs each region's first block from the peer ``agent_name`` into this engine's null block
+        (coalesce.first_block_pairs), without a notification, and waits for it.
+
+        A peer's first pull pays once for NIXL's first request to that peer and for UCX opening the
+        peer's memory (on an H100 about 50 ms); this moves both off the turn that pulls, and builds the
+        planner's views of both lists on the way. Raises ``PlanError`` when the lists do not allow it,
+        ``TimeoutError`` or NIXL's error when the READ fails; nothing a request reads is touched.
+        """
+        started = self._clock()
+        with self._lock:
+            remote = next(
+                (e for e in reversed(self._seen.prepped.values()) if e[1].agent_name == agent_name), None
+            )
+            locals_ = [e for e in self._seen.prepped.values() if e[1].local]
+            registered = list(self._seen.registered)
+        if remote is None:
+            raise PlanError("no descriptor list of that peer was prepared")
+        same_type = [e for e in locals_ if e[1].memory_type == remote[1].memory_type]
+        if not same_type:
+            raise PlanError(f"no local descriptor list of memory type {remote[1].memory_type!r}")
+        local = max(same_type, key=lambda e: len(e[1].rows))
+        local_list, remote_list = self._list(local, local=True), self._list(remote)
+        local_rows, remote_rows = first_block_pairs(local_list, registered, remote_list)
+        local_descs = self._agent.get_xfer_descs(local_rows, local[1].memory_type)
+        remote_descs = self._agent.get_xfer_descs(remote_rows, remote[1].memory_type)
+        handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, agent_name, b"")
+        try:
+            posted = self._clock()
+            state = self._agent.transfer(handle)
+            deadline = posted + timeout_seconds
+            while state != "DONE":
+                if state == "ERR":
+                    raise RuntimeError("NIXL reported the READ failed")
+                if self._clock() > deadline:
+                    raise TimeoutError(f"the READ was not done after {timeout_seconds} s")
+                time.sleep(0.0005)
+                state = self._agent.check_xfer_state(handle)
+            done = self._clock()
+        finally:
+            self._agent.release_xfer_handle(handle)
+        return WarmRead(
+            descriptors=len(local_rows),
+            bytes=int(local_rows[:, 1].sum()),
+            plan_seconds=posted - started,
+            transfer_seconds=done - posted,
+        )
 
     def _why_not(self, local: tuple[Any, _Prepped] | None, remote: tuple[Any, _Prepped] | None) -> str | None:
         if local is None or remote is None:

@@ -211,6 +211,13 @@ def release_blocks(block_pool: Any, blocks: Sequence[Any]) -> None:
     block_pool.free_blocks(list(reversed(blocks)))
 
 
+def null_block_id(block_pool: Any) -> int | None:
+    """The block vLLM's pool never hands to a request (None: this pool has none)."""
+    null = getattr(block_pool, "null_block", None)
+    block_id = getattr(null, "block_id", None)
+    return block_id if isinstance(block_id, int) else None
+
+
 def free_block_count(block_pool: Any) -> int:
     """Blocks in vLLM's free queue (``BlockPool.get_num_free_blocks``): the host tier's watermark."""
     return int(block_pool.get_num_free_blocks())
