@@ -114,8 +114,9 @@ async def test_a_prefill_naming_its_decode_engine_handshakes_with_it_before_any_
                 )
                 assert line["ok"] is True
                 assert line["peer"] == f"{pair.decode.nixl_host}:{pair.decode.nixl_port}"
-                # Then, on a step of its own, P warms its reads from D: one READ of each region's first
-                # block into its null block, before any pull (later tests check pulled bytes).
+                # Then, at its first step that finds the handshake done, P warms its reads from D: one READ
+                # of each region's first block into its null block, before any pull (later tests check
+                # pulled bytes).
                 [warmed] = await pair.prefill.connector_lines(
                     PEER_WARMED_LOG, lambda line: line["peer_engine_id"] == decode_peer.engine_id
                 )

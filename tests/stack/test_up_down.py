@@ -176,7 +176,7 @@ def test_the_prefill_engine_handshook_with_the_decode_engine_during_turn_1(stack
     assert _ts(handshake) < _ts(first_turn), (handshake, first_turn)
     first_pull = next(line for line in prefill_lines if line["msg"] == "kv pull")
     assert _ts(handshake) < _ts(first_pull)
-    # Then P warmed its reads from D (on an idle step the scheduler asked for), also before that pull.
+    # Then P warmed its reads from D (at its first step after the handshake), also before that pull.
     [warmed] = [line for line in prefill_lines if line["msg"] == PEER_WARMED_LOG]
     assert warmed["ok"] is True and warmed["peer_engine_id"] == "decode-0", warmed
     assert _ts(handshake) <= _ts(warmed) < _ts(first_pull), (warmed, first_pull)

@@ -90,6 +90,7 @@ from kvferry.connector.logs import (
     setup_logging,
 )
 from kvferry.connector.nixl_pulls import PoolList, PullCoalescer, PullContext, PullRecord
+from kvferry.connector.peers import WARM_GIVE_UP_SECONDS, WarmSteps
 from kvferry.connector.read_deadlines import pull_allowed, read_deadline, read_may_start
 from kvferry.connector.retention import Clock, RetainedEntry, RetentionTable, SystemClock, Tier
 from kvferry.connector.settings import KvferrySettings, SettingsError, parse_settings
@@ -137,11 +138,6 @@ _PRESSURE_CHECK_SECONDS = 0.25
 _MAX_PULL_OPTIONS = 1024
 # A peer's tensor-parallel size in a handshake ahead: the size routers' pulls name (RemoteBlocks.tp_size).
 _PEER_TP_SIZE = 1
-# After P is told of a new peer, idle steps at these delays (seconds) let its workers warm their reads from
-# that peer once its handshake is done (KvferryWorker._warm_handshook_peers); a handshake takes 0.7-0.9 s
-# on an H100. A worker that sees no done handshake within the last gives up (the first pull warms).
-_WARM_STEP_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
-_WARM_GIVE_UP_SECONDS = 5.0
 
 
 def engine_layout(vllm_config: VllmConfig) -> KvLayout:
@@ -253,10 +249,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._pull_generations: dict[str, tuple[int, ...]] = {}
         # Peers named since the last step (by engine id), for the workers to handshake with.
         self._peers: dict[str, PeerAddress] = {}
-        # Peers ever named, and the idle steps due for warming reads from new ones (monotonic, sorted; a
-        # tuple replaced whole: the timer's thread reads it).
-        self._named_peers: set[str] = set()
-        self._warm_steps: tuple[float, ...] = ()
+        # Idle steps for the workers to warm their reads from newly named peers (kvferry.connector.peers).
+        self._warm_steps = WarmSteps()
         # Workers may warm into block 0 once vLLM's block pool shows it is the null block (bind_block_pool).
         self._warm_peers = False
         # Pulls of a retention under way (prefill side), until vLLM reports them received or failed.
@@ -458,10 +452,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             return
         if peer is not None and peer.engine_id != self.engine_id:
             self._peers[peer.engine_id] = peer
-            if self._warm_peers and peer.engine_id not in self._named_peers:
-                self._named_peers.add(peer.engine_id)
-                now = time.monotonic()
-                self._warm_steps = tuple(sorted((*self._warm_steps, *(now + d for d in _WARM_STEP_DELAYS))))
+            if self._warm_peers and self._warm_steps.named(peer.engine_id, time.monotonic()):
                 self._timer.poke()
 
     @staticmethod
@@ -728,10 +719,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             self._demote_due()
             if self.demotions.unsent:
                 return True
-        if self._warm_steps and self._warm_steps[0] <= time.monotonic():
-            # An idle step for the workers to warm their reads from a new peer (_WARM_STEP_DELAYS).
-            now = time.monotonic()
-            self._warm_steps = tuple(t for t in self._warm_steps if t > now)
+        if self._warm_steps.due(time.monotonic()):
+            # An idle step for the workers to warm their reads from a new peer (kvferry.connector.peers).
             return True
         return bool(super().has_pending_push_work())
 
@@ -885,8 +874,9 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     def _next_due(self) -> float | None:
         """When the engine must next be woken: the table's next change, or the next demotion."""
         due = self.table.next_due()
-        if self._warm_steps:
-            due = self._warm_steps[0] if due is None else min(due, self._warm_steps[0])
+        warm = self._warm_steps.next_due()
+        if warm is not None:
+            due = warm if due is None else min(due, warm)
         demotions = self.demotions
         if demotions is None or demotions.stopped:
             return due
@@ -1001,7 +991,7 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 self._demote(metadata.demotions)
             for peer in metadata.peers:
                 if self._handshake_ahead(peer) and metadata.warm_peers:
-                    self._to_warm[peer.engine_id] = now + _WARM_GIVE_UP_SECONDS
+                    self._to_warm[peer.engine_id] = now + WARM_GIVE_UP_SECONDS
             if self._to_warm:
                 self._warm_handshook_peers(now)
         super().start_load_kv(metadata)
@@ -1044,7 +1034,8 @@ class KvferryWorker(NixlPullConnectorWorker):  # type: ignore[misc]
 
     def _warm_handshook_peers(self, now: float) -> None:
         """Warms the reads from peers whose handshake ahead is done (PullCoalescer.warm), on the step's
-        thread like every other transfer; the scheduler asks for idle steps meanwhile (_WARM_STEP_DELAYS)."""
+        thread like every other transfer; the scheduler asks for idle steps meanwhile
+        (kvferry.connector.peers)."""
         with self._handshake_lock:
             agents = self._remote_agents
             done = {e: list(agents[e].values()) for e in self._to_warm if e in agents}
