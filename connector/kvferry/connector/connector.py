@@ -872,7 +872,7 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._timer.poke()
 
     def _next_due(self) -> float | None:
-        """When the engine must next be woken: the table's next change, or the next demotion."""
+        """When the engine must next be woken: the table's next change, a warm step, or the next demotion."""
         due = self.table.next_due()
         warm = self._warm_steps.next_due()
         if warm is not None:

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from kvferry.connector.coalesce import (
+    LENGTH,
     BlockRuns,
     DescriptorList,
     PlanError,
@@ -526,7 +527,7 @@ class PullCoalescer:
             self._agent.release_xfer_handle(handle)
         return WarmRead(
             descriptors=len(local_rows),
-            bytes=int(local_rows[:, 1].sum()),
+            bytes=int(local_rows[:, LENGTH].sum()),
             plan_seconds=posted - started,
             transfer_seconds=done - posted,
         )
