@@ -64,7 +64,9 @@ a vLLM upgrade that moves one fails at start with a message instead of misbehavi
 11. A handshake ahead of the pulls (``kvferry_peer``): the worker calls vLLM's ``_ensure_handshake(engine_id,
    host, port, tp_size)``, the same entry a pull waiting for its peer takes, after looking at
    ``_remote_agents`` and ``_handshake_futures`` under ``_handshake_lock`` (it starts none that is done or
-   under way, and logs the ones it started).
+   under way, and logs the ones it started). Once done, the reads from that peer are warmed into block 0,
+   which ``null_block_id`` checks is the block pool's ``null_block``; the peer's agents come from
+   ``_remote_agents``.
 """
 
 from __future__ import annotations
