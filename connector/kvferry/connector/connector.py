@@ -592,6 +592,8 @@ class KvferryScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         base = super().build_connector_meta(scheduler_output)
         assert isinstance(base, NixlConnectorMetadata)
         self._free_due()
+        # This step serves the warm steps due by now (a request's step as well as an idle one).
+        self._warm_steps.stepped(time.monotonic())
         if self.demotions is not None and time.monotonic() >= self._next_pressure_check:
             # While requests run the engine never asks has_pending_push_work: the watermark is checked here.
             self._next_pressure_check = time.monotonic() + _PRESSURE_CHECK_SECONDS

@@ -2,7 +2,7 @@
 the router just named (``kvferry_peer``) once the handshake with it is done (docs/connector.md, "The mark").
 
 Plain Python: the scheduler half asks :meth:`WarmSteps.due` from ``has_pending_push_work`` and
-:meth:`WarmSteps.next_due` from its wake-up timer.
+:meth:`WarmSteps.next_due` from its wake-up timer, and tells :meth:`WarmSteps.stepped` of each step it builds.
 """
 
 from __future__ import annotations
@@ -32,12 +32,16 @@ class WarmSteps:
         return True
 
     def due(self, now: float) -> bool:
-        """True (once per passed time, however many passed) when an idle step should run now."""
+        """True while a passed time waits for its step. Only asks: the engine core asks this several times
+        before it steps (``has_work``, then ``step``'s own check), and each must see the same answer."""
         times = self._times
-        if not times or times[0] > now:
-            return False
-        self._times = tuple(t for t in times if t > now)
-        return True
+        return bool(times) and times[0] <= now
+
+    def stepped(self, now: float) -> None:
+        """A step was built (any step: a request's does as well); the times passed by now are served by it."""
+        times = self._times
+        if times and times[0] <= now:
+            self._times = tuple(t for t in times if t > now)
 
     def next_due(self) -> float | None:
         times = self._times
