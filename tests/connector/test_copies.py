@@ -3,13 +3,10 @@ GPU by tools/gpu/host_tier_copies.py)."""
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvferry.connector.copies import CopyError, DriverBatchCopy, HostCopier, copier_for, merge_runs
+from kvferry.connector.copies import HostCopier, copier_for, merge_runs
 
 
 def pieces(runs: list[tuple[int, int, int]]) -> set[tuple[int, int]]:
@@ -82,55 +79,6 @@ def test_a_gpu_copier_s_ranges_find_the_range_holding_a_run_and_swap_in_whole_on
     assert found(1050, 5) == memory[1040][10:15]  # inside both: the closer start
     assert found(1090, 40) == memory[1040][50:90]  # past 1000's end, inside 1040's
     assert ranges.slice(5090, 20) is None and ranges.slice(10, 1) is None
-    assert ranges.holds(1090, 40) and not ranges.holds(5090, 20) and not ranges.holds(10, 1)
     before = ranges._ranges
     ranges.add(9000, 10, memoryview(bytearray(10)))
     assert ranges._ranges is not before and before[0] == [1000, 1040, 5000]
-
-
-class RecordingBatchCall:
-    """Stands in for ``cuMemcpyBatchAsync_v2`` on a machine without CUDA: reads the arrays it is given as the
-    driver would and copies host bytes (the real call: tools/gpu/host_tier_copies.py, every byte checked)."""
-
-    def __init__(self, status: int = 0) -> None:
-        self.status = status
-        self.calls: list[tuple[int, object]] = []
-
-    def __call__(
-        self,
-        destinations: int,
-        sources: int,
-        sizes: int,
-        count: int,
-        _attributes: object,
-        first: ctypes.Array[ctypes.c_size_t],
-        attribute_count: int,
-        stream: object,
-    ) -> int:
-        assert attribute_count == 1 and list(first) == [0]
-        read = [(ctypes.c_uint64 * count).from_address(at)[:] for at in (destinations, sources, sizes)]
-        for destination, source, nbytes in zip(*read, strict=True):
-            ctypes.memmove(destination, source, nbytes)
-        self.calls.append((count, stream))
-        return self.status
-
-
-def test_a_driver_batch_copy_passes_every_run_in_one_call_and_refuses_a_failed_one() -> None:
-    source = np.arange(64, dtype=np.uint8)
-    target = np.zeros(64, dtype=np.uint8)
-    base_target, base_source = int(target.ctypes.data), int(source.ctypes.data)
-    call = RecordingBatchCall()
-    DriverBatchCopy(call)([(base_target, base_source + 40, 8), (base_target + 16, base_source, 4)], 77)
-    assert call.calls == [(2, 77)]
-    assert target[:8].tolist() == list(range(40, 48)) and target[16:20].tolist() == [0, 1, 2, 3]
-    DriverBatchCopy(call)([], 77)
-    assert len(call.calls) == 1  # nothing to copy: no call
-    with pytest.raises(CopyError, match="CUresult 1"):
-        DriverBatchCopy(RecordingBatchCall(status=1))([(base_target, base_source, 1)], 0)
-
-
-def test_without_a_cuda_driver_there_is_no_batch_copy() -> None:
-    import ctypes.util
-
-    if ctypes.util.find_library("cuda") is None:
-        assert DriverBatchCopy.load() is None

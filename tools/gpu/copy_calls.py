@@ -5,9 +5,8 @@ A decode engine's step runs Python on its own thread while kvferry's mover threa
 torch from Python may hand the GIL over and back, the step thread waiting. This tool times a stand-in step
 (Python bookkeeping, small kernels, a sync) on the main thread while a mover thread starts parts of
 32 blocks (back to back, or ``--gap-ms`` apart), the copies started one ``copy_`` per run (as
-``CudaCopier.start`` does without the driver's batch copy), in one ``torch._foreach_copy_`` call, or by
-address through the CUDA driver (one ``cuMemcpyAsync`` per run, or all in one ``cuMemcpyBatchAsync``:
-``CudaCopier.start`` with the driver's batch copy, as the connector starts them where the driver has it).
+``CudaCopier.start`` does), in one ``torch._foreach_copy_`` call, or by address through the CUDA driver
+(one ``cuMemcpyAsync`` per run, or all in one ``cuMemcpyBatchAsync``).
 Rounds alternate, and each way's bytes are checked:
 
     PYTHONPATH=connector python3 tools/gpu/copy_calls.py [--rounds 3] [--seconds 4] [--gap-ms 0]
@@ -29,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from kvferry.connector.copies import CudaCopier, DriverBatchCopy, Run
+from kvferry.connector.copies import CudaCopier, Run
 
 LAYERS = 36  # Qwen3-8B; K and V are regions of their own: 72 runs a part
 BLOCK_BYTES = 16 * 8 * 128 * 2  # 16 tokens x 8 KV heads x 128 x bf16, per region
@@ -80,6 +79,58 @@ def driver_start(copier: CudaCopier, runs: Sequence[Run]) -> Any:
             status = _DRIVER.cuMemcpyAsync(destination, source, nbytes, stream.cuda_stream)
             if status != 0:
                 raise SystemExit(f"cuMemcpyAsync failed: CUresult {status}")
+
+    return on_copier_stream(copier, issue)
+
+
+class _Location(ctypes.Structure):
+    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
+
+
+class _CopyAttributes(ctypes.Structure):
+    # CUmemcpyAttributes: srcAccessOrder, srcLocHint, dstLocHint, flags
+    _fields_ = (
+        ("src_access_order", ctypes.c_int),
+        ("src_location", _Location),
+        ("dst_location", _Location),
+        ("flags", ctypes.c_uint),
+    )
+
+
+_SRC_ACCESS_ORDER_STREAM = 1
+# CUDA 13's cuMemcpyBatchAsync (the 12.8 one took a failIdx before the stream).
+_BATCH = getattr(_DRIVER, "cuMemcpyBatchAsync_v2", None)
+if _BATCH is not None:
+    _BATCH.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.POINTER(_CopyAttributes),
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+    ]
+    _BATCH.restype = ctypes.c_int
+
+
+def driver_batch_start(copier: CudaCopier, runs: Sequence[Run]) -> Any:
+    """The same copies in one driver call (``cuMemcpyBatchAsync``)."""
+    if _BATCH is None:
+        raise SystemExit("this driver has no cuMemcpyBatchAsync_v2")
+    count = len(runs)
+    destinations = (ctypes.c_uint64 * count)(*(d for d, _, _ in runs))
+    sources = (ctypes.c_uint64 * count)(*(s for _, s, _ in runs))
+    sizes = (ctypes.c_size_t * count)(*(n for _, _, n in runs))
+    attributes = _CopyAttributes(_SRC_ACCESS_ORDER_STREAM, _Location(0, 0), _Location(0, 0), 0)
+    first = (ctypes.c_size_t * 1)(0)
+
+    def issue(stream: torch.cuda.Stream) -> None:
+        status = _BATCH(
+            destinations, sources, sizes, count, ctypes.byref(attributes), first, 1, stream.cuda_stream
+        )
+        if status != 0:
+            raise SystemExit(f"cuMemcpyBatchAsync failed: CUresult {status}")
 
     return on_copier_stream(copier, issue)
 
@@ -137,15 +188,10 @@ def main() -> None:
         torch.randint(0, 255, (region_bytes,), dtype=torch.uint8, device="cuda") for _ in range(2 * LAYERS)
     ]
     copier = CudaCopier(regions)
-    batch = DriverBatchCopy.load()
-    if batch is None:
-        raise SystemExit("this driver has no cuMemcpyBatchAsync_v2")
-    batch_copier = CudaCopier(regions, batch)
     pool_region = SLOTS * BLOCK_BYTES
     pool = mmap.mmap(-1, len(regions) * pool_region)
     base = ctypes.addressof(ctypes.c_uint8.from_buffer(pool))
     copier.add_host_range(base, len(regions) * pool_region)
-    batch_copier.add_host_range(base, len(regions) * pool_region)
     parts = [
         [
             (
@@ -164,7 +210,7 @@ def main() -> None:
         "per_run": copier.start,
         "batched": lambda runs: batched_start(copier, runs),
         "driver": lambda runs: driver_start(copier, runs),
-        "driver_batch": batch_copier.start,
+        "driver_batch": lambda runs: driver_batch_start(copier, runs),
     }
     samples: dict[str, list[float]] = {name: [] for name in ways}
     started: dict[str, int] = dict.fromkeys(ways, 0)

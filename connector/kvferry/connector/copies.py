@@ -8,10 +8,7 @@ into its KV cache. Where the KV cache lives decides how:
 - :class:`CudaCopier`, a KV cache on a GPU: the GPU's copy engine on a stream of its own, from or into
   host memory pinned with ``cudaHostRegister`` (a copy from unpinned memory is staged by the driver and
   runs at 1-2 GB/s; pinned, ~55 GB/s on an H100). The copy is asynchronous; :meth:`CopyDone.done` says
-  when it finished. Where the driver has ``cuMemcpyBatchAsync_v2`` (CUDA 13), a start is one driver call for
-  all its runs, made without the GIL: a decode engine's mover thread starts a move's parts beside the step's
-  thread, whose Python waits for the GIL while the mover holds it (one ``copy_`` a run, 72 runs a part of a
-  Qwen3-8B cache, held it ~1.7 ms a part on an H100; the decode interval a part landed in paid ~1.5-1.9 ms).
+  when it finished.
 
 A GPU copier knows the memory it may copy: the KV cache's storages (device side) and the host ranges it
 was given (:meth:`ByteCopier.add_host_range`); a run outside them is refused, never copied.
@@ -113,100 +110,16 @@ class _Ranges:
 
     def slice(self, address: int, nbytes: int) -> Any | None:
         """A view of ``nbytes`` at ``address`` when one known range holds all of them."""
-        starts, _, views = self._ranges
-        index = self._holder(address, nbytes)
-        if index is None:
-            return None
-        offset = address - starts[index]
-        return views[index][offset : offset + nbytes]
-
-    def holds(self, address: int, nbytes: int) -> bool:
-        """Whether one known range holds all ``nbytes`` at ``address``."""
-        return self._holder(address, nbytes) is not None
-
-    def _holder(self, address: int, nbytes: int) -> int | None:
-        starts, sizes, _ = self._ranges
+        starts, sizes, views = self._ranges
         index = bisect.bisect_right(starts, address) - 1
         # Ranges may overlap (views into one storage): try the closest starts first.
         while index >= 0:
-            if address + nbytes <= starts[index] + sizes[index]:
-                return index
+            start, size = starts[index], sizes[index]
+            if address + nbytes <= start + size:
+                offset = address - start
+                return views[index][offset : offset + nbytes]
             index -= 1
         return None
-
-
-class _Location(ctypes.Structure):
-    # CUmemLocation: a hint only; type 0 (invalid) leaves it to the driver.
-    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
-
-
-class _CopyAttributes(ctypes.Structure):
-    # CUmemcpyAttributes
-    _fields_ = (
-        ("src_access_order", ctypes.c_int),
-        ("src_location_hint", _Location),
-        ("dst_location_hint", _Location),
-        ("flags", ctypes.c_uint),
-    )
-
-
-# CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: the sources are read in stream order, as by cudaMemcpyAsync.
-_SRC_ACCESS_ORDER_STREAM = 1
-
-
-class DriverBatchCopy:
-    """Many copies in one ``cuMemcpyBatchAsync_v2`` call (the CUDA 13 driver's; CUDA 12.8's took a fail index
-    and is not used). ctypes lets the GIL go for the call; the arrays of addresses are built by numpy."""
-
-    def __init__(self, function: Any) -> None:
-        self._function = function
-        self._attributes = _CopyAttributes(_SRC_ACCESS_ORDER_STREAM, _Location(0, 0), _Location(0, 0), 0)
-        self._attribute_indices = (ctypes.c_size_t * 1)(0)
-
-    @classmethod
-    def load(cls) -> DriverBatchCopy | None:
-        """The driver's batch copy, or None where the driver lacks it (or there is no CUDA driver)."""
-        try:
-            driver = ctypes.CDLL("libcuda.so.1")
-        except OSError:
-            return None
-        function = getattr(driver, "cuMemcpyBatchAsync_v2", None)
-        if function is None:
-            return None
-        function.argtypes = [
-            ctypes.c_void_p,  # destinations
-            ctypes.c_void_p,  # sources
-            ctypes.c_void_p,  # sizes
-            ctypes.c_size_t,  # count
-            ctypes.POINTER(_CopyAttributes),
-            ctypes.POINTER(ctypes.c_size_t),  # the first run each attribute applies from
-            ctypes.c_size_t,  # attributes
-            ctypes.c_void_p,  # stream
-        ]
-        function.restype = ctypes.c_int
-        return cls(function)
-
-    def __call__(self, runs: Sequence[Run], stream_handle: int) -> None:
-        """Queues ``runs`` on the stream (a ``CUstream``) of the calling thread's current context. The driver
-        reads the address arrays during the call."""
-        if not runs:
-            return
-        columns = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
-        destinations, sources, sizes = (np.ascontiguousarray(columns[:, i]) for i in range(3))
-        status = int(
-            self._function(
-                destinations.ctypes.data,
-                sources.ctypes.data,
-                sizes.ctypes.data,
-                len(runs),
-                ctypes.byref(self._attributes),
-                self._attribute_indices,
-                1,
-                stream_handle,
-            )
-        )
-        if status != 0:
-            raise CopyError(f"cuMemcpyBatchAsync of {len(runs)} copies failed: CUresult {status}")
 
 
 class _CudaDone:
@@ -231,9 +144,7 @@ class CudaCopier:
     name = "cuda copy"
     synchronous = False
 
-    def __init__(self, device_tensors: Iterable[Any], batch: DriverBatchCopy | None = None) -> None:
-        """``batch``: the driver's batch copy to start copies with (:meth:`DriverBatchCopy.load`); None, one
-        torch ``copy_`` a run."""
+    def __init__(self, device_tensors: Iterable[Any]) -> None:
         import torch
 
         tensors = list(device_tensors)
@@ -255,9 +166,6 @@ class CudaCopier:
             flat.set_(storage, 0, (nbytes,))
             self._device.add(address, nbytes, flat)
         self._pinned: list[int] = []
-        self._batch = batch
-        if batch is not None:
-            self.name = "cuda batch copy"
 
     def add_host_range(self, address: int, nbytes: int) -> None:
         torch = self._torch
@@ -278,12 +186,7 @@ class CudaCopier:
 
     def start(self, runs: Sequence[Run], after: object | None = None) -> CopyDone:
         torch = self._torch
-        if self._batch is None:
-            pairs = [(self._view(d, n), self._view(s, n)) for d, s, n in runs]
-        else:
-            for destination, source, nbytes in runs:
-                self._check(destination, nbytes)
-                self._check(source, nbytes)
+        pairs = [(self._view(d, n), self._view(s, n)) for d, s, n in runs]
         stream = self._stream
         # From any thread: the copier's device made current first.
         with torch.cuda.device(self.device):
@@ -292,19 +195,12 @@ class CudaCopier:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             else:
                 stream.wait_event(after)
-            if self._batch is not None:
-                self._batch(runs, stream.cuda_stream)
-            else:
-                with torch.cuda.stream(stream):
-                    for destination_view, source_view in pairs:
-                        destination_view.copy_(source_view, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
+            with torch.cuda.stream(stream):
+                for destination, source in pairs:
+                    destination.copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
         return _CudaDone(torch, event, self.device)
-
-    def _check(self, address: int, nbytes: int) -> None:
-        if not (self._device.holds(address, nbytes) or self._host.holds(address, nbytes)):
-            raise CopyError(f"{nbytes} bytes at {address:#x} lie in no KV cache storage or pinned host range")
 
     def _view(self, address: int, nbytes: int) -> Any:
         view = self._device.slice(address, nbytes)
@@ -316,11 +212,10 @@ class CudaCopier:
 
 
 def copier_for(kv_tensors: Iterable[Any]) -> ByteCopier:
-    """The copier for a KV cache: :class:`CudaCopier` for tensors on a GPU (with the driver's batch copy where
-    it has one), else :class:`HostCopier`."""
+    """The copier for a KV cache: :class:`CudaCopier` for tensors on a GPU, else :class:`HostCopier`."""
     tensors = list(kv_tensors)
     if tensors and getattr(getattr(tensors[0], "device", None), "type", "cpu") == "cuda":
-        return CudaCopier(tensors, DriverBatchCopy.load())
+        return CudaCopier(tensors)
     return HostCopier()
 
 
@@ -348,7 +243,6 @@ __all__ = [
     "CopyDone",
     "CopyError",
     "CudaCopier",
-    "DriverBatchCopy",
     "HostCopier",
     "Run",
     "copier_for",
