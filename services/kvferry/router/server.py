@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import re
@@ -367,6 +368,9 @@ async def start_router(
             "registry": config.registry_address,
             "engines": len(engines),
             "retention_index": "on" if index is not None else "off",
+            # uvicorn's choice ("auto"): its C parser when importable, else Python's h11 (slower per request
+            # and per streamed chunk).
+            "http_parser": "httptools" if importlib.util.find_spec("httptools") is not None else "h11",
         },
     )
     return RunningRouter(
