@@ -11,8 +11,11 @@ Rounds alternate, and each way's bytes are checked:
 
     PYTHONPATH=connector python3 tools/gpu/copy_calls.py [--rounds 3] [--seconds 4] [--gap-ms 0]
 
-Prints one JSON object: per condition (none, per_run, batched, driver, driver_batch) the step's p50 and p90,
-the parts started and how long starting a part took the mover (p50, wall and its thread's CPU).
+``per_run_blocking`` is ``per_run`` waited for on a blocking CUDA event (the mover sleeps, not spins).
+
+Prints one JSON object: per condition (none, per_run, per_run_blocking, batched, driver, driver_batch) the
+step's p50 and p90, the parts started and how long starting a part took the mover (p50, wall and its thread's
+CPU).
 """
 
 from __future__ import annotations
@@ -135,6 +138,16 @@ def driver_batch_start(copier: CudaCopier, runs: Sequence[Run]) -> Any:
     return on_copier_stream(copier, issue)
 
 
+def blocking_start(copier: CudaCopier, runs: Sequence[Run]) -> Any:
+    """``CudaCopier.start``, then waited for on a blocking event (``cudaEventBlockingSync``): the mover sleeps
+    until the copy is done instead of spinning in the driver beside the step's launches."""
+    copier.start(runs)
+    with torch.cuda.device(copier.device):
+        event = torch.cuda.Event(blocking=True)
+        event.record(copier._stream)
+    return event
+
+
 class Mover(threading.Thread):
     """Starts parts back to back, waiting for each, cycling through the parts given."""
 
@@ -208,6 +221,7 @@ def main() -> None:
     ways: dict[str, Callable[[Sequence[Run]], Any] | None] = {
         "none": None,
         "per_run": copier.start,
+        "per_run_blocking": lambda runs: blocking_start(copier, runs),
         "batched": lambda runs: batched_start(copier, runs),
         "driver": lambda runs: driver_start(copier, runs),
         "driver_batch": lambda runs: driver_batch_start(copier, runs),
