@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from kvferry.connector.settings import KvferrySettings
 from kvferry.stack import up
 from kvferry.stack.engine_plan import EnginePlanError, PlannedEngine, plan_engines
 from kvferry.stack.settings import StackConfig, render, resolve, setting_flags
@@ -128,6 +129,24 @@ def test_up_builds_one_engine_with_its_own_sidecar_socket_per_planned_one(tmp_pa
     sidecar = engines[3].sidecar_args("127.0.0.1:1", engines[3].settings.sidecar_address)
     assert sidecar[sidecar.index("--engine-id") + 1] == "decode-1"
     assert sidecar[sidecar.index("--engine-url") + 1] == engines[3].http_url
+
+
+def test_the_host_tier_settings_reach_the_decode_engine_s_connector(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--host-pool-blocks, --demote-after-seconds and KVFERRY_DEMOTE_BLOCKS_PER_STEP become the decode
+    engine's connector settings (a prefill engine gets no pool); parts of 0 blocks are refused at once."""
+    config = _config(
+        ["--host-pool-blocks", "64", "--demote-after-seconds", "3"], {"KVFERRY_DEMOTE_BLOCKS_PER_STEP": "8"}
+    )
+    plan = plan_engines(1, 1, free_port=ports(), cores=[0, 1], share_cores=False)
+    prefill, decode = up.engine_processes(config, plan, tmp_path, tmp_path / "logs")
+    assert (decode.settings.host_pool_blocks, decode.settings.demote_after_seconds) == (64, 3.0)
+    assert decode.settings.demote_blocks_per_step == 8 and prefill.settings.host_pool_blocks == 0
+    assert _config([]).demote_blocks_per_step == KvferrySettings().demote_blocks_per_step
+    with pytest.raises(SystemExit):
+        _config([], {"KVFERRY_DEMOTE_BLOCKS_PER_STEP": "0"})
+    assert "KVFERRY_DEMOTE_BLOCKS_PER_STEP" in capsys.readouterr().err
 
 
 def test_up_refuses_more_engines_than_cores_before_starting_anything(

@@ -263,6 +263,16 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "engines",
+        "demote_blocks_per_step",
+        "--demote-blocks-per-step",
+        "KVFERRY_DEMOTE_BLOCKS_PER_STEP",
+        positive_int,
+        32,
+        "with --host-pool-blocks: blocks a decode engine copies into its pool per step that runs requests (a "
+        "longer move goes in parts, one a step)",
+    ),
+    Setting(
+        "engines",
         "connector_module",
         "--connector-module",
         "KVFERRY_CONNECTOR_MODULE",
@@ -339,6 +349,7 @@ class StackConfig:
     max_model_len: int = 0
     host_pool_blocks: int = 0
     demote_after_seconds: int = 60
+    demote_blocks_per_step: int = 32
     connector_module: str = "kvferry.connector.connector"
     grpc_listen: str = "127.0.0.1:50052"
     http_listen: str = "127.0.0.1:8080"
@@ -382,6 +393,7 @@ _FIELDS = {
     "engines.max_model_len": "max_model_len",
     "engines.host_pool_blocks": "host_pool_blocks",
     "engines.demote_after_seconds": "demote_after_seconds",
+    "engines.demote_blocks_per_step": "demote_blocks_per_step",
     "engines.connector_module": "connector_module",
     "router.grpc_listen": "grpc_listen",
     "router.http_listen": "http_listen",

@@ -477,6 +477,7 @@ def engine_processes(
                 # The host tier is a decode engine's (it holds the retentions).
                 host_pool_blocks=config.host_pool_blocks if planned.role == "decode" else 0,
                 demote_after_seconds=float(config.demote_after_seconds),
+                demote_blocks_per_step=config.demote_blocks_per_step,
             ),
         }
         if config.kv_cache_gib:
