@@ -1,6 +1,6 @@
 """The router's HTTP server parses with httptools, a declared dependency: uvicorn takes it when importable and
-otherwise parses in Python (h11), slower per request and per streamed chunk. The router says which in its
-``router serving`` line (real registry and etcd)."""
+otherwise parses in Python (h11), slower per request and per streamed chunk. The router names the protocol
+uvicorn loaded in its ``router serving`` line (real registry and etcd)."""
 
 from __future__ import annotations
 
@@ -23,4 +23,4 @@ async def test_the_router_serves_http_with_httptools(
     )
     await router.stop(grace_seconds=0.5)
     [serving] = [record for record in caplog.records if record.getMessage() == "router serving"]
-    assert serving.__dict__["http_parser"] == "httptools"
+    assert serving.__dict__["http_protocol"] == "HttpToolsProtocol"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvferry.connector.settings import KvferrySettings
 from kvferry.runtime.flags import EnvFlags
 
 
@@ -267,7 +268,7 @@ SETTINGS: tuple[Setting, ...] = (
         "--demote-blocks-per-step",
         "KVFERRY_DEMOTE_BLOCKS_PER_STEP",
         positive_int,
-        32,
+        KvferrySettings.demote_blocks_per_step,
         "with --host-pool-blocks: blocks a decode engine copies into its pool per step that runs requests (a "
         "longer move goes in parts, one a step)",
     ),
@@ -349,7 +350,7 @@ class StackConfig:
     max_model_len: int = 0
     host_pool_blocks: int = 0
     demote_after_seconds: int = 60
-    demote_blocks_per_step: int = 32
+    demote_blocks_per_step: int = KvferrySettings.demote_blocks_per_step
     connector_module: str = "kvferry.connector.connector"
     grpc_listen: str = "127.0.0.1:50052"
     http_listen: str = "127.0.0.1:8080"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import os
 import re
@@ -355,7 +354,7 @@ async def start_router(
             max_body_bytes=config.max_body_bytes,
             metrics_registry=metrics.registry,
         ).app()
-        http_port = await _serve_http(
+        http_port, http_protocol = await _serve_http(
             host, app, http_host, http_port, config.max_http_connections, config.tls
         )
     grpc_address = f"{grpc_host}:{grpc_endpoint.port}"
@@ -368,9 +367,9 @@ async def start_router(
             "registry": config.registry_address,
             "engines": len(engines),
             "retention_index": "on" if index is not None else "off",
-            # uvicorn's choice ("auto"): its C parser when importable, else Python's h11 (slower per request
-            # and per streamed chunk).
-            "http_parser": "httptools" if importlib.util.find_spec("httptools") is not None else "h11",
+            # The protocol uvicorn loaded: HttpToolsProtocol (its C parser) when httptools is importable,
+            # else H11Protocol (Python: slower per request and per streamed chunk).
+            "http_protocol": http_protocol,
         },
     )
     return RunningRouter(
@@ -419,8 +418,9 @@ def _reloading_ssl_context(
 
 async def _serve_http(
     host: ServiceHost, app: Starlette, address: str, port: int, max_connections: int, tls: TlsFiles | None
-) -> int:
-    """Serves the OpenAI-compatible API with uvicorn until the host stops; returns the bound port."""
+) -> tuple[int, str]:
+    """Serves the OpenAI-compatible API with uvicorn until the host stops; returns the bound port and the name
+    of the HTTP protocol class uvicorn loaded."""
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
     # without it every keep-alive response waits ~40 ms for a delayed ACK (Nagle).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -468,4 +468,4 @@ async def _serve_http(
             serving.result()
             raise RuntimeError("the HTTP server stopped during start")
         await asyncio.sleep(0.005)
-    return int(sock.getsockname()[1])
+    return int(sock.getsockname()[1]), server.config.http_protocol_class.__name__
